@@ -1,0 +1,2018 @@
+# SPDX-License-Identifier: MIT
+"""taskstore: a durable task store in one file, standard library only.
+
+Long-running work (a report, a CI run, a model generation) gets a life of its
+own: the caller gets a task id at once, polls or streams its progress, fetches
+the result later, can cancel it, and nothing is lost when the process crashes.
+One SQLite-backed state machine speaks two protocols: the MCP "tasks" methods
+over stdio JSON-RPC and the LMSP 1.0 task routes over HTTP with resumable
+server-sent events.
+
+Theory of operation
+-------------------
+Layers, in the order of this file::
+
+    stdio lines (MCP JSON-RPC)          HTTP requests (LMSP routes, SSE)
+           |                                      |
+      MCP adapter                           LMSP adapter     protocol vocabularies,
+           \\                                    /             wire shapes, errors
+            +----------- Runner ------------+                worker threads, handler
+                            |                                context, leases
+                        TaskStore                            SQLite: transitions,
+                            |                                events, TTL, recovery
+                    transition table
+
+One lifecycle, two vocabularies.  The store keeps one status set, the union
+of what both protocols need; each adapter shows it in its own words through
+one function (``mcp_status``, ``lmsp_status``)::
+
+    queued --> loading --> running <--> input_required
+      |           |           |  \\            |
+      |           |           |   +--> succeeded / failed
+      |           +-----------+------> cancelling --> cancelled
+      +------------------------------> cancelled / failed
+
+Every status change goes through ``TRANSITIONS`` (a literal dict) and one
+compare-and-set ``UPDATE ... WHERE id=? AND status=?`` inside one
+``BEGIN IMMEDIATE`` transaction that also appends the task's event-log row.
+Terminal states never change: the first committed transition wins.
+
+Threads.  A ``TaskStore`` owns one SQLite connection guarded by one lock;
+``_changed`` (a Condition on that lock) wakes waiters in this process after
+every commit, and waiters re-read the database every ``poll_interval`` to see
+other processes' writes.  A ``Runner`` owns its worker threads and one
+maintenance thread (heartbeat, coalesced progress, cancel detection).  The
+optional reaper thread belongs to the store.  Nothing runs at import.
+
+Run it::
+
+    python3 taskstore.py http        # LMSP routes on 127.0.0.1:8765
+    python3 taskstore.py mcp         # MCP server on stdin/stdout
+    python3 taskstore.py tasks list  # inspect ./taskstore.db
+
+Vendoring: copy this file; it needs only the standard library (Python 3.10+,
+SQLite 3.31+).  Keep this header; bump only ``__version__``.
+"""
+
+__version__ = "0.1.0"
+
+# =============================================================================
+# 1. Imports
+# =============================================================================
+# Standard library only, one per line.  The logger is the module's only
+# global with state, and it is configured by the command line, never here.
+
+import argparse
+import base64
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import sqlite3
+import sys
+import threading
+import time
+import traceback
+
+logger = logging.getLogger(__name__)
+
+# =============================================================================
+# 2. Constants
+# =============================================================================
+# Status and event names are plain strings: stored unchanged in SQLite and
+# compared unchanged in code.  Defaults are the documented ones; every one of
+# them is a constructor argument or a command-line option, never a setting.
+
+QUEUED = "queued"
+LOADING = "loading"
+RUNNING = "running"
+INPUT_REQUIRED = "input_required"
+CANCELLING = "cancelling"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+CANCELLED = "cancelled"
+
+# Events: the names of the moves.  Each public verb fires the event of its name.
+CLAIM = "claim"                    # a runner takes a queued task
+START = "start"                    # the work begins producing
+REQUIRE_INPUT = "require_input"    # the work waits for the requestor
+PROVIDE_INPUT = "provide_input"    # the requestor answered
+SUCCEED = "succeed"
+FAIL = "fail"
+CANCEL = "cancel"
+CONFIRM_CANCEL = "confirm_cancel"  # the work has stopped after a cancel
+REQUEUE = "requeue"                # restart only: on_restart retry / resume
+EVENTS = (CLAIM, START, REQUIRE_INPUT, PROVIDE_INPUT, SUCCEED, FAIL, CANCEL,
+          CONFIRM_CANCEL, REQUEUE)
+
+POLICIES = ("fail", "retry", "resume")
+
+SCHEMA_VERSION = 1
+APPLICATION_ID = 0x7A5C5701        # PRAGMA application_id: "this is a taskstore file"
+
+DEFAULT_DB = "taskstore.db"
+DEFAULT_BUSY_TIMEOUT_S = 10.0
+DEFAULT_POLL_INTERVAL_S = 0.1
+DEFAULT_LEASE_S = 30.0
+DEFAULT_HEARTBEAT_S = 1.0
+DEFAULT_PROGRESS_INTERVAL_S = 0.1
+DEFAULT_REAP_INTERVAL_S = 60.0
+DEFAULT_MAX_TTL_MS = 24 * 3600 * 1000
+DEFAULT_TOMBSTONE_MS = 24 * 3600 * 1000
+LATE_FINISH_GRACE_MS = 60 * 1000   # a task finishing after its TTL is kept this much longer
+REAP_BATCH_ROWS = 500              # rows one reap transaction may delete, at most
+
+# =============================================================================
+# 3. Transition table
+# =============================================================================
+# Every status change in this module is decided here and nowhere else.  A
+# missing cell means "illegal".  The store (section 6) enforces the decision
+# with a compare-and-set UPDATE in the same transaction as the event row.
+
+# fmt: off
+#                   event            -> next state
+TRANSITIONS = {
+    QUEUED:         {CLAIM:          LOADING,
+                     START:          RUNNING,
+                     FAIL:           FAILED,
+                     CANCEL:         CANCELLED},
+    LOADING:        {START:          RUNNING,
+                     FAIL:           FAILED,
+                     CANCEL:         CANCELLING,
+                     REQUEUE:        QUEUED},
+    RUNNING:        {REQUIRE_INPUT:  INPUT_REQUIRED,
+                     SUCCEED:        SUCCEEDED,
+                     FAIL:           FAILED,
+                     CANCEL:         CANCELLING,
+                     REQUEUE:        QUEUED},
+    INPUT_REQUIRED: {PROVIDE_INPUT:  RUNNING,
+                     SUCCEED:        SUCCEEDED,
+                     FAIL:           FAILED,
+                     CANCEL:         CANCELLING,
+                     REQUEUE:        QUEUED},
+    CANCELLING:     {CONFIRM_CANCEL: CANCELLED},
+    SUCCEEDED:      {},
+    FAILED:         {},
+    CANCELLED:      {},
+}
+# fmt: on
+STATES = tuple(TRANSITIONS)
+TERMINAL_STATES = frozenset(s for s, row in TRANSITIONS.items() if not row)
+UNFINISHED_STATES = tuple(s for s in STATES if s not in TERMINAL_STATES)
+ACTIVE_STATES = (LOADING, RUNNING, INPUT_REQUIRED, CANCELLING)  # owned by a runner
+
+
+def next_state(task_id, state, event):
+    """Return the status *event* moves a task in *state* to.
+
+    Raises:
+        InvalidTransition: the table has no cell for (state, event).
+    """
+    try:
+        return TRANSITIONS[state][event]
+    except KeyError:
+        if event == CANCEL and state in TERMINAL_STATES:
+            raise NotCancelable(task_id, state) from None
+        raise InvalidTransition(task_id, state, event) from None
+
+
+def transition_table_markdown():
+    """Render TRANSITIONS as the markdown table the README shows."""
+    rows = ["| status | " + " | ".join(EVENTS) + " |",
+            "|---" * (len(EVENTS) + 1) + "|"]
+    for state, row in TRANSITIONS.items():
+        rows.append(f"| {state} | " + " | ".join(row.get(e, "-") for e in EVENTS) + " |")
+    return "\n".join(rows)
+
+
+# =============================================================================
+# 4. Errors
+# =============================================================================
+# One exception tree.  Each class carries, as data, how every front end
+# reports it: the LMSP code and HTTP status, the JSON-RPC code.  The two
+# functions at the end of this section are the only readers of that data.
+# Messages are part of the API; internal details (tracebacks, SQL) never go
+# into them.
+
+class TaskStoreError(Exception):
+    """Base class of every error this module raises on purpose."""
+
+    code = "internal_error"
+    http_status = 500
+    jsonrpc_code = -32603
+    param = None
+
+    def __init__(self, message="internal error", *, param=None):
+        super().__init__(message)
+        if param is not None:
+            self.param = param
+
+
+class InvalidParams(TaskStoreError):
+    """A caller passed a bad value; ``param`` names the field."""
+
+    code = "invalid_request"
+    http_status = 400
+    jsonrpc_code = -32602
+
+
+class InvalidCursor(InvalidParams):
+    """A pagination or event cursor is not one this store issued."""
+
+    def __init__(self, message="invalid cursor", *, param="cursor"):
+        super().__init__(message, param=param)
+
+
+class TaskNotFound(TaskStoreError):
+    """No task with this id (or it belongs to another principal)."""
+
+    code = "task_not_found"
+    http_status = 404
+    jsonrpc_code = -32602
+
+    def __init__(self, task_id, message=None):
+        super().__init__(message or f"no task with id {task_id}")
+        self.task_id = task_id
+
+
+class TaskExpired(TaskNotFound):
+    """The task existed but was deleted when its retention ended."""
+
+    def __init__(self, task_id):
+        super().__init__(task_id, f"task {task_id} has expired")
+
+
+class InvalidTransition(TaskStoreError):
+    """The transition table has no cell for this (status, event) pair."""
+
+    code = "invalid_transition"
+    http_status = 409
+    jsonrpc_code = -32602
+
+    def __init__(self, task_id, state, event):
+        super().__init__(f"cannot {event} task {task_id}: it is {state}")
+        self.task_id, self.state, self.event = task_id, state, event
+
+
+class NotCancelable(InvalidTransition):
+    """Cancel of a task that already succeeded or failed."""
+
+    code = "task_not_cancelable"
+
+    def __init__(self, task_id, state):
+        TaskStoreError.__init__(
+            self, f"cannot cancel task {task_id}: it is already {state}")
+        self.task_id, self.state, self.event = task_id, state, CANCEL
+
+
+class IdempotencyMismatch(TaskStoreError):
+    """The idempotency key was used before with a different request."""
+
+    code = "idempotency_key_reused"
+    http_status = 422
+    jsonrpc_code = -32602
+
+    def __init__(self, key):
+        super().__init__(f"idempotency key {key!r} was already used with a different request")
+        self.key = key
+
+
+class EventsExpired(TaskStoreError):
+    """The requested events were pruned by event retention."""
+
+    code = "event_history_expired"
+    http_status = 410
+    jsonrpc_code = -32602
+
+    def __init__(self, task_id, first_seq):
+        super().__init__(f"events of task {task_id} before {first_seq} are no longer kept")
+        self.task_id, self.first_seq = task_id, first_seq
+
+
+class StoreClosed(TaskStoreError):
+    """The store was closed; no further calls are possible."""
+
+    code = "service_unavailable"
+    http_status = 503
+
+    def __init__(self, message="the task store is closed"):
+        super().__init__(message)
+
+
+class StoreUnavailable(TaskStoreError):
+    """The database file cannot be used: not ours, newer, read-only, full, locked."""
+
+    code = "service_unavailable"
+    http_status = 503
+
+
+class TaskFailed(Exception):
+    """Raised by a handler to fail its task with a chosen error.
+
+    ``error`` is a JSON object with at least ``code`` and ``message``;
+    ``result`` is an optional JSON value stored with the failure (an MCP
+    ``isError`` tool result, for example).
+    """
+
+    def __init__(self, error, result=None):
+        if isinstance(error, str):
+            error = {"code": "task_failed", "message": error}
+        super().__init__(error.get("message", "task failed"))
+        self.error, self.result = error, result
+
+
+class Cancelled(Exception):
+    """Raised inside a handler (by ``ctx.check()`` or ``ctx.ask()``) once its task is cancelled."""
+
+
+_REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+            405: "Method Not Allowed", 409: "Conflict", 410: "Gone",
+            413: "Content Too Large", 415: "Unsupported Media Type",
+            422: "Unprocessable Content", 500: "Internal Server Error",
+            501: "Not Implemented", 503: "Service Unavailable"}
+
+
+def _describe(exc):
+    """Return (TaskStoreError class data, message) for any exception."""
+    if isinstance(exc, TaskStoreError):
+        return exc, str(exc)
+    # Anything else is a bug: the caller logs the traceback, the client gets
+    # a generic sentence and nothing of the exception's text.
+    return TaskStoreError, "internal error"
+
+
+def to_jsonrpc_error(exc):
+    """Map an exception to a JSON-RPC error object ``{"code", "message", "data"}``."""
+    info, message = _describe(exc)
+    data = {"type": info.code}
+    if info.param is not None:
+        data["param"] = info.param
+    return {"code": info.jsonrpc_code, "message": message, "data": data}
+
+
+def to_problem(exc):
+    """Map an exception to ``(http_status, problem)``, an RFC 9457 problem object."""
+    info, message = _describe(exc)
+    return info.http_status, problem_object(info.http_status, info.code, message, info.param)
+
+
+def problem_object(status, code, detail, param=None):
+    """Build an RFC 9457 problem object with the LMSP ``code``."""
+    body = {"type": "about:blank", "title": _REASONS.get(status, "Error"),
+            "status": status, "code": code, "detail": detail}
+    if param is not None:
+        body["param"] = param
+    return body
+
+
+# =============================================================================
+# 5. Data model
+# =============================================================================
+# Frozen value objects read from the database, the two status vocabularies,
+# ids, cursors, JSON and time helpers, and parameter validation.  Nothing here
+# touches the database.
+
+# One lifecycle, two vocabularies (DESIGN.md).  These two dicts are the only
+# place the protocols' words for a stored status are decided.
+MCP_STATUS = {QUEUED: "working", LOADING: "working", RUNNING: "working",
+              INPUT_REQUIRED: "input_required", CANCELLING: "cancelled",
+              SUCCEEDED: "completed", FAILED: "failed", CANCELLED: "cancelled"}
+LMSP_STATUS = {QUEUED: "queued", LOADING: "loading", RUNNING: "running",
+               INPUT_REQUIRED: "running", CANCELLING: "cancelling",
+               SUCCEEDED: "succeeded", FAILED: "failed", CANCELLED: "cancelled"}
+
+
+def mcp_status(task):
+    """Return the MCP word for a task's status (a Task or a stored status)."""
+    return MCP_STATUS[getattr(task, "status", task)]
+
+
+def lmsp_status(task):
+    """Return the LMSP word for a task's status (a Task or a stored status)."""
+    return LMSP_STATUS[getattr(task, "status", task)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One task as stored.  Times are epoch milliseconds from the store's clock."""
+
+    id: str
+    kind: str
+    status: str
+    payload: object
+    result: object
+    error: object
+    status_message: object
+    progress: object
+    progress_total: object
+    principal: object
+    policy: str
+    attempt: int
+    ttl_ms: object
+    retention_ms: object
+    created_at: int
+    updated_at: int
+    finished_at: object
+    purge_at: object
+    owner: object
+    last_seq: int
+    first_seq: int
+    version: int
+    meta: dict
+    input_request: object
+    input_answer: object
+    replayed: bool = False
+
+    @property
+    def terminal(self):
+        """True once the task can never change again."""
+        return self.status in TERMINAL_STATES
+
+    def to_dict(self):
+        """Return the task as a plain JSON-ready dict (the admin view)."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One row of a task's event log; ``seq`` counts from 0 without gaps."""
+
+    task_id: str
+    seq: int
+    type: str
+    data: dict
+    created_at: int
+
+
+_TASK_COLUMNS = ("id", "kind", "status", "payload", "result", "error", "status_message",
+                 "progress", "progress_total", "principal", "policy", "attempt", "ttl_ms",
+                 "retention_ms", "created_at", "updated_at", "finished_at", "purge_at",
+                 "owner", "last_seq", "first_seq", "version", "meta", "input_request",
+                 "input_answer")
+_JSON_COLUMNS = frozenset(("payload", "result", "error", "meta", "input_request",
+                           "input_answer"))
+_SELECT_TASK = "SELECT " + ", ".join(_TASK_COLUMNS) + " FROM tasks"
+
+
+def _task_from_row(row, replayed=False):
+    values = {}
+    for name, value in zip(_TASK_COLUMNS, row):
+        if name in _JSON_COLUMNS:
+            value = None if value is None else json.loads(value)
+        values[name] = value
+    if values["meta"] is None:
+        values["meta"] = {}
+    return Task(replayed=replayed, **values)
+
+
+def dumps(value):
+    """Serialise a JSON value compactly; NaN and infinities are refused."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _json_param(value, param):
+    try:
+        return dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidParams(f"{param} is not JSON-serialisable ({exc})", param=param) from None
+
+
+def fingerprint(value):
+    """SHA-256 of a JSON value serialised canonically (sorted keys, no spaces)."""
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+ID_RE = re.compile(r"\A[a-z][a-z0-9]{0,15}_[0-9A-HJKMNP-TV-Z]{36}\Z")
+
+
+def _base32(number, length):
+    chars = []
+    for _ in range(length):
+        number, digit = divmod(number, 32)
+        chars.append(_CROCKFORD[digit])
+    return "".join(reversed(chars))
+
+
+def new_id(prefix, now_ms):
+    """Return ``prefix_`` + 10 time characters + 26 random characters.
+
+    The time part (48 bits of milliseconds) makes ids sort by creation, so
+    keyset pagination is stable; the random part carries 130 bits from
+    ``secrets``, so an id cannot be guessed.
+    """
+    return f"{prefix}_{_base32(now_ms & (2**48 - 1), 10)}{_base32(secrets.randbits(130), 26)}"
+
+
+def is_task_id(value):
+    """True when *value* has the shape of an id this module issues."""
+    return isinstance(value, str) and ID_RE.match(value) is not None
+
+
+def _encode_cursor(task_id):
+    return base64.urlsafe_b64encode(dumps({"v": 1, "before": task_id}).encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor):
+    if not isinstance(cursor, str) or not cursor or len(cursor) > 200:
+        raise InvalidCursor()
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        data = json.loads(raw)
+        before = data["before"]
+    except (ValueError, TypeError, KeyError):
+        raise InvalidCursor() from None
+    if data.get("v") != 1 or not is_task_id(before):
+        raise InvalidCursor()
+    return before
+
+
+def _check_int(value, param, minimum=0, allow_none=True):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidParams(f"{param} must be an integer >= {minimum}", param=param)
+    return value
+
+
+def _check_str(value, param, allow_none=True, max_len=1024):
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, str) or not value or len(value) > max_len:
+        raise InvalidParams(f"{param} must be a non-empty string of at most {max_len} characters",
+                            param=param)
+    return value
+
+
+def _as_tuple(value, param, allowed=None):
+    if value is None:
+        return None
+    values = (value,) if isinstance(value, str) else tuple(value)
+    for v in values:
+        if not isinstance(v, str) or (allowed is not None and v not in allowed):
+            raise InvalidParams(f"unknown {param} {v!r}", param=param)
+    return values
+
+
+# =============================================================================
+# 6. The store
+# =============================================================================
+# Rules:
+# - One connection, one lock (``_lock``).  Public methods take the lock;
+#   helpers whose names end in ``_locked`` expect it held.  The lock is not
+#   re-entrant.
+# - Every write is one ``BEGIN IMMEDIATE`` transaction (``_writing``); every
+#   status change inside it goes through ``_transition_locked`` and appends
+#   its event row there.  After the commit, ``_changed`` wakes this process's
+#   waiters; other processes see the change on their next poll.
+# - Listeners, cancel events and anything else that calls out run after the
+#   commit and outside the lock.
+# - ``now`` arguments are epoch milliseconds; the clock is a ``time.time``-like
+#   function in seconds, injectable for tests.
+
+_SCHEMA_V1 = (
+    f"""CREATE TABLE tasks (
+        id TEXT PRIMARY KEY,
+        kind TEXT NOT NULL,
+        status TEXT NOT NULL CHECK (status IN ({", ".join(repr(s) for s in STATES)})),
+        payload TEXT, result TEXT, error TEXT, status_message TEXT,
+        progress REAL, progress_total REAL,
+        principal TEXT,
+        policy TEXT NOT NULL CHECK (policy IN ({", ".join(repr(p) for p in POLICIES)})),
+        attempt INTEGER NOT NULL DEFAULT 1,
+        ttl_ms INTEGER, retention_ms INTEGER,
+        created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL,
+        finished_at INTEGER, purge_at INTEGER,
+        owner TEXT,
+        last_seq INTEGER NOT NULL DEFAULT 0,
+        first_seq INTEGER NOT NULL DEFAULT 0,
+        version INTEGER NOT NULL DEFAULT 0,
+        meta TEXT, input_request TEXT, input_answer TEXT, snapshot TEXT)""",
+    "CREATE INDEX tasks_queue ON tasks (status, kind, id)",
+    "CREATE INDEX tasks_principal ON tasks (principal, id)",
+    "CREATE INDEX tasks_owner ON tasks (owner) WHERE owner IS NOT NULL",
+    "CREATE INDEX tasks_purge ON tasks (purge_at) WHERE purge_at IS NOT NULL",
+    "CREATE INDEX tasks_events_prune ON tasks (finished_at) "
+    "WHERE finished_at IS NOT NULL AND first_seq <= last_seq",
+    """CREATE TABLE events (
+        task_id TEXT NOT NULL, seq INTEGER NOT NULL, type TEXT NOT NULL,
+        data TEXT NOT NULL, created_at INTEGER NOT NULL,
+        PRIMARY KEY (task_id, seq)) WITHOUT ROWID""",
+    """CREATE TABLE idempotency (
+        scope TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
+        task_id TEXT NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER,
+        PRIMARY KEY (scope, key)) WITHOUT ROWID""",
+    "CREATE INDEX idempotency_expiry ON idempotency (expires_at) WHERE expires_at IS NOT NULL",
+    """CREATE TABLE tombstones (
+        id TEXT PRIMARY KEY, deleted_at INTEGER NOT NULL, expires_at INTEGER NOT NULL)
+        WITHOUT ROWID""",
+    "CREATE INDEX tombstones_expiry ON tombstones (expires_at)",
+    """CREATE TABLE processes (
+        id TEXT PRIMARY KEY, pid INTEGER NOT NULL, host TEXT NOT NULL,
+        proc_start TEXT, started_at INTEGER NOT NULL, heartbeat_at INTEGER NOT NULL)
+        WITHOUT ROWID""",
+)
+
+# Forward migrations: MIGRATIONS[n] takes a database from version n-1 to n.
+# A file at version v gets MIGRATIONS[v+1..SCHEMA_VERSION] in one transaction.
+MIGRATIONS = {1: _SCHEMA_V1}
+
+_MISSING = object()
+_LIVE_PROCESS_IDS = set()    # registrations of runners alive in this process
+_HOST = socket.gethostname
+
+
+def _proc_start(pid):
+    """Return the kernel's start time of *pid* (Linux), or None when unknown.
+
+    Together with the pid it names one process for good: a pid reused by a
+    later process has another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+        return stat[stat.rindex(")") + 2:].split()[19]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_alive(pid, proc_start):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    current = _proc_start(pid)
+    return proc_start is None or current is None or current == proc_start
+
+
+class TaskStore:
+    """A durable task store on one SQLite file.
+
+    Several ``TaskStore`` objects, in one process or many, may share a file.
+    Example::
+
+        store = TaskStore("tasks.db")
+        task = store.create("report", {"topic": "q3"})
+        store.get(task.id).status          # 'queued'
+
+    Args:
+        path: the database file (created when missing).
+        clock: a ``time.time``-like function (seconds); tests pass a fake.
+        synchronous: ``"normal"`` (default; a process crash loses nothing
+            committed, a power loss may lose the last transactions) or
+            ``"full"`` (every commit is on disk before it returns).
+        busy_timeout: seconds to wait for another process's write lock.
+        poll_interval: seconds between re-reads while waiting, to see other
+            processes' writes.
+        max_ttl_ms: the largest TTL ``create`` grants (None: no cap).
+        event_retention_ms: prune the events of finished tasks this long after
+            they finished (None: keep them as long as the task).
+        tombstone_ms: how long a purged id answers "expired" rather than
+            "not found".
+        lease_s: a runner whose heartbeat is older than this is dead.
+        max_bytes: cap on the database size (SQLite ``max_page_count``).
+        recover_on_open: run ``recover()`` when opening.
+
+    Raises:
+        StoreUnavailable: the file is not a taskstore database, was written
+            by a newer version, is read-only, or cannot be opened.
+    """
+
+    def __init__(self, path=DEFAULT_DB, *, clock=time.time, synchronous="normal",
+                 busy_timeout=DEFAULT_BUSY_TIMEOUT_S, poll_interval=DEFAULT_POLL_INTERVAL_S,
+                 max_ttl_ms=DEFAULT_MAX_TTL_MS, event_retention_ms=None,
+                 tombstone_ms=DEFAULT_TOMBSTONE_MS, lease_s=DEFAULT_LEASE_S,
+                 max_bytes=None, recover_on_open=True):
+        if synchronous not in ("normal", "full"):
+            raise InvalidParams("synchronous must be 'normal' or 'full'", param="synchronous")
+        self.path = os.fspath(path)
+        self.clock = clock
+        self.synchronous = synchronous
+        self.poll_interval = float(poll_interval)
+        self.max_ttl_ms = _check_int(max_ttl_ms, "max_ttl_ms")
+        self.event_retention_ms = _check_int(event_retention_ms, "event_retention_ms")
+        self.tombstone_ms = _check_int(tombstone_ms, "tombstone_ms", allow_none=False)
+        self.lease_ms = int(lease_s * 1000)
+        self._lock = threading.Lock()
+        # _changed: notified after every commit (waiters re-read the database).
+        # _work: notified when a task becomes queued (idle runner workers).
+        # Both share _lock, so a waiter cannot miss a notification between
+        # its check and its wait.
+        self._changed = threading.Condition(self._lock)
+        self._work = threading.Condition(self._lock)
+        self._work_gen = 0
+        self._closed = False
+        self._listeners = []
+        self._cancel_events = {}
+        self._reaper = None
+        self._host = _HOST()
+        self._conn = None
+        try:
+            self._conn = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None,
+                                         check_same_thread=False)
+            self._open_schema(max_bytes)
+        except sqlite3.Error as exc:
+            if self._conn is not None:
+                self._conn.close()
+            raise self._unavailable(exc) from None
+        except BaseException:
+            self._conn.close()
+            raise
+        if recover_on_open:
+            self.recover()
+
+    # -- opening ---------------------------------------------------------------
+
+    def _open_schema(self, max_bytes):
+        conn = self._conn
+        try:
+            conn.execute("PRAGMA schema_version").fetchone()
+        except sqlite3.DatabaseError:
+            raise StoreUnavailable(f"{self.path} is not a SQLite database") from None
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if app_id != APPLICATION_ID:
+            if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+                raise StoreUnavailable(f"{self.path} is a SQLite database but not a taskstore one")
+        elif version > SCHEMA_VERSION:
+            raise StoreUnavailable(
+                f"{self.path} was written by a newer taskstore (schema {version}; "
+                f"this version reads up to {SCHEMA_VERSION})")
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise StoreUnavailable(f"{self.path}: cannot switch to WAL mode (is it read-only?)")
+        conn.execute(f"PRAGMA synchronous={'FULL' if self.synchronous == 'full' else 'NORMAL'}")
+        conn.execute("PRAGMA foreign_keys=ON")
+        if max_bytes is not None:
+            page = conn.execute("PRAGMA page_size").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count={max(1, int(max_bytes) // page)}")
+        if version < SCHEMA_VERSION or app_id != APPLICATION_ID:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                # Re-read inside the write lock: another process may have
+                # migrated the file while we looked.
+                version = conn.execute("PRAGMA user_version").fetchone()[0]
+                for step in range(version + 1, SCHEMA_VERSION + 1):
+                    for ddl in MIGRATIONS[step]:
+                        conn.execute(ddl)
+                conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+    def _unavailable(self, exc):
+        """Turn a sqlite3 error into a StoreUnavailable naming the file (never SQL)."""
+        text = str(exc)
+        if "readonly" in text or "read-only" in text:
+            text = "the database is read-only"
+        elif "full" in text:
+            text = "the database or disk is full"
+        elif "locked" in text or "busy" in text:
+            text = "the database is locked by another process (busy timeout exceeded)"
+        elif "not a database" in text:
+            text = "not a SQLite database"
+        else:
+            text = f"database error: {exc.__class__.__name__}: {text.splitlines()[0] if text else ''}"
+        return StoreUnavailable(f"{self.path}: {text}")
+
+    # -- plumbing --------------------------------------------------------------
+
+    def _now_ms(self):
+        return int(self.clock() * 1000)
+
+    def _check_open(self):
+        if self._closed:
+            raise StoreClosed()
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """Hold the lock for one BEGIN IMMEDIATE transaction; yield a notice list.
+
+        Notices ``(task_id, change)`` appended by the body go to the listeners
+        once the transaction has committed.
+        """
+        notices = []
+        with self._lock:
+            self._check_open()
+            conn = self._conn
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield notices
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                raise self._unavailable(exc) from None
+            self._changed.notify_all()
+            if notices and self._listeners:
+                tasks = [(self._read_locked(tid), change) for tid, change in notices]
+            else:
+                tasks = ()
+        for task, change in tasks:
+            if task is None:
+                continue
+            for listener in list(self._listeners):
+                try:
+                    listener(task, change)
+                except Exception:
+                    logger.exception("task listener %r failed", listener)
+
+    @contextlib.contextmanager
+    def _reading(self):
+        with self._lock:
+            self._check_open()
+            try:
+                yield self._conn
+            except sqlite3.Error as exc:
+                raise self._unavailable(exc) from None
+
+    def _read_locked(self, task_id):
+        row = self._conn.execute(_SELECT_TASK + " WHERE id = ?", (task_id,)).fetchone()
+        return None if row is None else _task_from_row(row)
+
+    def _get_locked(self, task_id, principal=None):
+        if not isinstance(task_id, str):
+            raise InvalidParams("task id must be a string", param="task_id")
+        task = self._read_locked(task_id)
+        if task is None or (principal is not None and task.principal != principal):
+            if task is None and self._conn.execute(
+                    "SELECT 1 FROM tombstones WHERE id = ?", (task_id,)).fetchone():
+                raise TaskExpired(task_id)
+            raise TaskNotFound(task_id)
+        return task
+
+    def _append_events_locked(self, task_id, first_seq, events, now):
+        self._conn.executemany(
+            "INSERT INTO events (task_id, seq, type, data, created_at) VALUES (?, ?, ?, ?, ?)",
+            [(task_id, first_seq + i, etype, dumps(data), now)
+             for i, (etype, data) in enumerate(events)])
+
+    def _transition_locked(self, notices, task_id, event, now, *, attempt=None, fields=None,
+                           events=(), message=None, error=None):
+        """Move one task by *event*: the single path of every status change.
+
+        Reads the status, asks the table, writes with a compare-and-set on the
+        status it read, and appends the caller's *events* plus one ``status``
+        event, all in the caller's transaction.  *attempt* guards against a
+        stale worker: a task requeued since it claimed it is not its to move.
+        """
+        row = self._conn.execute(
+            "SELECT status, last_seq, attempt, ttl_ms, retention_ms, created_at "
+            "FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        if row is None:
+            raise TaskNotFound(task_id)
+        status, last_seq, current_attempt, ttl_ms, retention_ms, created_at = row
+        new = next_state(task_id, status, event)
+        if attempt is not None and attempt != current_attempt:
+            raise InvalidTransition(task_id, f"{status} (attempt {current_attempt})", event)
+        values = dict(fields or {})
+        values["status"] = new
+        values["updated_at"] = now
+        if new in TERMINAL_STATES:
+            values["finished_at"] = now
+            values["input_request"] = None
+            if ttl_ms is not None:
+                # MCP: expiry is createdAt + ttl, but a result that arrives
+                # late stays fetchable for a grace period.
+                values["purge_at"] = max(created_at + ttl_ms, now + LATE_FINISH_GRACE_MS)
+            elif retention_ms is not None:
+                values["purge_at"] = now + retention_ms
+        status_data = {"status": new, "from": status}
+        if message is not None:
+            status_data["message"] = message
+        if error is not None:
+            status_data["error"] = error
+        all_events = list(events) + [("status", status_data)]
+        values["last_seq"] = last_seq + len(all_events)
+        assert set(values) <= set(_TASK_COLUMNS) | {"snapshot"}   # names are ours, never input
+        assignments = ", ".join(f"{name} = ?" for name in values)
+        cursor = self._conn.execute(
+            f"UPDATE tasks SET {assignments}, version = version + 1 WHERE id = ? AND status = ?",
+            (*values.values(), task_id, status))
+        if cursor.rowcount != 1:   # cannot happen inside BEGIN IMMEDIATE; the guard is the rule
+            raise InvalidTransition(task_id, status, event)
+        self._append_events_locked(task_id, last_seq + 1, all_events, now)
+        notices.append((task_id, "status"))
+        if new in TERMINAL_STATES:
+            self._cancel_events.pop(task_id, None)
+        elif new == QUEUED:
+            self._work_gen += 1
+            self._work.notify_all()
+        return new
+
+    def _move(self, task_id, event, *, principal=None, **kwargs):
+        """Run one transition in its own transaction and return the new Task."""
+        now = self._now_ms()
+        with self._writing() as notices:
+            if principal is not None:
+                self._get_locked(task_id, principal)
+            self._transition_locked(notices, task_id, event, now, **kwargs)
+            return self._read_locked(task_id)
+
+    # -- creating and reading --------------------------------------------------
+
+    def create(self, kind, payload=None, *, ttl_ms=None, retention_ms=None, policy="fail",
+               principal=None, meta=None, idempotency=None, prefix="task", status_message=None):
+        """Create a queued task, persisted with its first event before this returns.
+
+        Args:
+            kind: the task type; a runner claims the kinds it has handlers for.
+            payload: any JSON value, handed to the handler.
+            ttl_ms: MCP-style retention counted from creation, capped at
+                ``max_ttl_ms``; the granted value is ``Task.ttl_ms``.
+            retention_ms: LMSP-style retention counted from the terminal status.
+            policy: what a restart does to the unfinished task: ``fail``,
+                ``retry`` or ``resume``.
+            principal: the owner; reads with another principal see nothing.
+            meta: a JSON object kept for the adapters (never shown raw).
+            idempotency: ``(scope, key, fingerprint, expires_in_ms)``: the
+                same scope and key return the first task (``replayed=True``).
+
+        Raises:
+            InvalidParams: a bad argument (``param`` names it).
+            IdempotencyMismatch: the key was used with another fingerprint.
+            TaskExpired: the key's task was already purged.
+        """
+        _check_str(kind, "kind", allow_none=False, max_len=200)
+        payload_json = _json_param(payload, "payload")
+        ttl_ms = _check_int(ttl_ms, "ttl_ms")
+        retention_ms = _check_int(retention_ms, "retention_ms")
+        if ttl_ms is not None and retention_ms is not None:
+            raise InvalidParams("give ttl_ms or retention_ms, not both", param="ttl_ms")
+        if ttl_ms is not None and self.max_ttl_ms is not None:
+            ttl_ms = min(ttl_ms, self.max_ttl_ms)
+        if policy not in POLICIES:
+            raise InvalidParams(f"policy must be one of {', '.join(POLICIES)}", param="policy")
+        _check_str(principal, "principal")
+        if meta is not None and not isinstance(meta, dict):
+            raise InvalidParams("meta must be a JSON object", param="meta")
+        meta_json = None if meta is None else _json_param(meta, "meta")
+        if not isinstance(prefix, str) or not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix):
+            raise InvalidParams("prefix must be 1-16 lowercase letters and digits", param="prefix")
+        if idempotency is not None:
+            try:
+                scope, key, fprint, expires_in_ms = idempotency
+            except (TypeError, ValueError):
+                raise InvalidParams("idempotency is (scope, key, fingerprint, expires_in_ms)",
+                                    param="idempotency") from None
+            for name, value in (("scope", scope), ("key", key), ("fingerprint", fprint)):
+                _check_str(value, f"idempotency {name}", allow_none=False)
+            _check_int(expires_in_ms, "idempotency expires_in_ms")
+        now = self._now_ms()
+        with self._writing() as notices:
+            if idempotency is not None:
+                row = self._conn.execute(
+                    "SELECT fingerprint, task_id, expires_at FROM idempotency "
+                    "WHERE scope = ? AND key = ?", (scope, key)).fetchone()
+                if row is not None and (row[2] is None or row[2] > now):
+                    if row[0] != fprint:
+                        raise IdempotencyMismatch(key)
+                    task = self._read_locked(row[1])
+                    if task is None:
+                        raise TaskExpired(row[1])
+                    return dataclasses.replace(task, replayed=True)
+            task_id = new_id(prefix, now)
+            self._conn.execute(
+                "INSERT INTO tasks (id, kind, status, payload, status_message, principal, policy, "
+                "ttl_ms, retention_ms, created_at, updated_at, meta) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (task_id, kind, QUEUED, payload_json, status_message, principal, policy,
+                 ttl_ms, retention_ms, now, now, meta_json))
+            self._append_events_locked(task_id, 0, [("created", {"kind": kind})], now)
+            if idempotency is not None:
+                self._conn.execute(
+                    "INSERT OR REPLACE INTO idempotency "
+                    "(scope, key, fingerprint, task_id, created_at, expires_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (scope, key, fprint, task_id, now,
+                     None if expires_in_ms is None else now + expires_in_ms))
+            self._work_gen += 1
+            self._work.notify_all()
+            notices.append((task_id, "created"))
+            return self._read_locked(task_id)
+
+    def get(self, task_id, *, principal=None):
+        """Return the task.
+
+        Raises:
+            TaskNotFound: no such task, or it belongs to another principal.
+            TaskExpired: it existed and was purged (for a while after).
+        """
+        with self._reading():
+            return self._get_locked(task_id, principal)
+
+    def list(self, *, status=None, kind=None, principal=None, limit=50, cursor=None):
+        """Return ``(tasks, next_cursor)``, newest first; filters combine with AND.
+
+        *status* and *kind* take one value or several.  ``next_cursor`` is
+        None on the last page.
+
+        Raises:
+            InvalidParams: a bad filter or limit.
+            InvalidCursor: *cursor* is not one this method returned.
+        """
+        statuses = _as_tuple(status, "status", STATES)
+        kinds = _as_tuple(kind, "kind")
+        _check_str(principal, "principal")
+        limit = _check_int(limit, "limit", minimum=1, allow_none=False)
+        where, args = [], []
+        for column, values in (("status", statuses), ("kind", kinds)):
+            if values is not None:
+                where.append(f"{column} IN ({', '.join('?' * len(values))})")
+                args.extend(values)
+        if principal is not None:
+            where.append("principal = ?")
+            args.append(principal)
+        if cursor is not None:
+            where.append("id < ?")
+            args.append(_decode_cursor(cursor))
+        sql = _SELECT_TASK + (" WHERE " + " AND ".join(where) if where else "")
+        with self._reading() as conn:
+            rows = conn.execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit + 1)).fetchall()
+        tasks = [_task_from_row(r) for r in rows[:limit]]
+        return tasks, (_encode_cursor(tasks[-1].id) if len(rows) > limit else None)
+
+    def events(self, task_id, *, after=None, limit=None, principal=None):
+        """Return the task's events with ``seq > after`` (all when *after* is None), in order.
+
+        Raises:
+            TaskNotFound, TaskExpired: as ``get``.
+            InvalidCursor: *after* is negative or beyond the last event.
+            EventsExpired: the events asked for were pruned.
+        """
+        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
+            raise InvalidCursor("after must be a non-negative integer", param="after")
+        limit = _check_int(limit, "limit", minimum=1)
+        with self._reading() as conn:
+            task = self._get_locked(task_id, principal)
+            if after is not None and after > task.last_seq:
+                raise InvalidCursor(f"after {after} is beyond the last event {task.last_seq}",
+                                    param="after")
+            start = 0 if after is None else after + 1
+            if start < task.first_seq:
+                raise EventsExpired(task_id, task.first_seq)
+            rows = conn.execute(
+                "SELECT seq, type, data, created_at FROM events WHERE task_id = ? AND seq >= ? "
+                "ORDER BY seq LIMIT ?", (task_id, start, -1 if limit is None else limit)).fetchall()
+        return [Event(task_id, seq, etype, json.loads(data), created)
+                for seq, etype, data, created in rows]
+
+    def wait(self, task_id, *, timeout, since_version=None, terminal=False, principal=None):
+        """Block until the task changes or ends, then return it.
+
+        Returns when ``task.version != since_version`` (any visible change),
+        or, with ``terminal=True``, when the task is terminal; on *timeout*
+        (seconds) it returns the task as it is.  A write in this process
+        wakes it at once; another process's write within ``poll_interval``.
+
+        Raises:
+            TaskNotFound, TaskExpired: as ``get``.
+            StoreClosed: the store was closed while waiting.
+        """
+        deadline = time.monotonic() + timeout
+        with self._reading():
+            while True:
+                task = self._get_locked(task_id, principal)
+                if (terminal and task.terminal) or (
+                        since_version is not None and task.version != since_version):
+                    return task
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return task
+                self._changed.wait(min(remaining, self.poll_interval))
+                self._check_open()
+
+    def load_snapshot(self, task_id):
+        """Return the task's last saved snapshot, or None."""
+        with self._reading() as conn:
+            row = conn.execute("SELECT snapshot FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        if row is None:
+            raise TaskNotFound(task_id)
+        return None if row[0] is None else json.loads(row[0])
+
+    # -- moving tasks ----------------------------------------------------------
+
+    def cancel(self, task_id, *, principal=None, reason=None):
+        """Cancel a task and return it.
+
+        A queued task is ``cancelled`` at once; a loading, running or
+        input_required one becomes ``cancelling`` until its work stops.
+        Cancelling a cancelling or cancelled task returns it unchanged.  The
+        task's in-process cancel event is set after the commit.
+
+        Raises:
+            NotCancelable: the task already succeeded or failed.
+            TaskNotFound, TaskExpired: as ``get``.
+        """
+        _check_str(reason, "reason", max_len=10000)
+        now = self._now_ms()
+        with self._writing() as notices:
+            task = self._get_locked(task_id, principal)
+            if task.status not in (CANCELLING, CANCELLED):
+                self._transition_locked(notices, task_id, CANCEL, now, message=reason)
+                task = self._read_locked(task_id)
+            event = self._cancel_events.get(task_id)
+        if event is not None and task.status == CANCELLING:
+            event.set()
+        return task
+
+    def succeed(self, task_id, result=None, *, attempt=None):
+        """Finish a running task with a JSON *result* (used by the runner)."""
+        return self._move(task_id, SUCCEED, attempt=attempt,
+                          fields={"result": _json_param(result, "result")})
+
+    def fail(self, task_id, error, *, result=None, attempt=None):
+        """Fail a task with *error* ``{"code", "message", ...}`` and an optional result."""
+        if not isinstance(error, dict) or not isinstance(error.get("message"), str) \
+                or not isinstance(error.get("code"), (str, int)):
+            raise InvalidParams("error must be an object with a code and a message", param="error")
+        return self._move(task_id, FAIL, attempt=attempt, error=error, fields={
+            "error": _json_param(error, "error"), "status_message": error["message"],
+            "result": None if result is None else _json_param(result, "result")})
+
+    def start(self, task_id, *, attempt=None):
+        """Move a queued or loading task to ``running`` (used by the runner)."""
+        return self._move(task_id, START, attempt=attempt)
+
+    def confirm_cancel(self, task_id, *, attempt=None):
+        """Move a ``cancelling`` task to ``cancelled`` once its work stopped."""
+        return self._move(task_id, CONFIRM_CANCEL, attempt=attempt)
+
+    def require_input(self, task_id, request, *, attempt=None):
+        """Park a running task in ``input_required`` with a JSON *request* for the requestor."""
+        if not isinstance(request, dict):
+            raise InvalidParams("request must be a JSON object", param="request")
+        return self._move(task_id, REQUIRE_INPUT, attempt=attempt, fields={
+            "input_request": _json_param(request, "request"), "input_answer": None})
+
+    def provide_input(self, task_id, answer, *, principal=None):
+        """Answer the pending input request; the task goes back to ``running``.
+
+        Raises:
+            InvalidTransition: the task is not waiting for input (already
+                answered, cancelled, or finished).
+        """
+        return self._move(task_id, PROVIDE_INPUT, principal=principal, fields={
+            "input_answer": _json_param(answer, "answer"), "input_request": None})
+
+    def set_progress(self, task_id, *, progress=None, total=None, message=_MISSING,
+                     attempt=None):
+        """Record progress and/or the status message of an unfinished task.
+
+        Not a status change, so it appends no event; it bumps ``version`` so
+        waiters see it.  Returns False when the task has already ended.
+        """
+        now = self._now_ms()
+        sets, args = ["updated_at = ?", "version = version + 1"], [now]
+        if progress is not None:
+            sets += ["progress = ?", "progress_total = ?"]
+            args += [float(progress), None if total is None else float(total)]
+        if message is not _MISSING:
+            sets.append("status_message = ?")
+            args.append(message)
+        sql = (f"UPDATE tasks SET {', '.join(sets)} WHERE id = ? "
+               f"AND status IN ({', '.join('?' * len(UNFINISHED_STATES))})")
+        args += [task_id, *UNFINISHED_STATES]
+        if attempt is not None:
+            sql += " AND attempt = ?"
+            args.append(attempt)
+        with self._writing() as notices:
+            changed = self._conn.execute(sql, args).rowcount == 1
+            if changed:
+                notices.append((task_id, "progress"))
+        return changed
+
+    def emit(self, task_id, etype, data=None, *, snapshot=_MISSING, attempt=None):
+        """Append one event (and optionally save a snapshot) atomically; return its seq.
+
+        Allowed while the task is loading, running, waiting for input or
+        cancelling.  Saving the snapshot in the same transaction as the event
+        is what lets ``resume`` continue without repeating output.
+
+        Raises:
+            InvalidTransition: the task has ended (or was requeued).
+        """
+        _check_str(etype, "type", allow_none=False, max_len=200)
+        data_json = _json_param({} if data is None else data, "data")
+        snap = None if snapshot is _MISSING else _json_param(snapshot, "snapshot")
+        now = self._now_ms()
+        with self._writing() as notices:
+            row = self._conn.execute("SELECT status, last_seq, attempt FROM tasks WHERE id = ?",
+                                     (task_id,)).fetchone()
+            if row is None:
+                raise TaskNotFound(task_id)
+            if row[0] not in ACTIVE_STATES or (attempt is not None and row[2] != attempt):
+                raise InvalidTransition(task_id, row[0], "emit")
+            seq = row[1] + 1
+            self._conn.execute(
+                "UPDATE tasks SET last_seq = ?, updated_at = ?, version = version + 1"
+                + (", snapshot = ?" if snap is not None else "") + " WHERE id = ?",
+                (seq, now, snap, task_id) if snap is not None else (seq, now, task_id))
+            self._conn.execute(
+                "INSERT INTO events (task_id, seq, type, data, created_at) VALUES (?, ?, ?, ?, ?)",
+                (task_id, seq, etype, data_json, now))
+            notices.append((task_id, "event"))
+        return seq
+
+    def save_snapshot(self, task_id, snapshot, *, attempt=None):
+        """Save a JSON snapshot the task can resume from after a restart."""
+        snap = _json_param(snapshot, "snapshot")
+        with self._writing():
+            sql = (f"UPDATE tasks SET snapshot = ? WHERE id = ? "
+                   f"AND status IN ({', '.join('?' * len(ACTIVE_STATES))})")
+            args = [snap, task_id, *ACTIVE_STATES]
+            if attempt is not None:
+                sql += " AND attempt = ?"
+                args.append(attempt)
+            if self._conn.execute(sql, args).rowcount != 1:
+                raise InvalidTransition(task_id, "not active", "save_snapshot")
+
+    def cancel_event(self, task_id):
+        """Return the ``threading.Event`` set when this task is cancelled (in this process)."""
+        with self._lock:
+            return self._cancel_events.setdefault(task_id, threading.Event())
+
+    def add_listener(self, listener):
+        """Call ``listener(task, change)`` after every committed change.
+
+        *change* is ``created``, ``status``, ``progress`` or ``event``.  It
+        runs in the writer's thread, after the commit, outside the lock: keep
+        it short and never let it block.
+        """
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener):
+        """Stop calling *listener*."""
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
+
+    # -- runners: claiming, ownership -------------------------------------------
+
+    def _claim(self, owner, kinds):
+        """Claim the oldest queued task of *kinds* for *owner*; None when there is none."""
+        if not kinds:
+            return None
+        marks = ", ".join("?" * len(kinds))
+        pick = f"SELECT id FROM tasks WHERE status = ? AND kind IN ({marks}) ORDER BY id LIMIT 1"
+        with self._reading() as conn:
+            # A cheap read first, so idle polling never takes the write lock.
+            if conn.execute(pick, (QUEUED, *kinds)).fetchone() is None:
+                return None
+        now = self._now_ms()
+        with self._writing() as notices:
+            row = self._conn.execute(pick, (QUEUED, *kinds)).fetchone()
+            if row is None:
+                return None
+            self._transition_locked(notices, row[0], CLAIM, now, fields={"owner": owner})
+            return self._read_locked(row[0])
+
+    def _wait_for_work(self, seen, timeout):
+        """Wait until a task may have become queued; return the new generation."""
+        with self._lock:
+            if seen == self._work_gen and not self._closed:
+                self._work.wait(timeout)
+            return self._work_gen
+
+    def register_process(self):
+        """Register this process as a task owner; return its registration id."""
+        proc_id = new_id("proc", self._now_ms())
+        now = self._now_ms()
+        pid = os.getpid()
+        with self._writing():
+            self._conn.execute(
+                "INSERT INTO processes (id, pid, host, proc_start, started_at, heartbeat_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)", (proc_id, pid, self._host, _proc_start(pid), now, now))
+        _LIVE_PROCESS_IDS.add(proc_id)
+        return proc_id
+
+    def heartbeat(self, proc_id):
+        """Renew the lease of a registration; False when it was declared dead meanwhile."""
+        with self._writing():
+            return self._conn.execute("UPDATE processes SET heartbeat_at = ? WHERE id = ?",
+                                      (self._now_ms(), proc_id)).rowcount == 1
+
+    def _cancelling_owned(self, proc_id):
+        with self._reading() as conn:
+            return {r[0] for r in conn.execute(
+                "SELECT id FROM tasks WHERE owner = ? AND status = ?", (proc_id, CANCELLING))}
+
+    def release(self, proc_id, reason="the process running this task stopped"):
+        """Apply the restart policy to every unfinished task *proc_id* owns; unregister it.
+
+        A runner calls this when it shuts down; ``recover`` calls it for
+        owners that died.  Returns the ids of the tasks it moved.
+        """
+        _LIVE_PROCESS_IDS.discard(proc_id)
+        moved = []
+        marks = ", ".join("?" * len(ACTIVE_STATES))
+        while True:
+            now = self._now_ms()
+            with self._writing() as notices:
+                rows = self._conn.execute(
+                    f"SELECT id, status, policy, attempt FROM tasks WHERE owner = ? "
+                    f"AND status IN ({marks}) LIMIT 200", (proc_id, *ACTIVE_STATES)).fetchall()
+                for task_id, status, policy, attempt in rows:
+                    self._restart_locked(notices, task_id, status, policy, attempt, now, reason)
+                    moved.append(task_id)
+                if not rows:
+                    self._conn.execute("DELETE FROM processes WHERE id = ?", (proc_id,))
+            if not rows:
+                return moved
+
+    def _restart_locked(self, notices, task_id, status, policy, attempt, now, reason):
+        """Apply one unfinished task's restart policy (DESIGN.md, LMSP A.5)."""
+        if status == CANCELLING:
+            # A cancel that was under way completes, whatever the policy.
+            self._transition_locked(notices, task_id, CONFIRM_CANCEL, now, message=reason)
+        elif policy == "fail":
+            message = f"CRASH_RECOVERY: {reason} before it finished"
+            error = {"code": "server_restarted", "message": message}
+            self._transition_locked(notices, task_id, FAIL, now, error=error, message=message,
+                                    fields={"error": dumps(error), "status_message": message})
+        else:
+            fields = {"owner": None, "attempt": attempt + 1, "input_request": None,
+                      "input_answer": None, "status_message": None}
+            if policy == "retry":
+                fields["snapshot"] = None      # retry starts from the beginning
+            self._transition_locked(notices, task_id, REQUEUE, now, fields=fields,
+                                    message=f"requeued ({policy}): {reason}")
+
+    def _owner_dead(self, proc, now):
+        if proc is None:
+            return True            # nobody is registered to heartbeat it
+        proc_id, pid, host, proc_start, heartbeat_at = proc
+        if heartbeat_at + self.lease_ms < now:
+            return True            # lease expired: dead or cut off, either way not running it
+        if host != self._host:
+            return False           # another machine: only the lease can tell
+        if pid == os.getpid() and proc_start == _proc_start(pid):
+            return proc_id not in _LIVE_PROCESS_IDS
+        return not _pid_alive(pid, proc_start)
+
+    def recover(self, now=None):
+        """Apply the restart policy to unfinished tasks whose owner is provably dead.
+
+        Dead means: its registration is gone, its heartbeat lease expired, or
+        (same host) its pid is gone or belongs to a later process.  Tasks of
+        live owners, in this process or another, are never touched.  Runs at
+        open (unless disabled) and with every reaper pass; idempotent.
+        Returns the ids of the tasks it moved.
+        """
+        now = self._now_ms() if now is None else now
+        with self._reading() as conn:
+            procs = {r[0]: r for r in conn.execute(
+                "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
+            owners = {r[0] for r in conn.execute(
+                "SELECT DISTINCT owner FROM tasks WHERE owner IS NOT NULL AND status IN "
+                f"({', '.join('?' * len(ACTIVE_STATES))})", ACTIVE_STATES)}
+        moved = []
+        for proc_id in sorted(owners | set(procs)):
+            if self._owner_dead(procs.get(proc_id), now):
+                moved += self.release(proc_id, "the process running this task stopped")
+        return moved
+
+    # -- retention -------------------------------------------------------------
+
+    def reap(self, now=None, *, batch_rows=REAP_BATCH_ROWS):
+        """Delete what retention says is over, a few hundred rows per transaction.
+
+        Terminal tasks past ``purge_at`` go with their events and leave a
+        tombstone; events of finished tasks past ``event_retention_ms`` are
+        pruned; expired idempotency keys and tombstones are dropped.
+        Unfinished tasks are never deleted.  Returns counts per kind.
+        """
+        now = self._now_ms() if now is None else now
+        counts = {"tasks": 0, "events": 0, "idempotency": 0, "tombstones": 0}
+        while self._reap_tasks_once(now, batch_rows, counts):
+            pass
+        if self.event_retention_ms is not None:
+            while self._prune_events_once(now - self.event_retention_ms, batch_rows, counts):
+                pass
+        for table, column in (("idempotency", "scope, key"), ("tombstones", "id")):
+            while True:
+                with self._writing():
+                    deleted = self._conn.execute(
+                        f"DELETE FROM {table} WHERE ({column}) IN (SELECT {column} FROM {table} "
+                        f"WHERE expires_at <= ? LIMIT ?)", (now, batch_rows)).rowcount
+                counts[table] += deleted
+                if deleted < batch_rows:
+                    break
+        return counts
+
+    def _reap_tasks_once(self, now, budget, counts):
+        """Delete one batch of expired tasks; True when there may be more."""
+        with self._writing():
+            rows = self._conn.execute(
+                "SELECT id, first_seq, last_seq FROM tasks WHERE purge_at IS NOT NULL "
+                "AND purge_at <= ? ORDER BY purge_at LIMIT ?", (now, budget)).fetchall()
+            spent = 0
+            for task_id, first_seq, last_seq in rows:
+                events = max(0, last_seq - first_seq + 1)
+                if spent + events + 1 > budget and spent:
+                    return True
+                if events + 1 > budget:
+                    # A very long log goes in slices so no transaction runs long.
+                    cut = first_seq + budget
+                    counts["events"] += self._conn.execute(
+                        "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
+                    self._conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
+                    return True
+                counts["events"] += self._conn.execute(
+                    "DELETE FROM events WHERE task_id = ?", (task_id,)).rowcount
+                self._conn.execute("DELETE FROM tasks WHERE id = ?", (task_id,))
+                self._conn.execute(
+                    "INSERT OR REPLACE INTO tombstones (id, deleted_at, expires_at) VALUES (?, ?, ?)",
+                    (task_id, now, now + self.tombstone_ms))
+                self._cancel_events.pop(task_id, None)
+                counts["tasks"] += 1
+                spent += events + 1
+            return len(rows) == budget
+
+    def _prune_events_once(self, finished_before, budget, counts):
+        with self._writing():
+            rows = self._conn.execute(
+                "SELECT id, first_seq, last_seq FROM tasks WHERE finished_at IS NOT NULL "
+                "AND first_seq <= last_seq AND finished_at <= ? LIMIT ?",
+                (finished_before, budget)).fetchall()
+            spent = 0
+            for task_id, first_seq, last_seq in rows:
+                cut = min(last_seq + 1, first_seq + max(1, budget - spent))
+                counts["events"] += self._conn.execute(
+                    "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
+                self._conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
+                spent += cut - first_seq
+                if spent >= budget:
+                    return True
+            return len(rows) == budget
+
+    def start_reaper(self, interval=DEFAULT_REAP_INTERVAL_S):
+        """Start the opt-in reaper thread: ``reap()`` and ``recover()`` every *interval* s.
+
+        ``close()`` stops it.  Returns the thread.
+        """
+        with self._lock:
+            self._check_open()
+            if self._reaper is None:
+                self._reaper = Reaper(self, interval)
+                self._reaper.start()
+            return self._reaper
+
+    # -- closing ---------------------------------------------------------------
+
+    def close(self):
+        """Wake every waiter, stop the reaper, close the connection.  Idempotent.
+
+        Later calls raise StoreClosed.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._changed.notify_all()
+            self._work.notify_all()
+            reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.stop()
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# =============================================================================
+# 7. Reaper
+# =============================================================================
+# The store never starts this thread on its own: the command line does, or the
+# embedding application through ``store.start_reaper()``.  A failing pass is
+# logged and the next one tries again; ``stop`` returns within one pass.
+
+class Reaper(threading.Thread):
+    """A daemon thread running ``store.reap()`` and ``store.recover()`` every *interval* s."""
+
+    def __init__(self, store, interval=DEFAULT_REAP_INTERVAL_S):
+        super().__init__(name="taskstore-reaper", daemon=True)
+        self.store = store
+        self.interval = interval
+        self._stop_event = threading.Event()
+
+    def run(self):
+        while not self._stop_event.wait(self.interval):
+            self.run_once()
+
+    def run_once(self):
+        """One pass; errors are logged, never raised."""
+        try:
+            self.store.recover()
+            self.store.reap()
+        except StoreClosed:
+            self._stop_event.set()
+        except Exception:
+            logger.exception("reaper pass failed")
+
+    def stop(self, timeout=10.0):
+        """Stop the thread and wait for it (at most *timeout* s)."""
+        self._stop_event.set()
+        if self is not threading.current_thread():
+            self.join(timeout)
+
+
+# =============================================================================
+# 8. Runner and handler context
+# =============================================================================
+# Rules:
+# - A runner registers its process, claims queued tasks of the kinds it has
+#   handlers for (others stay queued for another process), and moves them
+#   through loading and running by the store's verbs, never by SQL.
+# - Every move a worker makes carries the attempt it claimed, so a worker
+#   whose task was recovered and requeued meanwhile cannot touch it.
+# - One maintenance thread per runner heartbeats the lease, writes coalesced
+#   progress, and notices cancels made by other processes.
+# - A handler's return value is the result; ``TaskFailed`` fails the task
+#   with the handler's error; any other exception fails it with a generic
+#   error (the traceback goes to the log only).
+
+class TaskContext:
+    """What a handler gets: its task, the cancel signal, and ways to report.
+
+    Attributes:
+        task_id, kind, payload, attempt: of the claimed task (attempt counts
+            runs from 1; a retry or resume after a restart raises it).
+        cancelled: a ``threading.Event`` set when the task is cancelled or
+            the runner shuts down; check it often and return when it is set.
+    """
+
+    def __init__(self, runner, task):
+        self._runner = runner
+        self._store = runner.store
+        self.task = task
+        self.task_id = task.id
+        self.kind = task.kind
+        self.payload = task.payload
+        self.attempt = task.attempt
+        self.cancelled = self._store.cancel_event(task.id)
+        self._loading = task.status == LOADING
+        self._lock = threading.Lock()
+        self._pending = {}          # coalesced progress/status not yet written
+        self._last_flush = 0.0
+
+    def is_cancelled(self):
+        """True once the task was cancelled (or the runner is stopping)."""
+        return self.cancelled.is_set()
+
+    def check(self):
+        """Raise ``Cancelled`` if the task was cancelled; a handy call inside loops."""
+        if self.cancelled.is_set():
+            raise Cancelled(self.task_id)
+
+    def running(self):
+        """Say that loading is over and the work runs (``loading -> running``).
+
+        Called implicitly by the first report, emit, snapshot or question.
+        """
+        if self._loading:
+            self._store.start(self.task_id, attempt=self.attempt)
+            self._loading = False
+
+    def progress(self, progress, total=None, message=_MISSING):
+        """Report progress (and optionally a status message); coalesced.
+
+        Writes at most one transaction per ``progress_interval_s``; the
+        runner writes the last value within one interval, and always before
+        the task's final status.
+        """
+        self.running()
+        with self._lock:
+            self._pending["progress"] = progress
+            self._pending["total"] = total
+            if message is not _MISSING:
+                self._pending["message"] = message
+        self._maybe_flush()
+
+    def status(self, message):
+        """Set the human status message (MCP ``statusMessage``); coalesced like progress."""
+        self.running()
+        with self._lock:
+            self._pending["message"] = message
+        self._maybe_flush()
+
+    def _maybe_flush(self):
+        if time.monotonic() - self._last_flush >= self._runner.progress_interval_s:
+            self.flush()
+
+    def flush(self):
+        """Write pending progress now (the runner calls it; handlers rarely need to)."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self._last_flush = time.monotonic()
+        if pending:
+            self._store.set_progress(self.task_id, progress=pending.get("progress"),
+                                     total=pending.get("total"),
+                                     message=pending.get("message", _MISSING),
+                                     attempt=self.attempt)
+
+    def emit(self, etype, data=None, *, snapshot=_MISSING):
+        """Append an event to the task's log (with an optional snapshot, atomically); return its seq."""
+        self.running()
+        return self._store.emit(self.task_id, etype, data, snapshot=snapshot, attempt=self.attempt)
+
+    def save_snapshot(self, snapshot):
+        """Save a JSON snapshot to resume from after a restart (policy ``resume``)."""
+        self.running()
+        self._store.save_snapshot(self.task_id, snapshot, attempt=self.attempt)
+
+    def load_snapshot(self):
+        """Return the last saved snapshot (after a resume), or None."""
+        return self._store.load_snapshot(self.task_id)
+
+    def ask(self, request, timeout=None):
+        """Ask the requestor for input and return the answer.
+
+        The task is ``input_required`` with *request* (a JSON object the
+        adapter understands, e.g. an MCP elicitation) until someone calls
+        ``store.provide_input``.
+
+        Raises:
+            Cancelled: the task was cancelled (or the runner stops) meanwhile.
+            TimeoutError: no answer within *timeout* seconds.
+        """
+        self.running()
+        self.flush()
+        self._store.require_input(self.task_id, request, attempt=self.attempt)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        version = None
+        while True:
+            if self.cancelled.is_set():
+                raise Cancelled(self.task_id)
+            step = self._store.poll_interval
+            if deadline is not None:
+                step = min(step, deadline - time.monotonic())
+                if step <= 0:
+                    raise TimeoutError(f"no input for task {self.task_id} within {timeout} s")
+            task = self._store.wait(self.task_id, timeout=step, since_version=version)
+            version = task.version
+            if task.attempt != self.attempt or task.status in (CANCELLING, *TERMINAL_STATES):
+                raise Cancelled(self.task_id)
+            if task.status == RUNNING:
+                return task.input_answer
+
+
+class Runner:
+    """A pool of worker threads that runs the store's queued tasks.
+
+    Example::
+
+        def report(ctx, payload):
+            for i in range(10):
+                ctx.check()
+                ctx.progress(i, 10)
+            return {"text": "done"}
+
+        with TaskStore("tasks.db") as store, Runner(store, {"report": report}):
+            ...
+
+    Args:
+        handlers: ``{kind: handler(ctx, payload) -> result}``.
+        workers: how many tasks run at once.
+        heartbeat_s: how often the lease is renewed and other processes'
+            cancels are noticed.
+        progress_interval_s: at most one progress write per task per interval.
+    """
+
+    def __init__(self, store, handlers=None, *, workers=4, heartbeat_s=DEFAULT_HEARTBEAT_S,
+                 progress_interval_s=DEFAULT_PROGRESS_INTERVAL_S):
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise InvalidParams("workers must be an integer >= 1", param="workers")
+        self.store = store
+        self.handlers = dict(handlers or {})
+        self.workers = workers
+        self.heartbeat_s = heartbeat_s
+        self.progress_interval_s = progress_interval_s
+        self.process_id = None
+        self._lock = threading.Lock()
+        self._active = {}            # task id -> TaskContext
+        self._threads = []
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+
+    def register(self, kind, handler):
+        """Add a handler for *kind* (claimed from the next poll on)."""
+        self.handlers[kind] = handler
+
+    def start(self):
+        """Register the process and start the threads; return self."""
+        if self._threads:
+            raise InvalidParams("runner already started", param="runner")
+        self.process_id = self.store.register_process()
+        for i in range(self.workers):
+            self._threads.append(threading.Thread(
+                target=self._work, name=f"taskstore-worker-{i}", daemon=True))
+        self._maintenance = threading.Thread(target=self._maintain, name="taskstore-runner",
+                                             daemon=True)
+        for thread in self._threads + [self._maintenance]:
+            thread.start()
+        return self
+
+    def active(self):
+        """Return the ids of the tasks this runner is running now."""
+        with self._lock:
+            return sorted(self._active)
+
+    def stop(self, timeout=2.0):
+        """Stop claiming, signal running handlers, and release what is left.
+
+        Handlers get ``timeout`` seconds to return after their ``cancelled``
+        event is set.  Then every task this runner still owns (and every one
+        whose handler was interrupted by the stop) gets its restart policy at
+        once, exactly as after a crash: ``fail`` tasks are ``failed`` with a
+        ``CRASH_RECOVERY`` message, ``retry``/``resume`` tasks are queued
+        again, ``cancelling`` ones are ``cancelled``.  Idempotent.
+        """
+        if self._stopping.is_set() or not self._threads:
+            self._stopping.set()
+            return
+        self._stopping.set()
+        with self._lock:
+            for ctx in self._active.values():
+                ctx.cancelled.set()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._stopped.set()
+        self._maintenance.join(timeout)
+        with contextlib.suppress(StoreClosed):
+            self.store.release(self.process_id, "the process running this task shut down")
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # -- threads ---------------------------------------------------------------
+
+    def _work(self):
+        seen = None
+        while not self._stopping.is_set():
+            try:
+                task = self.store._claim(self.process_id, tuple(self.handlers))
+            except StoreClosed:
+                return
+            except TaskStoreError:
+                logger.exception("claiming a task failed")
+                task = None
+            if task is None:
+                try:
+                    seen = self.store._wait_for_work(seen, self.store.poll_interval)
+                except StoreClosed:
+                    return
+                continue
+            self._run(task)
+
+    def _run(self, task):
+        ctx = TaskContext(self, task)
+        with self._lock:
+            self._active[task.id] = ctx
+        try:
+            handler = self.handlers[task.kind]
+            try:
+                outcome = ("succeed", handler(ctx, task.payload))
+            except TaskFailed as exc:
+                outcome = ("fail", exc.error, exc.result)
+            except Cancelled:
+                outcome = ("cancelled",)
+            except Exception:
+                logger.error("handler for %s task %s raised:\n%s", task.kind, task.id,
+                             traceback.format_exc())
+                outcome = ("fail", {"code": "internal_error",
+                                    "message": "the task's handler raised an exception"}, None)
+            self._finish(ctx, outcome)
+        except StoreClosed:
+            pass
+        except Exception:
+            logger.exception("finishing task %s failed", task.id)
+        finally:
+            with self._lock:
+                self._active.pop(task.id, None)
+
+    def _finish(self, ctx, outcome):
+        store, task_id, attempt = self.store, ctx.task_id, ctx.attempt
+        if self._stopping.is_set():
+            # Interrupted by shutdown: the restart policy decides (stop()).
+            return
+        ctx.flush()
+        try:
+            if outcome[0] == "succeed":
+                try:
+                    dumps(outcome[1])
+                except (TypeError, ValueError):
+                    logger.error("handler for task %s returned a value that is not JSON", task_id)
+                    outcome = ("fail", {"code": "internal_error",
+                                        "message": "the task's handler returned no JSON value"},
+                               None)
+                else:
+                    ctx.running()
+                    store.succeed(task_id, outcome[1], attempt=attempt)
+                    return
+            if outcome[0] == "fail":
+                store.fail(task_id, outcome[1], result=outcome[2], attempt=attempt)
+            else:
+                store.confirm_cancel(task_id, attempt=attempt)
+        except InvalidTransition:
+            # Someone moved the task first.  MCP and LMSP: a cancel committed
+            # before the outcome wins, and the late outcome is dropped.
+            task = store.get(task_id)
+            if task.status == CANCELLING and task.attempt == attempt:
+                store.confirm_cancel(task_id, attempt=attempt)
+            elif outcome[0] == "cancelled" and task.status in (LOADING, RUNNING, INPUT_REQUIRED) \
+                    and task.attempt == attempt:
+                store.fail(task_id, {"code": "internal_error",
+                                     "message": "the handler stopped as cancelled without a cancel"},
+                           attempt=attempt)
+            else:
+                logger.debug("late outcome of task %s ignored: it is %s", task_id, task.status)
+
+    def _maintain(self):
+        last_beat = time.monotonic()
+        while not self._stopped.wait(self.progress_interval_s):
+            try:
+                with self._lock:
+                    contexts = list(self._active.values())
+                for ctx in contexts:
+                    with contextlib.suppress(InvalidTransition, TaskNotFound):
+                        ctx.flush()
+                if time.monotonic() - last_beat >= self.heartbeat_s:
+                    last_beat = time.monotonic()
+                    if not self.store.heartbeat(self.process_id):
+                        # Declared dead (lease expired): our tasks were recovered
+                        # elsewhere.  Stop their handlers; claim again under a new id.
+                        logger.error("runner lease was lost; restarting under a new registration")
+                        for ctx in contexts:
+                            ctx.cancelled.set()
+                        self.process_id = self.store.register_process()
+                    for task_id in self.store._cancelling_owned(self.process_id):
+                        with self._lock:
+                            ctx = self._active.get(task_id)
+                        if ctx is not None:
+                            ctx.cancelled.set()
+            except StoreClosed:
+                return
+            except Exception:
+                logger.exception("runner maintenance failed")
+
+
+# =============================================================================
+# 12. Command line
+# =============================================================================
+# ``main(argv) -> int``: 0 on success, 1 on a store error (one line on
+# stderr), 2 on a usage error (argparse).  Options refine, never enable: every
+# command works with no options on ./taskstore.db.  Only this section prints.
+
+def iso_time(ms):
+    """Format epoch milliseconds as an RFC 3339 UTC timestamp with milliseconds."""
+    if ms is None:
+        return None
+    seconds, millis = divmod(int(ms), 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+
+
+def _add_db_option(parser):
+    parser.add_argument("--db", default=DEFAULT_DB, metavar="PATH",
+                        help="the store file (default: %(default)s in the current folder)")
+    parser.add_argument("--sync", choices=("normal", "full"), default="normal",
+                        help="SQLite synchronous mode: normal survives process crashes, full "
+                             "also power loss (default: %(default)s)")
+
+
+def build_parser():
+    """Return the argparse parser of the ``taskstore`` command."""
+    parser = argparse.ArgumentParser(
+        prog="taskstore", description="A durable task store: MCP and LMSP servers, admin tools.")
+    parser.add_argument("--version", action="version", version=f"taskstore {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    for name in ("add_mcp_parser", "add_http_parser", "add_bench_parser"):
+        if name in globals():
+            globals()[name](commands)
+
+    tasks = commands.add_parser("tasks", help="inspect and manage a store file",
+                                description="Inspect and manage the tasks of a store file.")
+    verbs = tasks.add_subparsers(dest="verb", metavar="VERB")
+    verbs.required = True
+
+    def verb(name, help_text):
+        sub = verbs.add_parser(name, help=help_text, description=help_text)
+        _add_db_option(sub)
+        sub.add_argument("--json", action="store_true",
+                         help="print JSON for scripts instead of a table (default: table)")
+        return sub
+
+    sub = verb("list", "List tasks, newest first.")
+    sub.add_argument("--status", action="append", choices=STATES,
+                     help="only this stored status (repeatable; default: all)")
+    sub.add_argument("--kind", action="append", help="only this kind (repeatable; default: all)")
+    sub.add_argument("--principal", help="only this principal's tasks (default: everyone's)")
+    sub.add_argument("--limit", type=int, default=50, help="page size (default: %(default)s)")
+    sub.add_argument("--cursor", help="the next_cursor a previous page printed (default: first page)")
+    sub = verb("show", "Show one task in full.")
+    sub.add_argument("task_id", help="the task id")
+    sub = verb("cancel", "Cancel a task.")
+    sub.add_argument("task_id", help="the task id")
+    sub = verb("events", "Print a task's event log.")
+    sub.add_argument("task_id", help="the task id")
+    sub.add_argument("--after", type=int, help="only events after this sequence number "
+                     "(default: from the first)")
+    verb("reap", "Delete what retention says is over, now.")
+    verb("recover", "Apply the restart policy to tasks whose owner is provably dead.")
+    return parser
+
+
+def _print_table(rows, headers):
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    for row in [headers, *rows]:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
+
+
+def _tasks_command(args):
+    if not os.path.exists(args.db):
+        raise StoreUnavailable(f"{args.db}: no such store file")
+    with TaskStore(args.db, synchronous=args.sync, recover_on_open=False) as store:
+        if args.verb == "list":
+            tasks, cursor = store.list(status=args.status, kind=args.kind,
+                                       principal=args.principal, limit=args.limit,
+                                       cursor=args.cursor)
+            if args.json:
+                print(dumps({"tasks": [t.to_dict() for t in tasks], "next_cursor": cursor}))
+            else:
+                _print_table([(t.id, t.kind, t.status, iso_time(t.created_at),
+                               iso_time(t.updated_at), (t.status_message or "")[:40])
+                              for t in tasks], ("ID", "KIND", "STATUS", "CREATED", "UPDATED",
+                                                "MESSAGE"))
+                if cursor:
+                    print(f"next page: --cursor {cursor}")
+        elif args.verb in ("show", "cancel"):
+            task = (store.get if args.verb == "show" else store.cancel)(args.task_id)
+            if args.json:
+                print(dumps(task.to_dict()))
+            else:
+                for key, value in task.to_dict().items():
+                    if key.endswith("_at") and isinstance(value, int):
+                        value = iso_time(value)
+                    print(f"{key + ':':16}{value if isinstance(value, str) else dumps(value)}")
+        elif args.verb == "events":
+            events = store.events(args.task_id, after=args.after)
+            if args.json:
+                print(dumps([dataclasses.asdict(e) for e in events]))
+            else:
+                _print_table([(e.seq, iso_time(e.created_at), e.type, dumps(e.data)[:60])
+                              for e in events], ("SEQ", "TIME", "TYPE", "DATA"))
+        elif args.verb == "reap":
+            counts = store.reap()
+            print(dumps(counts) if args.json else
+                  ", ".join(f"{v} {k}" for k, v in counts.items()) + " deleted")
+        elif args.verb == "recover":
+            moved = store.recover()
+            print(dumps({"recovered": moved}) if args.json else f"{len(moved)} tasks recovered")
+    return 0
+
+
+def main(argv=None):
+    """Run the ``taskstore`` command line; return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="taskstore: %(levelname)s %(message)s")
+    try:
+        if args.command == "tasks":
+            return _tasks_command(args)
+        return args.func(args)
+    except TaskStoreError as exc:
+        print(f"taskstore: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
