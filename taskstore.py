@@ -55,6 +55,17 @@ SQLite 3.31+).  Keep this header; bump only ``__version__``.
 """
 
 __version__ = "0.1.0"
+__all__ = [
+    "TaskStore", "Task", "Event", "Runner", "TaskContext", "Reaper",
+    "TaskStoreError", "InvalidParams", "InvalidCursor", "TaskNotFound", "TaskExpired",
+    "InvalidTransition", "NotCancelable", "IdempotencyMismatch", "EventsExpired",
+    "StoreClosed", "StoreUnavailable", "TaskFailed", "Cancelled",
+    "TRANSITIONS", "STATES", "TERMINAL_STATES", "POLICIES", "next_state",
+    "mcp_status", "lmsp_status", "to_jsonrpc_error", "to_problem", "problem_object",
+    "fingerprint", "new_id", "is_task_id", "iso_time", "main",
+    "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
+    "FAILED", "CANCELLED",
+]
 
 # =============================================================================
 # 1. Imports
@@ -78,6 +89,7 @@ import sys
 import threading
 import time
 import traceback
+import urllib.parse
 
 logger = logging.getLogger(__name__)
 
@@ -489,6 +501,7 @@ def fingerprint(value):
 
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_FROM_CROCKFORD = str.maketrans(_CROCKFORD, "0123456789abcdefghijklmnopqrstuv")
 ID_RE = re.compile(r"\A[a-z][a-z0-9]{0,15}_[0-9A-HJKMNP-TV-Z]{36}\Z")
 
 
@@ -680,6 +693,8 @@ class TaskStore:
         lease_s: a runner whose heartbeat is older than this is dead.
         max_bytes: cap on the database size (SQLite ``max_page_count``).
         recover_on_open: run ``recover()`` when opening.
+        readonly: open for reading only (the admin read commands do); any
+            write raises StoreUnavailable.
 
     Raises:
         StoreUnavailable: the file is not a taskstore database, was written
@@ -690,7 +705,7 @@ class TaskStore:
                  busy_timeout=DEFAULT_BUSY_TIMEOUT_S, poll_interval=DEFAULT_POLL_INTERVAL_S,
                  max_ttl_ms=DEFAULT_MAX_TTL_MS, event_retention_ms=None,
                  tombstone_ms=DEFAULT_TOMBSTONE_MS, lease_s=DEFAULT_LEASE_S,
-                 max_bytes=None, recover_on_open=True):
+                 max_bytes=None, recover_on_open=True, readonly=False):
         if synchronous not in ("normal", "full"):
             raise InvalidParams("synchronous must be 'normal' or 'full'", param="synchronous")
         self.path = os.fspath(path)
@@ -713,20 +728,30 @@ class TaskStore:
         self._listeners = []
         self._cancel_events = {}
         self._reaper = None
+        self._last_id = None
         self._host = _HOST()
         self._conn = None
+        self.readonly = bool(readonly)
         try:
-            self._conn = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None,
-                                         check_same_thread=False)
+            if self.readonly:
+                if not os.path.exists(self.path):
+                    raise StoreUnavailable(f"{self.path}: no such store file")
+                uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
+                self._conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout,
+                                             isolation_level=None, check_same_thread=False)
+            else:
+                self._conn = sqlite3.connect(self.path, timeout=busy_timeout,
+                                             isolation_level=None, check_same_thread=False)
             self._open_schema(max_bytes)
         except sqlite3.Error as exc:
             if self._conn is not None:
                 self._conn.close()
             raise self._unavailable(exc) from None
         except BaseException:
-            self._conn.close()
+            if self._conn is not None:
+                self._conn.close()
             raise
-        if recover_on_open:
+        if recover_on_open and not self.readonly:
             self.recover()
 
     # -- opening ---------------------------------------------------------------
@@ -746,6 +771,11 @@ class TaskStore:
             raise StoreUnavailable(
                 f"{self.path} was written by a newer taskstore (schema {version}; "
                 f"this version reads up to {SCHEMA_VERSION})")
+        if self.readonly:
+            if app_id != APPLICATION_ID or version != SCHEMA_VERSION:
+                raise StoreUnavailable(f"{self.path}: read-only, and not at schema "
+                                       f"{SCHEMA_VERSION}")
+            return
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
             raise StoreUnavailable(f"{self.path}: cannot switch to WAL mode (is it read-only?)")
@@ -890,7 +920,8 @@ class TaskStore:
             if ttl_ms is not None:
                 # MCP: expiry is createdAt + ttl, but a result that arrives
                 # late stays fetchable for a grace period.
-                values["purge_at"] = max(created_at + ttl_ms, now + LATE_FINISH_GRACE_MS)
+                expiry = created_at + ttl_ms
+                values["purge_at"] = expiry if now < expiry else now + LATE_FINISH_GRACE_MS
             elif retention_ms is not None:
                 values["purge_at"] = now + retention_ms
         status_data = {"status": new, "from": status}
@@ -987,7 +1018,7 @@ class TaskStore:
                     if task is None:
                         raise TaskExpired(row[1])
                     return dataclasses.replace(task, replayed=True)
-            task_id = new_id(prefix, now)
+            task_id = self._next_id_locked(prefix, now)
             self._conn.execute(
                 "INSERT INTO tasks (id, kind, status, payload, status_message, principal, policy, "
                 "ttl_ms, retention_ms, created_at, updated_at, meta) "
@@ -1006,6 +1037,16 @@ class TaskStore:
             self._work.notify_all()
             notices.append((task_id, "created"))
             return self._read_locked(task_id)
+
+    def _next_id_locked(self, prefix, now):
+        # Ids made by this store in the same millisecond still sort in
+        # creation order (ULID's monotonic rule): the random part counts up.
+        task_id = new_id(prefix, now)
+        last = self._last_id
+        if last is not None and last[0] == now:
+            task_id = f"{prefix}_{_base32(now & (2**48 - 1), 10)}{_base32(last[1] + 1, 26)}"
+        self._last_id = (now, int(task_id[-26:].translate(_FROM_CROCKFORD), 32))
+        return task_id
 
     def get(self, task_id, *, principal=None):
         """Return the task.
@@ -1264,8 +1305,12 @@ class TaskStore:
 
     # -- runners: claiming, ownership -------------------------------------------
 
-    def _claim(self, owner, kinds):
-        """Claim the oldest queued task of *kinds* for *owner*; None when there is none."""
+    def _claim(self, owner, kinds, loading_kinds=()):
+        """Claim the oldest queued task of *kinds* for *owner*; None when there is none.
+
+        Kinds in *loading_kinds* go to ``loading`` (their handler says when it
+        runs); the others go straight to ``running``.
+        """
         if not kinds:
             return None
         marks = ", ".join("?" * len(kinds))
@@ -1279,7 +1324,9 @@ class TaskStore:
             row = self._conn.execute(pick, (QUEUED, *kinds)).fetchone()
             if row is None:
                 return None
-            self._transition_locked(notices, row[0], CLAIM, now, fields={"owner": owner})
+            kind = self._conn.execute("SELECT kind FROM tasks WHERE id = ?", row).fetchone()[0]
+            self._transition_locked(notices, row[0], CLAIM if kind in loading_kinds else START,
+                                    now, fields={"owner": owner})
             return self._read_locked(row[0])
 
     def _wait_for_work(self, seen, timeout):
@@ -1690,6 +1737,11 @@ class Runner:
         with TaskStore("tasks.db") as store, Runner(store, {"report": report}):
             ...
 
+    A claimed task goes straight to ``running``; a handler with a real
+    loading phase (a model to load, say) sets ``handler.has_loading_phase =
+    True``: its tasks are ``loading`` until it calls ``ctx.running()`` (or
+    reports anything).
+
     Args:
         handlers: ``{kind: handler(ctx, payload) -> result}``.
         workers: how many tasks run at once.
@@ -1774,7 +1826,8 @@ class Runner:
         seen = None
         while not self._stopping.is_set():
             try:
-                task = self.store._claim(self.process_id, tuple(self.handlers))
+                task = self.store._claim(self.process_id, tuple(self.handlers), tuple(
+                    k for k, h in self.handlers.items() if getattr(h, "has_loading_phase", False)))
             except StoreClosed:
                 return
             except TaskStoreError:
@@ -1956,7 +2009,9 @@ def _print_table(rows, headers):
 def _tasks_command(args):
     if not os.path.exists(args.db):
         raise StoreUnavailable(f"{args.db}: no such store file")
-    with TaskStore(args.db, synchronous=args.sync, recover_on_open=False) as store:
+    writes = args.verb in ("cancel", "reap", "recover")
+    with TaskStore(args.db, synchronous=args.sync, recover_on_open=False,
+                   readonly=not writes) as store:
         if args.verb == "list":
             tasks, cursor = store.list(status=args.status, kind=args.kind,
                                        principal=args.principal, limit=args.limit,
