@@ -1118,7 +1118,8 @@ class TaskStore:
         """Block until the task changes or ends, then return it.
 
         Returns when ``task.version != since_version`` (any visible change),
-        or, with ``terminal=True``, when the task is terminal; on *timeout*
+        or, with ``terminal=True``, when the task is terminal (with neither,
+        at once); on *timeout*
         (seconds) it returns the task as it is.  A write in this process
         wakes it at once; another process's write within ``poll_interval``.
 
@@ -1131,7 +1132,8 @@ class TaskStore:
             while True:
                 task = self._get_locked(task_id, principal)
                 if (terminal and task.terminal) or (
-                        since_version is not None and task.version != since_version):
+                        since_version is not None and task.version != since_version) or (
+                        since_version is None and not terminal):
                     return task
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
