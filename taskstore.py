@@ -500,6 +500,14 @@ def fingerprint(value):
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
+def iso_time(ms):
+    """Format epoch milliseconds as an RFC 3339 UTC timestamp with milliseconds."""
+    if ms is None:
+        return None
+    seconds, millis = divmod(int(ms), 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+
+
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _FROM_CROCKFORD = str.maketrans(_CROCKFORD, "0123456789abcdefghijklmnopqrstuv")
 ID_RE = re.compile(r"\A[a-z][a-z0-9]{0,15}_[0-9A-HJKMNP-TV-Z]{36}\Z")
@@ -1314,9 +1322,14 @@ class TaskStore:
         """Move a queued or loading task to ``running`` (used by the runner)."""
         return self._move(task_id, START, attempt=attempt)
 
-    def confirm_cancel(self, task_id, *, attempt=None):
-        """Move a ``cancelling`` task to ``cancelled`` once its work stopped."""
-        return self._move(task_id, CONFIRM_CANCEL, attempt=attempt)
+    def confirm_cancel(self, task_id, *, result=None, attempt=None):
+        """Move a ``cancelling`` task to ``cancelled`` once its work stopped.
+
+        *result* keeps what the work produced before it stopped (LMSP shows
+        the partial response of a cancelled task).
+        """
+        fields = None if result is None else {"result": _json_param(result, "result")}
+        return self._move(task_id, CONFIRM_CANCEL, attempt=attempt, fields=fields)
 
     def require_input(self, task_id, request, *, attempt=None):
         """Park a running task in ``input_required`` with a JSON *request* for the requestor."""
@@ -1788,8 +1801,11 @@ class TaskContext:
         Called implicitly by the first report, emit, snapshot or question.
         """
         if self._loading:
-            self._store.start(self.task_id, attempt=self.attempt)
             self._loading = False
+            # Cancelled (or requeued) while loading: the next report or the
+            # runner's finish will notice; starting is no longer ours to do.
+            with contextlib.suppress(InvalidTransition):
+                self._store.start(self.task_id, attempt=self.attempt)
 
     def progress(self, progress, total=None, message=_MISSING):
         """Report progress (and optionally a status message); coalesced.
@@ -1996,6 +2012,8 @@ class Runner:
         ctx = TaskContext(self, task)
         with self._lock:
             self._active[task.id] = ctx
+            if self._stopping.is_set():     # stop() ran between our claim and here
+                ctx.cancelled.set()
         try:
             handler = self.handlers[task.kind]
             try:
@@ -2046,7 +2064,10 @@ class Runner:
             # before the outcome wins, and the late outcome is dropped.
             task = store.get(task_id)
             if task.status == CANCELLING and task.attempt == attempt:
-                store.confirm_cancel(task_id, attempt=attempt)
+                # A cancel won; whatever the handler returned is kept as the
+                # partial result, never as a success.
+                store.confirm_cancel(task_id, attempt=attempt,
+                                     result=outcome[1] if outcome[0] == "succeed" else None)
             elif outcome[0] == "cancelled" and task.status in (LOADING, RUNNING, INPUT_REQUIRED) \
                     and task.attempt == attempt:
                 store.fail(task_id, {"code": "internal_error",
@@ -2367,14 +2388,6 @@ def run_bench(n=5000, sync="normal", repeat=3, only=None, memory=True):
 # ``main(argv) -> int``: 0 on success, 1 on a store error (one line on
 # stderr), 2 on a usage error (argparse).  Options refine, never enable: every
 # command works with no options on ./taskstore.db.  Only this section prints.
-
-def iso_time(ms):
-    """Format epoch milliseconds as an RFC 3339 UTC timestamp with milliseconds."""
-    if ms is None:
-        return None
-    seconds, millis = divmod(int(ms), 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
-
 
 def _add_db_option(parser):
     parser.add_argument("--db", default=DEFAULT_DB, metavar="PATH",

@@ -522,6 +522,29 @@ class CancellationTests(StoreTestCase):
         self.assertEqual(self.finished(task.id).status, CANCELLED)
         self.assertContiguous(task.id)
 
+    def test_cancel_while_loading_lets_the_handler_report_and_end_cancelled(self):
+        started, go = threading.Event(), threading.Event()
+        errors = queue.Queue()
+
+        def handler(ctx, payload):
+            started.set()
+            go.wait(TIMEOUT)
+            try:
+                ctx.emit("after-cancel", {})      # allowed while cancelling
+            except Exception as exc:               # pragma: no cover - the failure we guard
+                errors.put(exc)
+            ctx.check()
+
+        handler.has_loading_phase = True
+        self.start_runner({"m": handler})
+        task = self.store.create("m")
+        self.assertTrue(started.wait(TIMEOUT))
+        self.assertEqual(self.store.cancel(task.id).status, CANCELLING)
+        go.set()
+        self.assertEqual(self.finished(task.id).status, CANCELLED)
+        self.assertTrue(errors.empty())
+        self.assertIn("after-cancel", [e.type for e in self.assertContiguous(task.id)])
+
     def test_late_success_after_cancel_leaves_the_task_cancelled(self):
         started, release = threading.Event(), threading.Event()
 
@@ -536,7 +559,9 @@ class CancellationTests(StoreTestCase):
         self.assertEqual(self.store.cancel(task.id).status, CANCELLING)
         release.set()
         done = self.finished(task.id)
-        self.assertEqual((done.status, done.result), (CANCELLED, None))
+        # Cancelled, never succeeded; what the work returned is kept as partial output.
+        self.assertEqual((done.status, done.result), (CANCELLED, "late result"))
+        self.assertContiguous(task.id)
 
     def test_cancel_of_finished_task_is_rejected(self):
         task = self.running_task()
