@@ -782,7 +782,10 @@ class RetentionTests(StoreTestCase):
 # Ownership, leases and recovery (in one process; kill -9 tests further down)
 # ---------------------------------------------------------------------------
 
-class RecoveryTests(StoreTestCase):
+class OwnedTaskTestCase(StoreTestCase):
+    """Helpers to make tasks owned by a runner registration, alive or dead."""
+
+    _dead_pid = None
 
     def claimed(self, policy, owner, status=RUNNING, snapshot=None):
         task = self.store.create(f"k-{policy}-{status}", policy=policy)
@@ -799,15 +802,20 @@ class RecoveryTests(StoreTestCase):
 
     def dead_owner(self):
         """A registration whose process has exited (a real, reaped child pid)."""
-        proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True, check=True, timeout=TIMEOUT)
-        pid = int(proc.stdout)
+        if OwnedTaskTestCase._dead_pid is None:
+            proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                                  capture_output=True, text=True, check=True, timeout=TIMEOUT)
+            OwnedTaskTestCase._dead_pid = int(proc.stdout)
+        pid = OwnedTaskTestCase._dead_pid
         owner = taskstore.new_id("proc", self.clock.ms)
         with self.store._writing():
             self.store._conn.execute(
                 "INSERT INTO processes VALUES (?, ?, ?, ?, ?, ?)",
                 (owner, pid, self.store._host, "1", self.clock.ms, self.clock.ms))
         return owner
+
+
+class RecoveryTests(OwnedTaskTestCase):
 
     def test_each_policy_is_applied_to_a_dead_owners_tasks(self):
         owner = self.dead_owner()
@@ -882,6 +890,167 @@ class RecoveryTests(StoreTestCase):
         self.start_runner({self.store.get(task_id).kind: lambda ctx, p: ctx.attempt})
         self.assertEqual(self.finished(task_id).result, 2)
         self.assertContiguous(task_id)
+
+
+# ---------------------------------------------------------------------------
+# Races between the store's writers (issue 5, in one process)
+# ---------------------------------------------------------------------------
+
+class StoreRaceTests(OwnedTaskTestCase):
+
+    def race(self, *calls):
+        barrier = threading.Barrier(len(calls), timeout=TIMEOUT)
+        out = [None] * len(calls)
+
+        def run(i, call):
+            barrier.wait()
+            try:
+                out[i] = call()
+            except taskstore.TaskStoreError as exc:
+                out[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        return out
+
+    def test_cancel_races_recovery(self):
+        for round_ in range(100):
+            owner = self.dead_owner()
+            policy = ("fail", "retry")[round_ % 2]
+            task_id = self.claimed(policy, owner)
+            cancel, _ = self.race(lambda: self.store.cancel(task_id), self.store.recover)
+            self.store.recover()
+            final = self.store.get(task_id)
+            if isinstance(cancel, taskstore.NotCancelable):
+                self.assertEqual(final.status, FAILED)          # recovery won, cancel refused
+            else:
+                self.assertIn(final.status, (CANCELLED,))       # the cancel landed either way
+            self.assertContiguous(task_id)
+
+    def test_reap_races_readers(self):
+        ids = []
+        for _ in range(300):
+            task = self.running_task(retention_ms=0)
+            self.store.emit(task.id, "x")
+            self.store.succeed(task.id, {"ok": 1})
+            ids.append(task.id)
+        stop = threading.Event()
+        problems = queue.Queue()
+
+        def reader():
+            while not stop.is_set():
+                for task_id in ids:
+                    try:
+                        task = self.store.get(task_id)
+                        events = self.store.events(task_id)
+                        if task.result != {"ok": 1} or len(events) != task.last_seq + 1:
+                            problems.put((task_id, task, events))
+                    except taskstore.TaskExpired:
+                        pass
+                    except taskstore.EventsExpired:
+                        pass
+
+        threads = [threading.Thread(target=reader) for _ in range(2)]
+        for t in threads:
+            t.start()
+        counts = self.store.reap(batch_rows=20)
+        stop.set()
+        for t in threads:
+            t.join(TIMEOUT)
+        self.assertEqual(counts["tasks"], 300)
+        self.assertTrue(problems.empty(), problems.queue and problems.queue[0])
+        for task_id in ids:
+            with self.assertRaises(taskstore.TaskExpired):
+                self.store.get(task_id)
+
+    def test_progress_races_cancel(self):
+        started = threading.Event()
+        after_cancel = queue.Queue()
+
+        def handler(ctx, payload):
+            started.set()
+            i = 0
+            while not ctx.is_cancelled():
+                i += 1
+                ctx.progress(i, None, f"step {i}")
+            for j in range(100):                 # a handler that keeps reporting after it
+                ctx.progress(i + j)
+            after_cancel.put(True)
+
+        self.start_runner({"p": handler})
+        task = self.store.create("p")
+        self.assertTrue(started.wait(TIMEOUT))
+        self.assertEqual(self.store.cancel(task.id).status, CANCELLING)
+        self.assertTrue(after_cancel.get(timeout=TIMEOUT))
+        done = self.finished(task.id)
+        self.assertEqual(done.status, CANCELLED)
+        # Nothing writes to a finished task: progress after the end is refused.
+        self.assertFalse(self.store.set_progress(task.id, progress=1))
+        self.assertEqual(self.store.get(task.id).version, done.version)
+        self.assertContiguous(task.id)
+
+    def test_handler_that_ignores_cancel_still_gets_an_answer_at_once(self):
+        started, release = threading.Event(), threading.Event()
+
+        def handler(ctx, payload):     # never looks at ctx.cancelled
+            started.set()
+            release.wait(TIMEOUT)
+            return "ignored"
+
+        runner = self.start_runner({"w": handler})
+        task = self.store.create("w")
+        self.assertTrue(started.wait(TIMEOUT))
+        self.assertEqual(self.store.cancel(task.id).status, CANCELLING)   # answered at once
+        self.assertEqual(runner.active(), [task.id])
+        release.set()
+        self.assertEqual(self.finished(task.id).status, CANCELLED)
+
+
+class SqlParameterTests(StoreTestCase):
+    """No caller-supplied text is ever formatted into SQL: it travels as parameters."""
+
+    def test_user_text_never_appears_in_statement_text(self):
+        marker = "ZQX'marker\"--"
+        seen = []
+        real = self.store._conn
+
+        class Recording:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def execute(self, sql, params=()):
+                seen.append(sql)
+                return real.execute(sql, params)
+
+            def executemany(self, sql, params):
+                seen.append(sql)
+                return real.executemany(sql, params)
+
+        self.store._conn = Recording()
+        task = self.store.create(marker, {"m": marker}, principal=marker, meta={"m": marker},
+                                 status_message=marker,
+                                 idempotency=(marker, marker, marker, 1000))
+        self.store.create(marker, idempotency=(marker, marker, marker, 1000))
+        self.store.get(task.id, principal=marker)
+        self.store.list(kind=[marker], principal=marker)
+        self.store._move(task.id, "start")
+        self.store.set_progress(task.id, progress=1, message=marker)
+        self.store.emit(task.id, marker, {"m": marker}, snapshot={"m": marker})
+        self.store.require_input(task.id, {"m": marker})
+        self.store.provide_input(task.id, marker)
+        self.store.cancel(task.id, reason=marker)
+        self.store.events(task.id, principal=marker)
+        owner = self.store.register_process()
+        self.store.release(owner, marker)
+        self.clock.advance(10)
+        self.store.reap()
+        self.store.recover()
+        self.assertGreater(len(seen), 20)
+        for sql in seen:
+            self.assertNotIn("ZQX", sql)
 
 
 # ---------------------------------------------------------------------------
