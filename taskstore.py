@@ -666,18 +666,24 @@ _LIVE_PROCESS_IDS = set()    # registrations of runners alive in this process
 _HOST = socket.gethostname
 
 
-def _proc_start(pid):
-    """Return the kernel's start time of *pid* (Linux), or None when unknown.
+def _proc_stat(pid):
+    """Return (state, start time) of *pid* from Linux ``/proc``, or None when unknown.
 
-    Together with the pid it names one process for good: a pid reused by a
-    later process has another start time.
+    The start time together with the pid names one process for good: a pid
+    reused by a later process has another start time.
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode("ascii", "replace")
-        return stat[stat.rindex(")") + 2:].split()[19]
+        fields = stat[stat.rindex(")") + 2:].split()
+        return fields[0], fields[19]
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _proc_start(pid):
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[1]
 
 
 def _pid_alive(pid, proc_start):
@@ -687,8 +693,12 @@ def _pid_alive(pid, proc_start):
         return False
     except PermissionError:
         pass
-    current = _proc_start(pid)
-    return proc_start is None or current is None or current == proc_start
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True                # no /proc: the pid answers, that is all we know
+    if stat[0] in ("Z", "X"):
+        return False               # exited, not yet reaped by its parent: it runs nothing
+    return proc_start is None or stat[1] == proc_start
 
 
 class TaskStore:
@@ -792,10 +802,17 @@ class TaskStore:
             conn.execute("PRAGMA schema_version").fetchone()
         except sqlite3.DatabaseError:
             raise StoreUnavailable(f"{self.path} is not a SQLite database") from None
-        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        # One read transaction: another process may initialise the file
+        # between two separate reads (application_id 0, yet tables exist).
+        conn.execute("BEGIN")
+        try:
+            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        finally:
+            conn.execute("COMMIT")
         if app_id != APPLICATION_ID:
-            if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+            if tables:
                 raise StoreUnavailable(f"{self.path} is a SQLite database but not a taskstore one")
         elif version > SCHEMA_VERSION:
             raise StoreUnavailable(
@@ -1450,7 +1467,8 @@ class TaskStore:
         if not kinds:
             return None
         marks = ", ".join("?" * len(kinds))
-        pick = f"SELECT id FROM tasks WHERE status = ? AND kind IN ({marks}) ORDER BY id LIMIT 1"
+        pick = (f"SELECT id, kind FROM tasks WHERE status = ? AND kind IN ({marks}) "
+                "ORDER BY id LIMIT 1")
         with self._reading() as conn:
             # A cheap read first, so idle polling never takes the write lock.
             if conn.execute(pick, (QUEUED, *kinds)).fetchone() is None:
@@ -1460,8 +1478,7 @@ class TaskStore:
             row = self._conn.execute(pick, (QUEUED, *kinds)).fetchone()
             if row is None:
                 return None
-            kind = self._conn.execute("SELECT kind FROM tasks WHERE id = ?", row).fetchone()[0]
-            self._transition_locked(notices, row[0], CLAIM if kind in loading_kinds else START,
+            self._transition_locked(notices, row[0], CLAIM if row[1] in loading_kinds else START,
                                     now, fields={"owner": owner})
             return self._read_locked(row[0])
 
@@ -1573,11 +1590,17 @@ class TaskStore:
         """
         now = self._now_ms() if now is None else now
         with self._reading() as conn:
-            procs = {r[0]: r for r in conn.execute(
-                "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
-            owners = {r[0] for r in conn.execute(
-                "SELECT DISTINCT owner FROM tasks WHERE owner IS NOT NULL AND status IN "
-                f"({', '.join('?' * len(ACTIVE_STATES))})", ACTIVE_STATES)}
+            # One read transaction, one snapshot: read apart, a runner that
+            # registers and claims between the two reads looks unregistered.
+            conn.execute("BEGIN")
+            try:
+                procs = {r[0]: r for r in conn.execute(
+                    "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
+                owners = {r[0] for r in conn.execute(
+                    "SELECT DISTINCT owner FROM tasks WHERE owner IS NOT NULL AND status IN "
+                    f"({', '.join('?' * len(ACTIVE_STATES))})", ACTIVE_STATES)}
+            finally:
+                conn.execute("COMMIT")
         moved = 0
         for proc_id in sorted(owners | set(procs)):
             if self._owner_dead(procs.get(proc_id), now):

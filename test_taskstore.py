@@ -1293,5 +1293,893 @@ class AdminCommandTests(StoreTestCase):
         self.assertIn("(default: 50)", out)
 
 
+# =============================================================================
+# Several processes on one file
+# =============================================================================
+# Real child processes (``python -c SCRIPT``) share one database file with the
+# test.  A child says what it did on its stdout, one line at a time, and waits
+# for orders on its stdin; the test reads those lines through a reader thread
+# with TIMEOUT, so a child that hangs fails the test instead of hanging it.
+# Every child is killed and reaped by addCleanup.  Nothing waits for time to
+# pass: every wait ends on a line, a queue, a barrier, ``proc.wait`` or
+# ``store.wait``, each with a timeout.
+
+# Scale knobs for slow or fast machines; the defaults are the issue's numbers
+
+RACE_ROUNDS = int(os.environ.get("TASKSTORE_TEST_RACE_ROUNDS", "1000"))
+CLAIM_TASKS = int(os.environ.get("TASKSTORE_TEST_CLAIM_TASKS", "10000"))
+IDEMPOTENT_KEYS = int(os.environ.get("TASKSTORE_TEST_IDEMPOTENT_KEYS", "200"))
+
+# The directory of the taskstore module under test (children import the same file).
+TASKSTORE_DIR = os.path.dirname(os.path.abspath(taskstore.__file__))
+
+# Every child script starts with this: argv is [dir of taskstore.py, db path,
+# timeout, extra...].  ``say`` prints one line and flushes it at once.
+CHILD_PRELUDE = r"""
+import json, os, queue, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import taskstore
+DB, T, ARGS = sys.argv[2], float(sys.argv[3]), sys.argv[4:]
+
+def say(*parts):
+    print(*parts, flush=True)
+
+def dump_task(store, task_id):
+    events = [[e.seq, e.type, e.data, e.created_at] for e in store.events(task_id)]
+    return {"task": store.get(task_id).to_dict(), "events": events}
+"""
+
+# A runner with one task in each unfinished situation, blocked in its handler;
+# prints ``ready {...}`` (every task and event as committed) and waits on stdin
+# until it is killed.
+MID_TASK_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB)
+reached = queue.Queue()
+hold = threading.Event()          # never set: the handlers stay where they are
+
+def quick(ctx, payload):
+    ctx.emit("log", {"line": "hello"})
+    ctx.progress(1, 1, "all done")
+    return {"answer": 42}
+
+def block(ctx, payload):
+    how = payload["how"]
+    if how == "report":
+        ctx.progress(1, 4, "working")
+        ctx.flush()
+    elif how == "snapshot":
+        ctx.save_snapshot({"step": 1})
+    elif how == "emit":
+        ctx.emit("chunk", {"text": "part one"}, snapshot={"step": 1})
+    reached.put(ctx.task_id)
+    if how == "ask":
+        try:
+            ctx.ask({"question": "go on?"}, timeout=6 * T)
+        except (taskstore.Cancelled, TimeoutError):
+            pass
+    hold.wait(6 * T)
+
+block.has_loading_phase = True    # "nothing" stays loading; the others report, so run
+
+runner = taskstore.Runner(store, {"quick": quick, "block": block}, workers=8)
+runner.start()
+done = store.create("quick", {"n": 1}, policy="retry")
+if store.wait(done.id, timeout=T, terminal=True).status != "succeeded":
+    sys.exit("the quick task did not succeed")
+ids = {"done": done.id}
+#         name          policy    what the handler does before it blocks
+specs = [("fail",       "fail",   "report"),      # running
+         ("retry",      "retry",  "snapshot"),    # running, with a snapshot
+         ("resume",     "resume", "emit"),        # running, event + snapshot
+         ("cancelling", "resume", "report"),      # running, then cancelled
+         ("loading",    "retry",  "nothing"),     # claimed, never started
+         ("asking",     "resume", "ask")]         # input_required
+for name, policy, how in specs:
+    ids[name] = store.create("block", {"how": how}, policy=policy).id
+for _ in specs:
+    reached.get(timeout=T)
+task = store.get(ids["asking"])
+deadline = time.monotonic() + T
+while task.status != "input_required" and time.monotonic() < deadline:
+    task = store.wait(ids["asking"], timeout=T, since_version=task.version)
+store.cancel(ids["cancelling"], reason="stop it")
+ids["elsewhere"] = store.create("elsewhere", {"x": 1}).id   # no handler here: stays queued
+state = {name: dump_task(store, task_id) for name, task_id in ids.items()}
+say("ready", json.dumps({"proc": runner.process_id, "pid": os.getpid(), "ids": ids,
+                         "state": state}))
+sys.stdin.readline()
+"""
+
+# Many running tasks; one open transaction (the store's own) finishes them all
+# and writes more than the page cache holds, so uncommitted pages reach the
+# WAL file; prints ``in-transaction`` and waits on stdin until it is killed.
+MID_TRANSACTION_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB)
+ids = [store.create("bulk", {"i": i}).id for i in range(int(ARGS[0]))]
+for task_id in ids:
+    store.start(task_id)
+queued = store.create("bulk", {"queued": True}).id
+state = {task_id: dump_task(store, task_id) for task_id in ids + [queued]}
+side = taskstore.sqlite3.connect(DB, timeout=T)
+side.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()   # an empty WAL file
+side.close()
+blob = "x" * 40000
+with store._writing() as notices:
+    now = store._now_ms()
+    for task_id in ids:
+        store._transition_locked(notices, task_id, taskstore.SUCCEED, now,
+                                 fields={"result": taskstore.dumps({"blob": blob})})
+    store._transition_locked(notices, queued, taskstore.CANCEL, now)
+    say("in-transaction", json.dumps({"ids": ids, "queued": queued, "state": state,
+                                      "wal": os.path.getsize(DB + "-wal")}))
+    sys.stdin.readline()
+"""
+
+# The same on a plain sqlite3 connection: BEGIN IMMEDIATE, the UPDATE and
+# INSERT a transition makes, no COMMIT.
+RAW_TRANSACTION_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB)
+task_id = store.create("raw", {"n": 1}).id
+store.start(task_id)
+state = dump_task(store, task_id)
+store.close()
+conn = taskstore.sqlite3.connect(DB, timeout=T, isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+conn.execute("UPDATE tasks SET status = 'succeeded', result = '{}', last_seq = last_seq + 1, "
+             "version = version + 1 WHERE id = ? AND status = 'running'", (task_id,))
+conn.execute("INSERT INTO events (task_id, seq, type, data, created_at) "
+             "VALUES (?, 2, 'status', '{\"status\":\"succeeded\"}', 0)", (task_id,))
+say("in-transaction", json.dumps({"id": task_id, "state": state}))
+sys.stdin.readline()
+"""
+
+# Plays one side of the cancel-vs-succeed race: one task id per stdin line,
+# one JSON line back.  The succeeding side does what Runner._finish does when
+# it loses: a task left ``cancelling`` is confirmed ``cancelled``.
+RACE_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, recover_on_open=False)
+verb = ARGS[0]
+say("ready")
+for line in sys.stdin:
+    task_id = line.strip()
+    try:
+        if verb == "succeed":
+            status = store.succeed(task_id, {"by": os.getpid()}).status
+        else:
+            status = store.cancel(task_id, reason="race").status
+        say(json.dumps({"won": True, "status": status}))
+    except taskstore.TaskStoreError as exc:
+        confirmed = False
+        if verb == "succeed" and store.get(task_id).status == "cancelling":
+            store.confirm_cancel(task_id)
+            confirmed = True
+        say(json.dumps({"won": False, "error": type(exc).__name__, "message": str(exc),
+                        "confirmed": confirmed}))
+"""
+
+# A runner whose handler blocks until its task is cancelled (across processes
+# the cancel arrives through the runner's heartbeat).
+CANCEL_WATCH_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB)
+started = queue.Queue()
+
+def watch(ctx, payload):
+    ctx.running()
+    started.put(ctx.task_id)
+    seen = ctx.cancelled.wait(3 * T)
+    say("cancel-seen", json.dumps(seen))
+    ctx.check()
+    return {"finished": "without a cancel"}
+
+runner = taskstore.Runner(store, {"watch": watch}, workers=1, heartbeat_s=0.2)
+runner.start()
+task_id = store.create("watch", {}).id
+started.get(timeout=T)
+say("ready", task_id)
+sys.stdin.readline()
+runner.stop(timeout=T)
+store.close()
+"""
+
+# One runner draining the queue: waits for ``go``, runs every ``drain`` task
+# it can claim, and on ``stop`` prints the ids its handler ran.
+CLAIM_SCRIPT = CHILD_PRELUDE + r"""
+ran = []
+lock = threading.Lock()
+
+def record(ctx, payload):
+    with lock:
+        ran.append(ctx.task_id)
+    return {"task": ctx.task_id, "pid": os.getpid()}
+
+store = taskstore.TaskStore(DB, recover_on_open=False)
+runner = taskstore.Runner(store, {"drain": record}, workers=2)
+say("ready")
+if sys.stdin.readline().strip() != "go":
+    sys.exit("expected go")
+runner.start()
+sys.stdin.readline()
+runner.stop(timeout=T)
+say("ran", json.dumps(ran))
+store.close()
+"""
+
+# Waits for ``go``, then creates one task per idempotency key, in key order.
+IDEMPOTENCY_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, recover_on_open=False)
+say("ready")
+if sys.stdin.readline().strip() != "go":
+    sys.exit("expected go")
+out = []
+for i in range(int(ARGS[0])):
+    task = store.create("idem", {"i": i}, idempotency=("scope", f"key-{i}", f"fp-{i}", None))
+    out.append([task.id, task.replayed])
+say("created", json.dumps(out))
+store.close()
+"""
+
+# A runner that starts only on ``go``; prints ``running {proc, task}`` once
+# its handler holds a task, then blocks until it is killed.
+LATE_RUNNER_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, recover_on_open=False)
+reached = queue.Queue()
+hold = threading.Event()
+
+def block(ctx, payload):
+    ctx.running()
+    reached.put(ctx.task_id)
+    hold.wait(6 * T)
+
+runner = taskstore.Runner(store, {"block": block}, workers=1)
+say("ready")
+if sys.stdin.readline().strip() != "go":
+    sys.exit("expected go")
+runner.start()
+say("running", json.dumps({"proc": runner.process_id, "task": reached.get(timeout=T)}))
+sys.stdin.readline()
+"""
+
+# Opens (and so initialises) the file, creates one task, and exits.  It first
+# tries without waiting for locks and says ``busy`` when another connection
+# holds one, then opens normally.
+OPENER_SCRIPT = CHILD_PRELUDE + r"""
+try:
+    store = taskstore.TaskStore(DB, busy_timeout=0)
+except taskstore.StoreUnavailable:
+    say("busy")
+    store = taskstore.TaskStore(DB, busy_timeout=T)
+say("created", store.create("first", {}).id)
+store.close()
+"""
+
+
+class _Fetched(list):
+    """Rows already fetched, with the two cursor methods the store uses."""
+
+    def fetchone(self):
+        return self[0] if self else None
+
+    def fetchall(self):
+        return list(self)
+
+
+class PausingConnection:
+    """Wraps a store's sqlite3 connection: after the first statement containing
+    *marker* has been read to its end, call *hook* (once), then carry on.
+
+    It puts another process's write exactly between two of the store's reads,
+    which no amount of repetition does reliably.
+    """
+
+    def __init__(self, conn, marker, hook):
+        self._conn, self._marker, self._hook = conn, marker, hook
+
+    def execute(self, sql, *args):
+        cursor = self._conn.execute(sql, *args)
+        if self._hook is None or self._marker not in sql:
+            return cursor
+        rows = _Fetched(cursor.fetchall())
+        hook, self._hook = self._hook, None
+        hook()
+        return rows
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+class ChildProcess:
+    """A ``python -c script`` child whose stdout lines are read with a timeout.
+
+    The reader thread puts each line on a queue (None at end of file);
+    ``close`` (registered with addCleanup) kills, reaps and joins everything.
+    """
+
+    def __init__(self, test, script, db, *args):
+        self._stderr = tempfile.TemporaryFile("w+", encoding="utf-8")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", script, TASKSTORE_DIR, db, str(TIMEOUT), *map(str, args)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+            encoding="utf-8")
+        self.pid = self.proc.pid
+        self._lines = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name=f"child-{self.pid}-stdout",
+                                        daemon=True)
+        self._reader.start()
+        test.addCleanup(self.close)
+
+    def _read(self):
+        with contextlib.suppress(ValueError, OSError):
+            for line in self.proc.stdout:
+                self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def stderr(self):
+        self._stderr.seek(0)
+        return self._stderr.read()[-3000:]
+
+    def readline(self, timeout=TIMEOUT):
+        """Return the child's next line; fail the test on timeout or end of output."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"child {self.pid} printed nothing for {timeout} s; "
+                                 f"stderr:\n{self.stderr()}") from None
+        if line is None:
+            self._lines.put(None)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=TIMEOUT)
+            raise AssertionError(f"child {self.pid} ended (exit status {self.proc.returncode}); "
+                                 f"stderr:\n{self.stderr()}")
+        return line
+
+    def expect(self, word, timeout=TIMEOUT):
+        """Read one line ``word [rest]`` and return the rest (JSON-decoded when it is JSON)."""
+        line = self.readline(timeout)
+        head, _, rest = line.partition(" ")
+        if head != word:
+            raise AssertionError(f"child {self.pid} said {line[:300]!r}, expected {word!r}; "
+                                 f"stderr:\n{self.stderr()}")
+        try:
+            return json.loads(rest)
+        except ValueError:
+            return rest
+
+    def remaining_lines(self):
+        """Return every line up to the end of the child's output (after it exited)."""
+        lines = []
+        while (line := self._lines.get(timeout=TIMEOUT)) is not None:
+            lines.append(line)
+        self._lines.put(None)
+        return lines
+
+    def send(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def kill9(self, test):
+        """SIGKILL the child, reap it, and check that SIGKILL is what ended it."""
+        self.proc.kill()
+        test.assertEqual(self.proc.wait(timeout=TIMEOUT), -signal.SIGKILL)
+
+    def finish(self, test):
+        """Close stdin (the child's cue to leave) and check it exits 0."""
+        self.proc.stdin.close()
+        test.assertEqual(self.proc.wait(timeout=TIMEOUT), 0, self.stderr())
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=TIMEOUT)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError, ValueError):
+                stream.close()
+        self._reader.join(TIMEOUT)
+        self._stderr.close()
+
+
+class MultiProcessTestCase(unittest.TestCase):
+    """A temporary directory with one database file that children share."""
+
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.path = os.path.join(tmp.name, "tasks.db")
+
+    def open_store(self, **kwargs):
+        kwargs.setdefault("poll_interval", 0.02)
+        store = taskstore.TaskStore(self.path, **kwargs)
+        self.addCleanup(store.close)
+        return store
+
+    def spawn(self, script, *args):
+        return ChildProcess(self, script, self.path, *args)
+
+    def start_thread(self, target, *args):
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self.addCleanup(thread.join, TIMEOUT)
+        return thread
+
+    def sql(self, query, args=()):
+        """Run one read-only query on a separate plain connection."""
+        conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=TIMEOUT)
+        try:
+            return conn.execute(query, args).fetchall()
+        finally:
+            conn.close()
+
+    def dump(self, store, task_id):
+        """The task and its events as the children print them (JSON round trip)."""
+        events = [[e.seq, e.type, e.data, e.created_at] for e in store.events(task_id)]
+        return json.loads(json.dumps({"task": store.get(task_id).to_dict(), "events": events}))
+
+    def assertEventsContiguous(self, store, task_id):
+        task = store.get(task_id)
+        seqs = [e.seq for e in store.events(task_id)]
+        self.assertEqual(seqs, list(range(0, task.last_seq + 1)), task_id)
+        return store.events(task_id)
+
+    def terminal_status_events(self, store, task_id):
+        return [e for e in store.events(task_id)
+                if e.type == "status" and e.data["status"] in taskstore.TERMINAL_STATES]
+
+    def assert_untouched(self, store, info):
+        """Every task of MID_TASK_SCRIPT is exactly as the child printed it."""
+        for name, task_id in info["ids"].items():
+            with self.subTest(task=name):
+                self.assertEqual(self.dump(store, task_id), info["state"][name])
+
+    def assert_policies_applied(self, store, info):
+        """MID_TASK_SCRIPT's tasks after recovery: each policy applied, nothing lost."""
+        ids, before = info["ids"], info["state"]
+        for name in ("done", "elsewhere"):              # committed, not running: unchanged
+            self.assertEqual(self.dump(store, ids[name]), before[name], name)
+        self.assertEqual(store.get(ids["done"]).result, {"answer": 42})
+
+        failed = store.get(ids["fail"])
+        self.assertEqual(failed.status, taskstore.FAILED)
+        self.assertEqual(failed.error["code"], "server_restarted")
+        self.assertTrue(failed.status_message.startswith("CRASH_RECOVERY"), failed.status_message)
+        self.assertTrue(failed.error["message"].startswith("CRASH_RECOVERY"))
+
+        for name in ("retry", "resume", "loading", "asking"):
+            with self.subTest(task=name):
+                task = store.get(ids[name])
+                self.assertEqual(task.status, taskstore.QUEUED)
+                self.assertEqual(task.attempt, 2)
+                self.assertIsNone(task.owner)
+                self.assertIsNone(task.input_request)
+        self.assertIsNone(store.load_snapshot(ids["retry"]))           # retry starts afresh
+        self.assertEqual(store.load_snapshot(ids["resume"]), {"step": 1})
+        self.assertEqual(store.get(ids["cancelling"]).status, taskstore.CANCELLED)
+
+        for name, task_id in ids.items():
+            with self.subTest(events=name):
+                events = self.assertEventsContiguous(store, task_id)
+                old = before[name]["events"]
+                # Nothing committed is lost: the log before the crash is a prefix.
+                self.assertEqual([[e.seq, e.type, e.data, e.created_at]
+                                  for e in events[:len(old)]], old)
+                moved = name not in ("done", "elsewhere")
+                self.assertEqual(len(events) - len(old), 1 if moved else 0)
+                if moved:
+                    self.assertEqual(events[-1].type, "status")
+                    self.assertEqual(events[-1].data["status"], store.get(task_id).status)
+        self.assertEqual(self.sql("SELECT count(*) FROM processes WHERE id = ?",
+                                  (info["proc"],)), [(0,)])
+
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+class CrashRecoveryTests(MultiProcessTestCase):
+    """kill -9 a child mid-task and mid-transaction, reopen the file, recover."""
+
+    def crash_mid_task(self):
+        """Run MID_TASK_SCRIPT until ``ready``, SIGKILL it, and return what it reported."""
+        child = self.spawn(MID_TASK_SCRIPT)
+        info = child.expect("ready")
+        child.kill9(self)
+        return info
+
+    def test_killed_runner_leaves_committed_state_until_recover_applies_each_policy(self):
+        info = self.crash_mid_task()
+        store = self.open_store(recover_on_open=False, busy_timeout=0)
+        self.assert_untouched(store, info)
+        self.assertEqual(store.get(info["ids"]["cancelling"]).status, taskstore.CANCELLING)
+        self.assertEqual(store.get(info["ids"]["asking"]).status, taskstore.INPUT_REQUIRED)
+        self.assertEqual(store.get(info["ids"]["loading"]).status, taskstore.LOADING)
+        self.assertEqual(store.get(info["ids"]["fail"]).owner, info["proc"])
+
+        moved = store.recover()
+
+        self.assertEqual(moved, 6)          # all but "done" and "elsewhere"
+        self.assert_policies_applied(store, info)
+        self.assertEqual(store.recover(), 0)
+
+    def test_reopening_after_kill_applies_each_policy_at_open(self):
+        info = self.crash_mid_task()
+        store = self.open_store(busy_timeout=0)
+        self.assert_policies_applied(store, info)
+        self.assertEqual(store.recover(), 0)
+
+    def test_requeued_tasks_run_again_with_their_snapshot(self):
+        info = self.crash_mid_task()
+        store = self.open_store()
+        ids = info["ids"]
+
+        def rerun(ctx, payload):
+            return {"attempt": ctx.attempt, "snapshot": ctx.load_snapshot()}
+
+        runner = taskstore.Runner(store, {"block": rerun}, workers=2)
+        runner.start()
+        self.addCleanup(runner.stop, TIMEOUT)
+        expected = {"retry": None, "resume": {"step": 1}, "loading": None, "asking": None}
+        for name, snapshot in expected.items():
+            with self.subTest(task=name):
+                task = store.wait(ids[name], timeout=TIMEOUT, terminal=True)
+                self.assertEqual(task.status, taskstore.SUCCEEDED)
+                self.assertEqual(task.result, {"attempt": 2, "snapshot": snapshot})
+                self.assertEventsContiguous(store, ids[name])
+                self.assertEqual(len(self.terminal_status_events(store, ids[name])), 1)
+        self.assertEqual(store.get(ids["elsewhere"]).status, taskstore.QUEUED)
+
+    def test_killed_owner_not_yet_reaped_is_recovered(self):
+        """A SIGKILLed owner that its parent has not reaped yet (a zombie) is dead too."""
+        child = self.spawn(MID_TASK_SCRIPT)
+        info = child.expect("ready")
+        child.proc.kill()
+        exited = threading.Event()
+
+        def wait_without_reaping():
+            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+            exited.set()
+
+        self.start_thread(wait_without_reaping)
+        self.assertTrue(exited.wait(TIMEOUT))
+        self.assertIsNone(child.proc.returncode)          # still a zombie: not reaped
+        store = self.open_store(recover_on_open=False)
+        self.assertEqual(store.recover(), 6)
+        self.assert_policies_applied(store, info)
+
+    def test_kill_mid_transaction_leaves_the_state_before_it(self):
+        count = 120
+        child = self.spawn(MID_TRANSACTION_SCRIPT, count)
+        info = child.expect("in-transaction")
+        # The transaction outgrew the page cache, so its uncommitted pages are
+        # already in the WAL file: the reopen must ignore them.
+        self.assertGreater(info["wal"], 0)
+        child.kill9(self)
+
+        # The dead writer's lock is gone at once: a write with no busy wait.
+        conn = sqlite3.connect(self.path, timeout=0, isolation_level=None)
+        self.addCleanup(conn.close)
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        store = self.open_store(busy_timeout=0)
+        self.assertEqual(store._conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
+        for task_id in info["ids"] + [info["queued"]]:
+            self.assertEqual(self.dump(store, task_id), info["state"][task_id])
+        self.assertEqual(store.get(info["ids"][0]).status, taskstore.RUNNING)
+        self.assertEqual(store.get(info["queued"]).status, taskstore.QUEUED)
+        self.assertEqual(self.sql("SELECT count(*) FROM events"), [(2 * count + 1,)])
+
+        task = store.succeed(info["ids"][0], {"after": "crash"})
+        self.assertEqual(task.status, taskstore.SUCCEEDED)
+        self.assertEqual([e.seq for e in store.events(task.id)], [0, 1, 2])
+
+    def test_kill_inside_raw_begin_immediate_leaves_the_state_before_it(self):
+        child = self.spawn(RAW_TRANSACTION_SCRIPT)
+        info = child.expect("in-transaction")
+        child.kill9(self)
+
+        conn = sqlite3.connect(self.path, timeout=0, isolation_level=None)
+        self.addCleanup(conn.close)
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        store = self.open_store(busy_timeout=0)
+        self.assertEqual(self.dump(store, info["id"]), info["state"])
+        self.assertEqual(store.get(info["id"]).status, taskstore.RUNNING)
+        store.succeed(info["id"], {"after": "crash"})
+        self.assertEqual([e.seq for e in store.events(info["id"])], [0, 1, 2])
+        self.assertEqual(len(self.terminal_status_events(store, info["id"])), 1)
+
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+class LiveNeighbourTests(MultiProcessTestCase):
+    """A second process on the file never recovers what a live process runs."""
+
+    def test_recovery_leaves_a_live_neighbours_tasks_alone_until_it_is_killed(self):
+        child = self.spawn(MID_TASK_SCRIPT)
+        info = child.expect("ready")
+        store = self.open_store()                   # recover_on_open=True: it ran here
+        self.assertEqual(store.recover(), 0)
+        for name, task_id in info["ids"].items():   # untouched, owner still the child
+            with self.subTest(task=name):
+                self.assertEqual(self.dump(store, task_id), info["state"][name])
+        self.assertEqual(store.get(info["ids"]["fail"]).owner, info["proc"])
+        self.assertEqual(self.sql("SELECT pid FROM processes WHERE id = ?", (info["proc"],)),
+                         [(info["pid"],)])
+        # The neighbour writes to the same file meanwhile without disturbing it.
+        mine = store.create("elsewhere", {"from": "neighbour"})
+        self.assertEqual(store.get(mine.id).status, taskstore.QUEUED)
+
+        child.kill9(self)
+        self.assertEqual(store.recover(), 6)
+        self.assert_policies_applied(store, info)
+
+    def test_a_runner_starting_while_recovery_reads_is_not_taken_for_dead(self):
+        store = self.open_store(recover_on_open=False)
+        task = store.create("block", {}, policy="fail")
+        child = self.spawn(LATE_RUNNER_SCRIPT)
+        child.expect("ready")
+        neighbour = {}
+
+        def start_the_neighbour():
+            child.send("go")
+            neighbour.update(child.expect("running"))
+
+        # recover() reads the registrations, then the owned tasks: the
+        # neighbour registers and claims the task between those two reads.
+        store._conn = PausingConnection(store._conn, "FROM processes", start_the_neighbour)
+        moved = store.recover()
+
+        self.assertEqual(neighbour.get("task"), task.id)       # the interleaving happened
+        self.assertEqual(moved, 0)
+        task = store.get(task.id)
+        self.assertEqual((task.status, task.owner), (taskstore.RUNNING, neighbour["proc"]))
+        child.kill9(self)
+        self.assertEqual(store.recover(), 1)
+        self.assertEqual(store.get(task.id).status, taskstore.FAILED)
+
+
+class SharedFileOpenTests(MultiProcessTestCase):
+    """Several processes may open (and so initialise) one new file at the same time."""
+
+    def test_a_file_initialised_by_another_process_during_open_is_accepted(self):
+        test = self
+        other = {}
+
+        def let_another_process_initialise_it():
+            other["child"] = child = test.spawn(OPENER_SCRIPT)
+            # Either the other process initialises the file now, between this
+            # process's reads, or those reads hold a lock that makes it wait
+            # ("busy"); both are fine, as long as the open below succeeds.
+            other["first"] = child.readline()
+            test.assertIn(other["first"].partition(" ")[0], ("created", "busy"))
+
+        class HookedStore(taskstore.TaskStore):
+            def _open_schema(store, max_bytes):
+                # Run the other process right after this one has read the
+                # (still empty) file's application_id.
+                real = store._conn
+                store._conn = PausingConnection(real, "PRAGMA application_id",
+                                                let_another_process_initialise_it)
+                try:
+                    return super()._open_schema(max_bytes)
+                finally:
+                    store._conn = real
+
+        store = HookedStore(self.path, poll_interval=0.02)
+        self.addCleanup(store.close)
+        child = other["child"]
+        child.finish(self)
+        lines = [other["first"]] + child.remaining_lines()
+        created = [line.split()[1] for line in lines if line.startswith("created ")]
+        self.assertEqual(len(created), 1, lines)
+        self.assertEqual(store.get(created[0]).kind, "first")
+        self.assertEqual(store.create("second").status, taskstore.QUEUED)
+        self.assertEqual(len(store.list()[0]), 2)
+
+
+class CrossProcessRaceTests(MultiProcessTestCase):
+    """cancel vs succeed on one task, from two processes and from two threads."""
+
+    def running_tasks(self, store, count):
+        ids = []
+        for i in range(count):
+            task_id = store.create("race", {"round": i}).id
+            store.start(task_id)
+            ids.append(task_id)
+        return ids
+
+    def check_round(self, store, task_id, succeeder, canceller):
+        """Exactly one side won; the loser got the documented error; one final event."""
+        self.assertNotEqual(succeeder["won"], canceller["won"], (task_id, succeeder, canceller))
+        task = store.get(task_id)
+        if succeeder["won"]:
+            self.assertEqual(succeeder["status"], taskstore.SUCCEEDED)
+            self.assertEqual(canceller["error"], "NotCancelable")
+            self.assertEqual(canceller["message"],
+                             f"cannot cancel task {task_id}: it is already succeeded")
+            self.assertEqual(task.status, taskstore.SUCCEEDED)
+        else:
+            self.assertEqual(canceller["status"], taskstore.CANCELLING)
+            self.assertEqual(succeeder["error"], "InvalidTransition")
+            self.assertEqual(succeeder["message"],
+                             f"cannot succeed task {task_id}: it is cancelling")
+            self.assertTrue(succeeder["confirmed"])
+            self.assertEqual(task.status, taskstore.CANCELLED)
+            self.assertIsNone(task.result)
+        finals = self.terminal_status_events(store, task_id)
+        self.assertEqual([e.data["status"] for e in finals], [task.status])
+        self.assertEventsContiguous(store, task_id)
+        return "succeed" if succeeder["won"] else "cancel"
+
+    def test_cancel_and_succeed_from_two_processes_have_exactly_one_winner(self):
+        store = self.open_store()
+        ids = self.running_tasks(store, RACE_ROUNDS)
+        succeeder = self.spawn(RACE_SCRIPT, "succeed")
+        canceller = self.spawn(RACE_SCRIPT, "cancel")
+        succeeder.expect("ready")
+        canceller.expect("ready")
+        answers = []
+        for i, task_id in enumerate(ids):
+            # Both children are blocked in readline; alternate who is told first.
+            pair = (succeeder, canceller) if i % 2 else (canceller, succeeder)
+            for child in pair:
+                child.send(task_id)
+            answers.append((json.loads(succeeder.readline()), json.loads(canceller.readline())))
+        succeeder.finish(self)
+        canceller.finish(self)
+        wins = {"succeed": 0, "cancel": 0}
+        for task_id, (s, c) in zip(ids, answers):
+            wins[self.check_round(store, task_id, s, c)] += 1
+        self.assertEqual(sum(wins.values()), RACE_ROUNDS)
+
+    def test_cancel_and_succeed_from_two_threads_have_exactly_one_winner(self):
+        store = self.open_store()
+        ids = self.running_tasks(store, RACE_ROUNDS)
+        # One store (one connection) per thread, as two processes would have.
+        stores = {verb: self.open_store(recover_on_open=False) for verb in ("succeed", "cancel")}
+        inboxes = {verb: queue.Queue() for verb in stores}
+        outboxes = {verb: queue.Queue() for verb in stores}
+
+        def side(verb):
+            own = stores[verb]
+            while (task_id := inboxes[verb].get(timeout=TIMEOUT)) is not None:
+                try:
+                    if verb == "succeed":
+                        status = own.succeed(task_id, {"by": "thread"}).status
+                    else:
+                        status = own.cancel(task_id, reason="race").status
+                    outboxes[verb].put({"won": True, "status": status})
+                except taskstore.TaskStoreError as exc:
+                    confirmed = False
+                    if verb == "succeed" and own.get(task_id).status == taskstore.CANCELLING:
+                        own.confirm_cancel(task_id)
+                        confirmed = True
+                    outboxes[verb].put({"won": False, "error": type(exc).__name__,
+                                        "message": str(exc), "confirmed": confirmed})
+
+        for verb in stores:
+            self.start_thread(side, verb)
+            self.addCleanup(inboxes[verb].put, None)      # runs before the thread's join
+        wins = {"succeed": 0, "cancel": 0}
+        for i, task_id in enumerate(ids):
+            for verb in (("succeed", "cancel") if i % 2 else ("cancel", "succeed")):
+                inboxes[verb].put(task_id)
+            s = outboxes["succeed"].get(timeout=TIMEOUT)
+            c = outboxes["cancel"].get(timeout=TIMEOUT)
+            wins[self.check_round(store, task_id, s, c)] += 1
+        self.assertEqual(sum(wins.values()), RACE_ROUNDS)
+
+    def test_cancel_from_another_process_reaches_the_running_handler(self):
+        child = self.spawn(CANCEL_WATCH_SCRIPT)
+        task_id = child.expect("ready")
+        store = self.open_store()
+        self.assertEqual(store.get(task_id).status, taskstore.RUNNING)
+
+        self.assertEqual(store.cancel(task_id).status, taskstore.CANCELLING)
+
+        # The handler waits up to 3 * TIMEOUT for its event: True means the
+        # cancel reached it, through the other process's heartbeat.
+        self.assertIs(child.expect("cancel-seen"), True)
+        task = store.wait(task_id, timeout=TIMEOUT, terminal=True)
+        self.assertEqual(task.status, taskstore.CANCELLED)
+        self.assertEqual([e.data["status"] for e in store.events(task_id) if e.type == "status"],
+                         [taskstore.RUNNING, taskstore.CANCELLING, taskstore.CANCELLED])
+        child.finish(self)
+
+
+class CrossProcessClaimTests(MultiProcessTestCase):
+    """Runners in several processes drain one queue: every task runs exactly once."""
+
+    def test_three_runner_processes_run_every_task_exactly_once(self):
+        store = self.open_store()
+        ids = [store.create("drain", {"i": i}).id for i in range(CLAIM_TASKS)]
+        children = [self.spawn(CLAIM_SCRIPT) for _ in range(3)]
+        for child in children:
+            child.expect("ready")
+        for child in children:
+            child.send("go")
+        for task_id in ids:      # the order they are claimed in: each wait is short
+            task = store.wait(task_id, terminal=True, timeout=TIMEOUT)
+            self.assertTrue(task.terminal, f"{task_id} is stuck in {task.status}")
+        ran = []
+        for child in children:
+            child.send("stop")
+            ran.append(child.expect("ran", timeout=2 * TIMEOUT))
+            child.finish(self)
+
+        everything = [task_id for part in ran for task_id in part]
+        self.assertEqual(len(everything), CLAIM_TASKS)               # no task ran twice
+        self.assertEqual(set(everything), set(ids))                  # none was lost
+        self.assertGreaterEqual(sum(1 for part in ran if part), 2)   # it was a contest
+        pids = {child.pid: set(part) for child, part in zip(children, ran)}
+        for task_id in ids:
+            task = store.get(task_id)
+            self.assertEqual(task.status, taskstore.SUCCEEDED)
+            self.assertEqual(task.result["task"], task_id)
+            self.assertIn(task_id, pids[task.result["pid"]])
+            self.assertEqual(task.attempt, 1)
+            moves = [e.data for e in store.events(task_id) if e.type == "status"]
+            self.assertEqual([m for m in moves if m["from"] == taskstore.QUEUED],
+                             moves[:1], task_id)               # claimed once, never requeued
+            self.assertEqual(moves[-1]["status"], taskstore.SUCCEEDED)
+        self.assertEqual(store.list(status=taskstore.UNFINISHED_STATES)[0], [])
+        self.assertEqual(self.sql("SELECT count(*) FROM processes"), [(0,)])
+
+
+class CrossProcessIdempotencyTests(MultiProcessTestCase):
+    """Concurrent creates with one idempotency key make one task."""
+
+    def test_processes_creating_the_same_keys_at_once_make_one_task_per_key(self):
+        store = self.open_store()
+        children = [self.spawn(IDEMPOTENCY_SCRIPT, IDEMPOTENT_KEYS) for _ in range(4)]
+        for child in children:
+            child.expect("ready")
+        for child in children:
+            child.send("go")
+        outputs = [child.expect("created", timeout=3 * TIMEOUT) for child in children]
+        for child in children:
+            child.finish(self)
+        tasks, _ = store.list(kind="idem", limit=IDEMPOTENT_KEYS + 1)
+        self.assertEqual(len(tasks), IDEMPOTENT_KEYS)
+        for i in range(IDEMPOTENT_KEYS):
+            answers = [out[i] for out in outputs]
+            self.assertEqual(len({task_id for task_id, _ in answers}), 1, answers)
+            self.assertEqual(sorted(replayed for _, replayed in answers),
+                             [False] + [True] * (len(children) - 1), answers)
+            self.assertEqual(store.get(answers[0][0]).payload, {"i": i})
+        self.assertEqual(self.sql("SELECT count(*) FROM idempotency"), [(IDEMPOTENT_KEYS,)])
+
+    def create_from_threads(self, fingerprints):
+        """Create with one key from len(fingerprints) threads, each on its own store."""
+        self.open_store()                                   # the file exists first
+        stores = [self.open_store(recover_on_open=False) for _ in fingerprints]
+        barrier = threading.Barrier(len(fingerprints), timeout=TIMEOUT)
+        results = queue.Queue()
+
+        def create(own, fprint):
+            barrier.wait()
+            try:
+                task = own.create("idem", {"k": 1},
+                                  idempotency=("scope", "one-key", fprint, None))
+                results.put((fprint, task.id, task.replayed))
+            except taskstore.TaskStoreError as exc:
+                results.put((fprint, exc, None))
+
+        for own, fprint in zip(stores, fingerprints):
+            self.start_thread(create, own, fprint)
+        return [results.get(timeout=TIMEOUT) for _ in fingerprints]
+
+    def test_sixteen_threads_with_the_same_key_make_one_task(self):
+        results = self.create_from_threads(["fp"] * 16)
+        self.assertEqual(len({task_id for _, task_id, _ in results}), 1, results)
+        self.assertEqual(sorted(replayed for _, _, replayed in results), [False] + [True] * 15)
+        self.assertEqual(len(self.open_store().list(kind="idem")[0]), 1)
+
+    def test_threads_with_another_fingerprint_get_a_mismatch_and_no_task(self):
+        results = self.create_from_threads(["fp-a"] * 8 + ["fp-b"] * 8)
+        winner = [fprint for fprint, _, replayed in results if replayed is False]
+        self.assertEqual(len(winner), 1, results)
+        for fprint, outcome, replayed in results:
+            if fprint == winner[0]:
+                self.assertIsInstance(outcome, str)
+            else:
+                self.assertIsInstance(outcome, taskstore.IdempotencyMismatch)
+        self.assertEqual(len(self.open_store().list(kind="idem")[0]), 1)
+
+
 if __name__ == "__main__":
     unittest.main()
