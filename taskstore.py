@@ -65,6 +65,12 @@ __all__ = [
     "fingerprint", "new_id", "is_task_id", "iso_time", "main",
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
     "FAILED", "CANCELLED",
+    # LMSP HTTP server (section 10)
+    "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
+    "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
+    "response_object", "lmsp_event", "task_error_problem", "parse_idempotency_key", "add_http_parser", "cmd_http",
+    "Unauthorized", "RouteNotFound", "MethodNotAllowed", "PayloadTooLarge", "UnsupportedMediaType", "UnsupportedCapability",
+    "ServiceUnavailable",
 ]
 
 # =============================================================================
@@ -77,11 +83,18 @@ import argparse
 import base64
 import contextlib
 import hashlib
+import hmac
+import http.client
+import http.server
+import io
+import ipaddress
 import json
 import logging
 import os
 import re
 import secrets
+import select
+import signal
 import socket
 import sqlite3
 import sys
@@ -2126,6 +2139,1128 @@ class Runner:
                 return
             except Exception:
                 logger.exception("runner maintenance failed")
+
+
+# =============================================================================
+# 10. LMSP HTTP server
+# =============================================================================
+# The LMSP 1.0 task routes (spec/LMSP.md) over the standard library's
+# http.server.  Rules: this section never writes SQL and never decides a
+# status; it validates, calls the store, and projects.  The task object, the
+# response object and the event projection are each built by ONE function
+# (task_object, response_object, lmsp_event).  Errors become problem objects
+# only through to_problem(); LMSP-only failures are TaskStoreError subclasses.
+# Task ids are checked with is_task_id() before the store is asked anything.
+# Backends only stream text; ResponseOutput turns that text into the OpenAI
+# Responses event shapes, so every backend streams the same events.
+
+LMSP_VERSION = "1.0"
+LMSP_PREFIX = "/lmsp/v1"
+DEFAULT_HTTP_HOST = "127.0.0.1"
+DEFAULT_HTTP_PORT = 8765
+DEFAULT_MAX_BODY = 1024 * 1024
+DEFAULT_RETENTION_S = 24 * 3600
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+DEFAULT_MAX_STREAMS = 256
+DEFAULT_KEEPALIVE_S = 15.0
+DEFAULT_DEMO_DELAY_S = 0.02
+DEFAULT_BACKEND_URL = "http://127.0.0.1:11434/v1"   # Ollama's OpenAI-compatible API
+_STREAM_WAKE_S = 0.5        # how soon an idle event stream notices a server shutdown
+_EVENT_BATCH = 500          # events read from the store per query while streaming
+FINAL_EVENTS = frozenset(("response.completed", "response.incomplete",
+                          "response.failed", "response.cancelled"))
+# A failed task's problem: B.2 says 503 for a restart, 500 for everything else.
+_TASK_ERROR_STATUS = {"server_restarted": 503}
+
+
+class Unauthorized(TaskStoreError):
+    """Missing or wrong bearer token (answered with ``WWW-Authenticate: Bearer``)."""
+
+    code = "unauthorized"
+    http_status = 401
+
+
+class RouteNotFound(TaskStoreError):
+    """No LMSP route has this path."""
+
+    code = "not_found"
+    http_status = 404
+
+
+class MethodNotAllowed(TaskStoreError):
+    """The path is known but not with this method; ``allow`` lists the methods it takes."""
+
+    code = "method_not_allowed"
+    http_status = 405
+
+    def __init__(self, method, allow):
+        super().__init__(f"method {method} is not allowed here; use {', '.join(allow)}")
+        self.allow = allow
+
+
+class PayloadTooLarge(TaskStoreError):
+    """The request body is larger than ``--max-body``."""
+
+    code = "payload_too_large"
+    http_status = 413
+
+
+class UnsupportedMediaType(TaskStoreError):
+    """A request body whose Content-Type is not JSON."""
+
+    code = "unsupported_media_type"
+    http_status = 415
+
+
+class UnsupportedCapability(InvalidParams):
+    """The request needs something the configured backend cannot do."""
+
+    code = "unsupported_capability"
+
+
+class ServiceUnavailable(TaskStoreError):
+    """The server is shutting down or at its limit of concurrent event streams."""
+
+    code = "service_unavailable"
+    http_status = 503
+
+
+class BackendError(TaskStoreError):
+    """Raised by a backend when the model fails; the task becomes ``failed`` (backend_error)."""
+
+    code = "backend_error"
+    http_status = 500
+
+
+# -- Wire shapes: the task object, the response object, the event projection --
+
+def task_error_problem(error):
+    """Return the B.2 problem object for a stored task error ``{"code", "message"}``."""
+    code = error.get("code", "internal_error")
+    status = _TASK_ERROR_STATUS.get(code, 500)
+    return problem_object(status, code, error.get("message") or "task failed")
+
+
+def response_object(task, status=None):
+    """Return the LMSP response object of *task*.
+
+    With *status* it is the empty response in that status (the snapshot of a
+    response still being produced, or the skeleton a backend fills in);
+    without it, the final response of a terminal task: the backend's stored
+    result, plus the ``error`` problem when it failed, or ``cancelled``.
+    """
+    payload = task.payload if isinstance(task.payload, dict) else {}
+    base = {"id": task.meta.get("response_id"), "object": "response",
+            "created_at": task.created_at // 1000, "status": status,
+            "model": payload.get("model"), "output": [], "usage": None,
+            "error": None, "incomplete_details": None}
+    if status is None:
+        if isinstance(task.result, dict):
+            base.update(task.result)
+        if task.status == FAILED:
+            base.update(status="failed", error=task_error_problem(task.error or {}))
+        elif task.status == CANCELLED:
+            base["status"] = "cancelled"
+    return base
+
+
+def task_object(task):
+    """Return the LMSP task object (A.1) of *task*."""
+    status = lmsp_status(task)
+    return {"id": task.id, "object": "task", "type": "response", "status": status,
+            "created_at": task.created_at // 1000, "updated_at": task.updated_at // 1000,
+            "response_id": task.meta.get("response_id"),
+            "events_url": f"{LMSP_PREFIX}/tasks/{task.id}/events",
+            "on_restart": task.policy,
+            "response": response_object(task) if status == "succeeded" else None,
+            "error": task_error_problem(task.error or {}) if status == "failed" else None}
+
+
+# Stored status -> LMSP stream event.  succeeded is decided by the response.
+_STATUS_EVENTS = {"queued": "response.queued", "loading": "response.loading",
+                  "running": "response.in_progress", "cancelling": "response.cancelling",
+                  "failed": "response.failed", "cancelled": "response.cancelled"}
+
+
+def lmsp_event(task, event):
+    """Project one stored event of *task* to ``(sse_event_name, data)`` (B.4).
+
+    One stored event is one SSE event with the same sequence number.  Event 0
+    (``created``) is ``response.created``; status events become the lifecycle
+    events (``response.loading`` and ``response.cancelling`` are this
+    project's extensions, ``response.queued`` marks a requeue after a
+    restart); a final event carries the final response, so *task* must
+    already be terminal for it.  Events a backend emitted pass unchanged.
+    """
+    head = {"type": None, "sequence_number": event.seq}
+    if event.type == "created":
+        return _with_type(head, "response.created", response=response_object(task, "queued"))
+    if event.type != "status":
+        return _with_type(head, event.type, **event.data)
+    word = LMSP_STATUS[event.data["status"]]
+    if word in ("succeeded", "failed", "cancelled"):
+        response = response_object(task)
+        name = ("response.incomplete" if response["status"] == "incomplete"
+                else "response.completed" if word == "succeeded" else _STATUS_EVENTS[word])
+        return _with_type(head, name, response=response)
+    snapshot = response_object(task, "queued" if word == "queued" else "in_progress")
+    return _with_type(head, _STATUS_EVENTS[word], response=snapshot)
+
+
+def _with_type(head, name, **fields):
+    data = dict(head, **fields)
+    data["type"], data["sequence_number"] = name, head["sequence_number"]
+    return name, data
+
+
+def sse_frame(name, data):
+    """Encode one server-sent event; the id is the sequence number (B.5)."""
+    return (f"id: {data['sequence_number']}\nevent: {name}\ndata: {dumps(data)}\n\n").encode()
+
+
+# -- Request validation (pure functions) --
+
+_VISIBLE_ASCII = re.compile(r"\A[\x21-\x7e]{1,255}\Z")
+_SF_STRING = re.compile(r'\A"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"\Z')   # RFC 8941
+
+
+def parse_idempotency_key(values):
+    """Return the key of the ``Idempotency-Key`` header values, or None without one.
+
+    A bare token and an RFC 8941 quoted string name the same key (B.11).
+
+    Raises:
+        InvalidParams: several headers, an unbalanced quote, a bad character,
+            or a key outside 1..255 visible ASCII characters.
+    """
+    if not values:
+        return None
+    value = values[0].strip(" \t")
+    quoted = _SF_STRING.match(value)
+    if quoted:
+        value = re.sub(r"\\(.)", r"\1", quoted.group(1))
+    if len(values) > 1 or not _VISIBLE_ASCII.match(value) or (not quoted and '"' in value):
+        raise InvalidParams("Idempotency-Key must be 1 to 255 visible ASCII characters, "
+                            "bare or as a quoted string", param="Idempotency-Key")
+    return value
+
+
+def parse_cursor(value, param):
+    """Return an event cursor (a non-negative integer) or raise InvalidParams."""
+    if not re.fullmatch(r"[0-9]{1,18}", value):
+        raise InvalidParams(f"{param} must be a non-negative integer", param=param)
+    return int(value)
+
+
+def _json_body(body, content_type):
+    if content_type is not None:
+        media = content_type.split(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise UnsupportedMediaType(f"Content-Type {media or '(empty)'} is not JSON; "
+                                       "send application/json")
+    try:
+        return json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidParams("the body is not valid JSON") from None
+
+
+def validate_create(body, backend):
+    """Validate a create body (A.1); return ``(response_request, on_restart)``.
+
+    Raises:
+        InvalidParams: a missing or mistyped field (``param`` names it).
+        UnsupportedCapability: ``on_restart: "resume"`` without backend snapshots.
+    """
+    if not isinstance(body, dict):
+        raise InvalidParams("the body must be a JSON object")
+    if body.get("type") != "response":
+        raise InvalidParams('type must be "response"', param="type")
+    request = body.get("input")
+    if not isinstance(request, dict):
+        raise InvalidParams("input must be a response request object", param="input")
+    model = request.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidParams("input.model must be a non-empty string", param="input.model")
+    items = request.get("input")
+    if not isinstance(items, str) and not (
+            isinstance(items, list) and all(isinstance(i, dict) for i in items)):
+        raise InvalidParams("input.input must be a string or a list of input items",
+                            param="input.input")
+    limit = request.get("max_output_tokens")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InvalidParams("input.max_output_tokens must be a positive integer",
+                            param="input.max_output_tokens")
+    if "metadata" in request and request["metadata"] is not None and not isinstance(
+            request["metadata"], dict):
+        raise InvalidParams("input.metadata must be an object", param="input.metadata")
+    policy = body.get("on_restart", "fail")
+    if policy not in POLICIES:
+        raise InvalidParams('on_restart must be "fail", "retry" or "resume"', param="on_restart")
+    if policy == "resume" and not getattr(backend, "snapshots", False):
+        raise UnsupportedCapability(
+            f"backend {getattr(backend, 'name', 'custom')} has no resumable snapshots",
+            param="on_restart")
+    check = getattr(backend, "validate", None)
+    if check is not None:
+        check(request)
+    request = {k: v for k, v in request.items() if k != "stream"}   # A.1: stream is ignored
+    return request, policy
+
+
+# -- Backends --
+
+class ResponseOutput:
+    """What a backend sees of its task: the cancel signal, a text sink, its resume point.
+
+    ``write(text)`` streams one ``response.output_text.delta``; the first write
+    (or ``start()``) also moves the task from ``loading`` to ``running`` and
+    opens the output item.  With snapshots, every write saves ``{item_id,
+    text, writes, state}``, so a ``resume`` after a restart continues the same
+    item: ``resumed`` is then True, ``text`` and ``writes`` hold what was
+    already streamed, and ``state`` whatever JSON the backend kept there.
+    """
+
+    def __init__(self, ctx, snapshots):
+        self._ctx, self._snapshots = ctx, snapshots
+        self.cancelled = ctx.cancelled
+        snap = ctx.load_snapshot() if snapshots else None
+        self.resumed = isinstance(snap, dict)
+        snap = snap if self.resumed else {}
+        self.item_id = snap.get("item_id") or new_id("msg", int(time.time() * 1000))
+        self.text, self.writes = snap.get("text", ""), snap.get("writes", 0)
+        self.state, self._done = snap.get("state"), snap.get("done", False)
+        self._opened = self.resumed
+
+    def start(self):
+        """Mark the model as producing (``loading`` -> ``running``) and open the output item."""
+        if self._opened:
+            return
+        self._opened = True
+        self._send("response.output_item.added",
+                   {"output_index": 0, "item": self._item("in_progress", [])})
+        self._send("response.content_part.added", dict(self._where(), part=_text_part("")))
+
+    def write(self, text):
+        """Stream *text* as one delta (the snapshot, if any, is saved with it)."""
+        self.start()
+        self.text += text
+        self.writes += 1
+        self._send("response.output_text.delta", dict(self._where(), delta=text))
+
+    def _where(self):
+        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+
+    def _send(self, name, data):
+        # The snapshot is saved in the event's own transaction, so a kill -9
+        # can never leave a streamed event out of it (or the reverse).
+        snapshot = {"item_id": self.item_id, "text": self.text, "writes": self.writes,
+                    "state": self.state, "done": self._done}
+        try:
+            if self._snapshots:
+                self._ctx.emit(name, data, snapshot=snapshot)
+            else:
+                self._ctx.emit(name, data)
+        except InvalidTransition:
+            # The task was cancelled (or requeued) under us: stop the backend.
+            raise Cancelled(self._ctx.task_id) from None
+
+    def _item(self, status, content):
+        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant",
+                "content": content}
+
+    def response(self, status, usage=None, incomplete_reason=None):
+        """Return the response object with the text so far (used as the task result)."""
+        response = response_object(self._ctx.task, status)
+        response.update(
+            output=[self._item(status, [_text_part(self.text)])] if self._opened else [],
+            usage=usage,
+            incomplete_details={"reason": incomplete_reason} if incomplete_reason else None)
+        return response
+
+    def finish(self, usage, incomplete_reason=None):
+        """Close the output item with the three ``.done`` events; return the final response."""
+        self.start()
+        status = "incomplete" if incomplete_reason else "completed"
+        if not self._done:      # a resume after the .done events must not repeat them
+            self._done = True
+            part = _text_part(self.text)
+            self._send("response.output_text.done", dict(self._where(), text=self.text))
+            self._send("response.content_part.done", dict(self._where(), part=part))
+            self._send("response.output_item.done",
+                       {"output_index": 0, "item": self._item(status, [part])})
+        return self.response(status, usage, incomplete_reason)
+
+
+def _text_part(text):
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _usage(input_tokens, output_tokens):
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens,
+            "total_tokens": input_tokens + output_tokens}
+
+
+def response_handler(backend):
+    """Return the Runner handler that runs *backend* for one ``response`` task.
+
+    The backend is called as ``backend(request, out)`` with the response
+    request and a ResponseOutput; it returns ``{"usage": {...},
+    "incomplete_reason": str|None}`` (both optional) or raises BackendError.
+    """
+    def handle(ctx, request):
+        out = ResponseOutput(ctx, getattr(backend, "snapshots", False))
+        try:
+            info = backend(request, out) or {}
+        except BackendError as exc:
+            raise TaskFailed({"code": "backend_error", "message": str(exc)},
+                             result=out.response("failed")) from None
+        if ctx.is_cancelled():
+            # The runner confirms the cancel and keeps this as the partial result.
+            return out.response("cancelled")
+        return out.finish(info.get("usage"), info.get("incomplete_reason"))
+    handle.has_loading_phase = True     # LMSP A.2: loading until the first output
+    return handle
+
+
+def request_text(request):
+    """Return the user text of a response request (the demo backend's contract).
+
+    ``input`` as a string is the text; otherwise the ``text`` of every
+    ``input_text`` part of every ``message`` item with role ``user``, in order,
+    joined with newlines (a message whose ``content`` is a string counts whole).
+    """
+    items = request.get("input")
+    if isinstance(items, str):
+        return items
+    texts = []
+    for item in items or ():
+        if item.get("type", "message") != "message" or item.get("role") != "user":
+            continue
+        content = item.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+            continue
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") == "input_text" and isinstance(
+                    part.get("text"), str):
+                texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def demo_chunks(text):
+    """Split *text* into chunks: a run of non-whitespace plus the whitespace after it.
+
+    Leading whitespace belongs to the first chunk, so the chunks always
+    concatenate to *text* (B.11).
+    """
+    return re.findall(r"\s*\S+\s*", text) or ([text] if text else [])
+
+
+class DemoBackend:
+    """The deterministic backend: echoes the input text, one chunk per delta.
+
+    ``delay`` seconds pass before each chunk; a cancel is honoured within one
+    chunk.  ``max_output_tokens`` caps the chunks (the response is then
+    ``incomplete``); ``metadata.demo_fail_after`` = N fails the task after N
+    chunks.  Snapshots: a ``resume`` continues after the last streamed chunk.
+    """
+
+    name = "demo"
+    snapshots = True
+
+    def __init__(self, delay=DEFAULT_DEMO_DELAY_S):
+        self.delay = delay
+
+    def validate(self, request):
+        """Check ``metadata.demo_fail_after`` (an integer or a numeric string)."""
+        self._fail_after(request)
+
+    @staticmethod
+    def _fail_after(request):
+        value = (request.get("metadata") or {}).get("demo_fail_after")
+        if value is None:
+            return None
+        if isinstance(value, str) and re.fullmatch(r"[0-9]{1,9}", value.strip()):
+            return int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        raise InvalidParams("metadata.demo_fail_after must be a non-negative integer",
+                            param="input.metadata.demo_fail_after")
+
+    def __call__(self, request, out):
+        text = request_text(request)
+        chunks = demo_chunks(text)
+        limit = request.get("max_output_tokens")
+        emitted = chunks[:limit] if limit is not None else chunks
+        fail_after = self._fail_after(request)
+        out.start()
+        for chunk in emitted[out.writes:]:      # a resumed task skips what it streamed
+            if fail_after is not None and out.writes >= fail_after:
+                break
+            if out.cancelled.wait(self.delay):
+                return None
+            out.write(chunk)
+        if fail_after is not None and fail_after < len(emitted):
+            raise BackendError(f"demo backend failed after {fail_after} chunks "
+                               "(metadata.demo_fail_after)")
+        reason = "max_output_tokens" if len(emitted) < len(chunks) else None
+        return {"usage": _usage(len(text.split()), out.writes), "incomplete_reason": reason}
+
+
+class OpenAIBackend:
+    """Forward response requests to an OpenAI-compatible server, streaming.
+
+    It posts to ``{url}/chat/completions`` (what Ollama, llama.cpp and vLLM all
+    serve) with ``stream: true`` and streams each content delta.  A cancel
+    closes the upstream connection, which stops the generation there.  It has
+    no snapshots: a remote stream cannot be resumed, so ``resume`` is refused.
+    """
+
+    name = "openai"
+    snapshots = False
+
+    def __init__(self, url=DEFAULT_BACKEND_URL, timeout=300.0, api_key=None):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"backend URL must be http(s)://host[:port][/path], not {url!r}")
+        self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key
+
+    @staticmethod
+    def chat_request(request):
+        """Translate a response request into a chat-completions request."""
+        messages = []
+        if isinstance(request.get("instructions"), str):
+            messages.append({"role": "system", "content": request["instructions"]})
+        items = request["input"]
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        for item in items:
+            if item.get("type", "message") != "message":
+                continue
+            content = item.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
+                                  and p.get("type") in ("input_text", "output_text", "text"))
+            messages.append({"role": item.get("role", "user"), "content": content or ""})
+        body = {"model": request["model"], "messages": messages, "stream": True,
+                "stream_options": {"include_usage": True}}
+        for key, target in (("temperature", "temperature"), ("top_p", "top_p"),
+                            ("max_output_tokens", "max_tokens")):
+            if request.get(key) is not None:
+                body[target] = request[key]
+        return body
+
+    def __call__(self, request, out):
+        parts = urllib.parse.urlsplit(self.url + "/chat/completions")
+        connection = (http.client.HTTPSConnection if parts.scheme == "https"
+                      else http.client.HTTPConnection)
+        conn = connection(parts.hostname, parts.port, timeout=self.timeout)
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        done = threading.Event()
+        # A blocking read cannot see the cancel signal, so a watcher shuts the
+        # socket down; the read then fails and we return as cancelled.
+        usage, finish = None, None
+        try:
+            conn.request("POST", parts.path, body=dumps(self.chat_request(request)).encode(),
+                         headers=headers)
+            # Keep the socket: getresponse() forgets it for a Connection: close answer.
+            threading.Thread(target=self._watch, args=(out.cancelled, done, conn.sock),
+                             name="taskstore-openai-cancel", daemon=True).start()
+            resp = conn.getresponse()
+            if resp.status != 200:
+                detail = resp.read(2000).decode("utf-8", "replace").strip()
+                raise BackendError(f"backend answered {resp.status}: {detail[:300]}")
+            for raw in resp:
+                line = raw.decode("utf-8", "replace").strip()
+                if out.cancelled.is_set():
+                    return None
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    raise BackendError(f"backend error: {chunk['error']}")
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        out.write(piece)
+                    finish = choice.get("finish_reason") or finish
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            if out.cancelled.is_set():
+                return None
+            raise BackendError(f"backend request failed: {exc.__class__.__name__}: {exc}") from None
+        finally:
+            done.set()
+            conn.close()
+        if usage:
+            usage = _usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+        return {"usage": usage,
+                "incomplete_reason": "max_output_tokens" if finish == "length" else None}
+
+    @staticmethod
+    def _watch(cancelled, done, sock):
+        while not done.is_set():
+            if cancelled.wait(_STREAM_WAKE_S):
+                if not done.is_set():
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                return
+
+
+# -- The application: routes and operations, no sockets --
+
+class Reply:
+    """One HTTP answer: status, headers, and a JSON body or an event stream."""
+
+    def __init__(self, status, body=None, headers=(), stream=None,
+                 content_type="application/json"):
+        self.status, self.headers, self.stream = status, list(headers), stream
+        self.body = b"" if body is None else dumps(body).encode()
+        self.content_type = content_type
+
+
+class LMSPApp:
+    """The LMSP routes over one TaskStore, independent of sockets.
+
+    ``handle(method, target, headers, read_body)`` returns a Reply; the
+    transport (LMSPRequestHandler) only moves bytes.  ``tokens`` maps bearer
+    token -> principal name; with none, there is no authentication.
+    """
+
+    def __init__(self, store, backend, *, tokens=None, max_body=DEFAULT_MAX_BODY,
+                 task_retention=DEFAULT_RETENTION_S, event_retention=DEFAULT_RETENTION_S,
+                 idempotency_retention=DEFAULT_RETENTION_S,
+                 request_timeout=DEFAULT_REQUEST_TIMEOUT_S, max_streams=DEFAULT_MAX_STREAMS,
+                 keepalive_interval=DEFAULT_KEEPALIVE_S):
+        self.store, self.backend = store, backend
+        self.tokens = dict(tokens or {})
+        self.max_body, self.request_timeout = max_body, request_timeout
+        self.task_retention, self.event_retention = task_retention, event_retention
+        self.idempotency_retention = idempotency_retention
+        self.keepalive_interval, self.max_streams = keepalive_interval, max_streams
+        self._streams = threading.BoundedSemaphore(max_streams)
+        self.stopping = threading.Event()
+        self.routes = [   # (pattern, {method: operation}); HEAD answers like GET, no body
+            (re.compile(r"/lmsp/v1/tasks"),
+             {"GET": self._list, "HEAD": self._list, "POST": self._create}),
+            (re.compile(r"/lmsp/v1/tasks/([^/]*)"), {"GET": self._get, "HEAD": self._get}),
+            (re.compile(r"/lmsp/v1/tasks/([^/]*)/cancel"), {"POST": self._cancel}),
+            (re.compile(r"/lmsp/v1/tasks/([^/]*)/events"), {"GET": self._events}),
+            (re.compile(r"/lmsp/v1/capabilities"),
+             {"GET": self._capabilities, "HEAD": self._capabilities}),
+            (re.compile(r"/healthz"), {"GET": self._health, "HEAD": self._health}),
+        ]
+
+    def close(self):
+        """Refuse new requests and end every open event stream (within _STREAM_WAKE_S)."""
+        self.stopping.set()
+
+    def handle(self, method, target, headers, read_body):
+        """Route one request; every exception becomes a problem reply here."""
+        try:
+            path, _, query = target.partition("?")
+            for pattern, methods in self.routes:
+                match = pattern.fullmatch(path)
+                if match:
+                    break
+            else:
+                if path.startswith("/lmsp/"):
+                    self.authenticate(headers)     # existence of routes needs a token too
+                raise RouteNotFound(f"no route {path}")
+            principal = None if path == "/healthz" else self.authenticate(headers)
+            op = methods.get(method)
+            if op is None:
+                raise MethodNotAllowed(method, sorted(methods))
+            if self.stopping.is_set():
+                raise ServiceUnavailable("the server is shutting down")
+            request = {"principal": principal, "headers": headers, "read_body": read_body,
+                       "query": urllib.parse.parse_qs(query, keep_blank_values=True)}
+            return op(request, *match.groups())
+        except OSError:
+            raise       # the client's socket failed (reset, request timeout): no answer
+        except Exception as exc:   # noqa: BLE001 -- the one place errors become answers
+            return self.problem_reply(exc)
+
+    @staticmethod
+    def problem_reply(exc):
+        """Return the problem Reply for *exc* (a bug is logged, never shown)."""
+        if not isinstance(exc, TaskStoreError):
+            logger.exception("internal error while answering a request")
+        status, problem = to_problem(exc)
+        headers = []
+        if isinstance(exc, Unauthorized):
+            headers.append(("WWW-Authenticate", 'Bearer realm="lmsp"'))
+        if isinstance(exc, MethodNotAllowed):
+            headers.append(("Allow", ", ".join(exc.allow)))
+        return Reply(status, problem, headers, content_type="application/problem+json")
+
+    def authenticate(self, headers):
+        """Return the principal of the request's bearer token (None without tokens).
+
+        Raises:
+            Unauthorized: tokens are configured and the header is missing or wrong.
+        """
+        if not self.tokens:
+            return None
+        values = headers.get_all("Authorization") or []
+        scheme, _, token = (values[0] if len(values) == 1 else "").strip().partition(" ")
+        found = None
+        # Compare against every token in constant time, so neither the match nor
+        # its position leaks through timing.
+        for known, principal in self.tokens.items():
+            if hmac.compare_digest(token.strip().encode(), known.encode()):
+                found = principal
+        if scheme.lower() != "bearer" or found is None:
+            raise Unauthorized("a valid bearer token is required")
+        return found
+
+    def _task_id(self, task_id):
+        # Shape first: an id this module cannot have issued never reaches SQL.
+        if not is_task_id(task_id) or not task_id.startswith("task_"):
+            raise TaskNotFound(task_id[:80])
+        return task_id
+
+    def _query(self, request, name):
+        values = request["query"].get(name)
+        if not values or values[-1] == "":
+            return None
+        return values[-1]
+
+    # -- operations --
+
+    def _health(self, request):
+        return Reply(200, {"status": "ok"})
+
+    def _capabilities(self, request):
+        snapshots = bool(getattr(self.backend, "snapshots", False))
+        return Reply(200, {
+            "object": "capabilities", "lmsp_version": LMSP_VERSION,
+            "tasks": {"types": ["response"],
+                      "on_restart": [p for p in POLICIES if p != "resume" or snapshots],
+                      "event_resume": True, "list": True, "max_body_bytes": self.max_body},
+            "retention": {"task_seconds": self.task_retention,
+                          "event_seconds": self.event_retention,
+                          "idempotency_seconds": self.idempotency_retention},
+            "backend": {"name": getattr(self.backend, "name", "custom"),
+                        "snapshots": snapshots}})
+
+    def _create(self, request):
+        body = _json_body(request["read_body"](), request["headers"].get("Content-Type"))
+        response_request, policy = validate_create(body, self.backend)
+        key = parse_idempotency_key(request["headers"].get_all("Idempotency-Key"))
+        principal = request["principal"]
+        idempotency = None
+        if key is not None:
+            # B.3: the scope is principal + method + path, so keys never cross principals.
+            scope = f"lmsp\n{principal or ''}\nPOST\n{LMSP_PREFIX}/tasks"
+            idempotency = (scope, key, fingerprint(body),
+                           int(self.idempotency_retention * 1000))
+        task = self.store.create(
+            "response", response_request, policy=policy, principal=principal,
+            retention_ms=int(self.task_retention * 1000),
+            meta={"response_id": new_id("resp", int(time.time() * 1000))},
+            idempotency=idempotency)
+        headers = [("Location", f"{LMSP_PREFIX}/tasks/{task.id}")]
+        if task.replayed:
+            headers.append(("Idempotent-Replayed", "true"))
+        return Reply(202, task_object(task), headers)
+
+    def _get(self, request, task_id):
+        task = self.store.get(self._task_id(task_id), principal=request["principal"])
+        return Reply(200, task_object(self._lmsp_only(task)))
+
+    def _lmsp_only(self, task):
+        if task.kind != "response":     # an MCP task in the same file is not an LMSP task
+            raise TaskNotFound(task.id)
+        return task
+
+    def _cancel(self, request, task_id):
+        task_id = self._task_id(task_id)
+        if request["headers"].get("Content-Length") not in (None, "0"):
+            _json_body(request["read_body"](), request["headers"].get("Content-Type"))
+        self._lmsp_only(self.store.get(task_id, principal=request["principal"]))
+        task = self.store.cancel(task_id, principal=request["principal"])
+        return Reply(200, task_object(task))
+
+    def _list(self, request):
+        status = self._query(request, "status")
+        if status is not None and status not in LMSP_STATUS.values():
+            raise InvalidParams(f"unknown status {status!r}", param="status")
+        limit = self._query(request, "limit") or "20"
+        if not re.fullmatch(r"[0-9]{1,3}", limit) or not 1 <= int(limit) <= 100:
+            raise InvalidParams("limit must be an integer from 1 to 100", param="limit")
+        stored = None if status is None else [s for s, w in LMSP_STATUS.items() if w == status]
+        try:
+            tasks, cursor = self.store.list(status=stored, kind="response",
+                                            principal=request["principal"],
+                                            limit=int(limit), cursor=self._query(request, "after"))
+        except InvalidCursor:
+            raise InvalidCursor("after is not a cursor this server issued", param="after") from None
+        return Reply(200, {"object": "list", "data": [task_object(t) for t in tasks],
+                           "has_more": cursor is not None, "next_cursor": cursor})
+
+    def _events(self, request, task_id):
+        task_id = self._task_id(task_id)
+        principal = request["principal"]
+        header = request["headers"].get("Last-Event-ID")
+        if header is not None and header.strip() != "":     # B.5: the header wins
+            after = parse_cursor(header.strip(), "Last-Event-ID")
+            param = "Last-Event-ID"
+        else:
+            after = self._query(request, "after")
+            after = None if after is None else parse_cursor(after, "after")
+            param = "after"
+        task = self._lmsp_only(self.store.get(task_id, principal=principal))
+        if after is not None and after > task.last_seq:
+            raise InvalidParams(f"{param} {after} is beyond the last event ({task.last_seq})",
+                                param=param)
+        # Decided before the 200: 410 for pruned events (EventsExpired).
+        events = self.store.events(task_id, after=after, limit=_EVENT_BATCH, principal=principal)
+        if not self._streams.acquire(blocking=False):
+            raise ServiceUnavailable(f"too many event streams (at most {self.max_streams})")
+        return Reply(200, headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")],
+                     stream=EventStream(self, task, events, after),
+                     content_type="text/event-stream; charset=utf-8")
+
+
+class EventStream:
+    """The frames of one task's event stream: missed events, then live ones.
+
+    Iterating yields encoded SSE frames and ``: keep-alive`` comments; it ends
+    after the final event, when the server stops, the store closes, or
+    ``client_gone()`` (set by the transport) says the client left.
+    ``close()`` gives back the stream slot and must be called once.
+    """
+
+    def __init__(self, app, task, events, after):
+        self.app, self.task, self.events = app, task, events
+        self.last = -1 if after is None else after
+        self._closed = False
+        self.client_gone = lambda: False
+
+    def close(self):
+        """Release this stream's slot (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self.app._streams.release()
+
+    def __iter__(self):
+        app, store, task, events = self.app, self.app.store, self.task, self.events
+        idle_since = time.monotonic()
+        try:
+            while not app.stopping.is_set() and not self.client_gone():
+                for event in events:
+                    if (event.type == "status" and event.data.get("status") in TERMINAL_STATES
+                            and not task.terminal):
+                        task = store.get(task.id)      # a final event needs the final task
+                    name, data = lmsp_event(task, event)
+                    yield sse_frame(name, data)
+                    self.last, idle_since = event.seq, time.monotonic()
+                    if name in FINAL_EVENTS:
+                        return
+                if len(events) < _EVENT_BATCH and task.terminal:
+                    return                 # the client already had the final event
+                if len(events) < _EVENT_BATCH:
+                    idle = time.monotonic() - idle_since
+                    if idle >= app.keepalive_interval:
+                        yield b": keep-alive\n\n"
+                        idle, idle_since = 0.0, time.monotonic()
+                    task = store.wait(task.id, since_version=task.version,
+                                      timeout=min(_STREAM_WAKE_S, app.keepalive_interval - idle))
+                events = store.events(task.id, after=self.last, limit=_EVENT_BATCH)
+        except (StoreClosed, TaskNotFound, EventsExpired):
+            return       # after the 200 a stream can only end; the client reconnects
+
+
+# -- Transport: http.server --
+
+class _DeadlineReader(io.RawIOBase):
+    """Socket reads that fail once the request's deadline has passed.
+
+    A per-recv timeout alone lets a client that trickles one byte at a time
+    hold a thread for ever; this bounds the whole request (--request-timeout).
+    """
+
+    def __init__(self, handler):
+        self.handler = handler
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        remaining = self.handler.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("request timeout")
+        self.handler.connection.settimeout(remaining)
+        return self.handler.connection.recv_into(buffer)
+
+
+class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
+    """Moves bytes between a socket and LMSPApp.handle(); HTTP/1.1 keep-alive."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = f"taskstore/{__version__}"
+    sys_version = ""            # no Python version in the Server header
+    deadline = 0.0
+
+    def setup(self):
+        super().setup()
+        self.rfile.close()      # its socket reference would keep the connection open
+        self.rfile = io.BufferedReader(_DeadlineReader(self))
+
+    def handle_one_request(self):
+        self.deadline = time.monotonic() + self.server.app.request_timeout
+        self._body_read = False
+        super().handle_one_request()
+
+    def log_message(self, format, *args):   # noqa: A002 -- http.server's signature
+        # The request line only: headers (and so tokens) are never logged.
+        logger.debug("%s - %s", self.address_string(), format % args)
+
+    def send_error(self, code, message=None, explain=None):
+        """Answer http.server's own errors (bad request line, 501) as problem objects."""
+        status = code if code in (400, 501) else 400
+        problem = problem_object(status, "not_implemented" if status == 501 else "invalid_request",
+                                 message or "bad request")
+        self.close_connection = True
+        self._send(Reply(status, problem, content_type="application/problem+json"))
+
+    def _read_body(self):
+        self._body_read = True
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise InvalidParams("send the body with Content-Length; chunked bodies are not "
+                                "accepted", param="Content-Length")
+        length = self.headers.get("Content-Length", "0").strip()
+        if not re.fullmatch(r"[0-9]{1,15}", length):
+            self.close_connection = True
+            raise InvalidParams("Content-Length must be an integer", param="Content-Length")
+        if int(length) > self.server.app.max_body:
+            self.close_connection = True     # the body stays unread: end the connection
+            raise PayloadTooLarge(f"the body has {length} bytes; at most "
+                                  f"{self.server.app.max_body} are accepted")
+        body = self.rfile.read(int(length))
+        if len(body) != int(length):
+            raise ConnectionResetError("client closed the connection inside the body")
+        return body
+
+    def _dispatch(self):
+        reply = self.server.app.handle(self.command, self.path, self.headers, self._read_body)
+        has_body = self.headers.get("Transfer-Encoding") or self.headers.get(
+            "Content-Length", "0").strip() not in ("", "0")
+        if has_body and not self._body_read:
+            self.close_connection = True     # an unread body would be read as a request
+        # Writes get the full timeout, not the rest of the request deadline.
+        self.connection.settimeout(self.server.app.request_timeout)
+        self._send(reply)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch
+
+    def _send(self, reply):
+        self.send_response(reply.status)
+        self.send_header("Content-Type", reply.content_type)
+        for name, value in reply.headers:
+            self.send_header(name, value)
+        if reply.stream is not None:
+            self._send_stream(reply.stream)
+            return
+        self.send_header("Content-Length", str(len(reply.body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(reply.body)
+
+    def _send_stream(self, stream):
+        # No Content-Length: the stream is delimited by closing the connection.
+        self.close_connection = True
+        try:
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.flush()
+            stream.client_gone = self._client_gone
+            for frame in stream:
+                self.wfile.write(frame)
+                self.wfile.flush()
+        except OSError:
+            pass            # the client went away; the task is not affected (B.5)
+        finally:
+            stream.close()
+
+
+    def _client_gone(self):
+        # An idle stream writes nothing for a while; a readable socket with
+        # nothing to read means the client closed, so its slot comes back now.
+        try:
+            readable = select.select([self.connection], [], [], 0)[0]
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+
+class LMSPServer(http.server.ThreadingHTTPServer):
+    """A threaded HTTP server whose handler answers LMSPApp's routes."""
+
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 128     # socketserver's 5 resets bursts of concurrent clients
+
+    def __init__(self, app, host=DEFAULT_HTTP_HOST, port=0):
+        self.app = app
+        if ":" in host:
+            self.address_family = socket.AF_INET6
+        super().__init__((host, port), LMSPRequestHandler)
+
+    def handle_error(self, request, client_address):
+        """Log a failed connection: a client going away is routine, anything else a bug."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            logger.debug("connection from %s ended: %r", client_address[0], exc)
+        else:
+            logger.exception("error while serving %s", client_address[0])
+
+    @property
+    def url(self):
+        """The base URL the server accepts connections on (the real port)."""
+        host, port = self.server_address[:2]
+        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def _is_loopback(host):
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def make_backend(name, *, demo_delay=DEFAULT_DEMO_DELAY_S, url=DEFAULT_BACKEND_URL):
+    """Return the backend the ``http`` command's ``--backend`` names."""
+    if name == "openai":
+        return OpenAIBackend(url)
+    return DemoBackend(demo_delay)
+
+
+def _token_arg(value):
+    principal, sep, token = value.partition("=")
+    if not sep or not principal or len(token) < 8 or not token.isprintable() or " " in token:
+        raise argparse.ArgumentTypeError("expected PRINCIPAL=TOKEN with a token of at least 8 "
+                                         "visible characters")
+    return principal, token
+
+
+def _non_negative(value):
+    number = float(value)
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
+    return number
+
+
+def _positive(kind):
+    def parse(value):
+        number = kind(value)
+        if number <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, not {value}")
+        return number
+    return parse
+
+
+def add_http_parser(subparsers):
+    """Add the ``http`` subcommand (the LMSP server) to the CLI's *subparsers*."""
+    p = subparsers.add_parser("http", help="serve the LMSP 1.0 task routes over HTTP",
+                              description="Serve the LMSP 1.0 task routes over HTTP.")
+    p.add_argument("--db", default=DEFAULT_DB, help="SQLite file (default: %(default)s)")
+    p.add_argument("--host", default=DEFAULT_HTTP_HOST, help="bind address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT,
+                   help="port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--token", type=_token_arg, action="append", default=[],
+                   metavar="PRINCIPAL=TOKEN",
+                   help="accept this bearer token for PRINCIPAL; repeatable (default: none, "
+                        "no authentication, loopback only)")
+    p.add_argument("--workers", type=_positive(int), default=4,
+                   help="tasks run at once (default: %(default)s)")
+    p.add_argument("--backend", choices=("demo", "openai"), default="demo",
+                   help="what runs a response task (default: %(default)s)")
+    p.add_argument("--backend-url", default=DEFAULT_BACKEND_URL,
+                   help="OpenAI-compatible base URL for --backend openai (default: %(default)s)")
+    p.add_argument("--demo-delay", type=_non_negative, default=DEFAULT_DEMO_DELAY_S,
+                   help="seconds before each demo chunk (default: %(default)s)")
+    p.add_argument("--task-retention", type=_positive(float), default=DEFAULT_RETENTION_S,
+                   help="seconds a finished task is kept (default: %(default)s)")
+    p.add_argument("--event-retention", type=_positive(float), default=None,
+                   help="seconds events are kept (default: the task retention)")
+    p.add_argument("--idempotency-retention", type=_positive(float), default=DEFAULT_RETENTION_S,
+                   help="seconds an Idempotency-Key is remembered (default: %(default)s)")
+    p.add_argument("--reap-interval", type=_positive(float), default=60.0,
+                   help="seconds between retention passes (default: %(default)s)")
+    p.add_argument("--max-body", type=_positive(int), default=DEFAULT_MAX_BODY,
+                   help="largest request body in bytes (default: %(default)s)")
+    p.add_argument("--request-timeout", type=_positive(float), default=DEFAULT_REQUEST_TIMEOUT_S,
+                   help="seconds a client has to send a request (default: %(default)s)")
+    p.add_argument("--max-streams", type=_positive(int), default=DEFAULT_MAX_STREAMS,
+                   help="concurrent event streams; 503 beyond (default: %(default)s)")
+    p.add_argument("--keepalive-interval", type=_positive(float), default=DEFAULT_KEEPALIVE_S,
+                   help="seconds between SSE keep-alive comments (default: %(default)s)")
+    p.add_argument("--insecure-bind", action="store_true",
+                   help="allow a non-loopback address without --token (default: refused)")
+    p.set_defaults(func=cmd_http)
+    return p
+
+
+def cmd_http(args):
+    """Run the LMSP server until SIGTERM or Ctrl-C; return the exit status."""
+    tokens = {}
+    for principal, token in args.token:
+        if token in tokens:
+            print("taskstore: the same token is given twice", file=sys.stderr)
+            return 2
+        tokens[token] = principal
+    if not tokens and not _is_loopback(args.host) and not args.insecure_bind:
+        print(f"taskstore: refusing to serve {args.host} without --token "
+              "(use --insecure-bind to allow it)", file=sys.stderr)
+        return 2
+    event_retention = args.event_retention or args.task_retention
+    store_retention = None if args.event_retention is None else int(args.event_retention * 1000)
+    backend = make_backend(args.backend, demo_delay=args.demo_delay, url=args.backend_url)
+    store = TaskStore(args.db, event_retention_ms=store_retention)
+    runner = Runner(store, {"response": response_handler(backend)}, workers=args.workers)
+    app = LMSPApp(store, backend, tokens=tokens, max_body=args.max_body,
+                  task_retention=args.task_retention, event_retention=event_retention,
+                  idempotency_retention=args.idempotency_retention,
+                  request_timeout=args.request_timeout, max_streams=args.max_streams,
+                  keepalive_interval=args.keepalive_interval)
+    try:
+        server = LMSPServer(app, args.host, args.port)
+    except OSError as exc:
+        store.close()
+        print(f"taskstore: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    runner.start()
+    store.start_reaper(args.reap_interval)
+    # shutdown() waits for serve_forever() to return, so it cannot run in the
+    # thread serving (where signal handlers run); a helper thread calls it.
+    def stop(signum, frame):
+        threading.Thread(target=server.shutdown, daemon=True).start()
+    signal.signal(signal.SIGTERM, stop)
+    print(f"taskstore: listening on {server.url}", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever(poll_interval=0.25)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.close()
+        server.server_close()
+        runner.stop(timeout=3.0)
+        store.close()
+    return 0
 
 
 # =============================================================================

@@ -8,20 +8,26 @@ blocking call has a timeout.
 """
 
 import contextlib
+import http.client
+import http.server
 import io
 import json
 import os
 import queue
 import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import unittest
 
 import taskstore
+from taskstore import *  # noqa: F401,F403  (the protocol sections' public names)
+from taskstore import _is_loopback, FINAL_EVENTS, parse_cursor  # noqa: F401
 from taskstore import (CANCELLED, CANCELLING, FAILED, INPUT_REQUIRED, LOADING, QUEUED,
                        RUNNING, SUCCEEDED)
 
@@ -2179,6 +2185,1136 @@ class CrossProcessIdempotencyTests(MultiProcessTestCase):
             else:
                 self.assertIsInstance(outcome, taskstore.IdempotencyMismatch)
         self.assertEqual(len(self.open_store().list(kind="idem")[0]), 1)
+
+
+# ===========================================================================
+# LMSP HTTP server (issue 4)
+# ===========================================================================
+
+# LMSP HTTP server tests.  Real sockets, servers on port 0; threads and
+# processes are synchronised on events read from the stream, queues and the
+# lines a child prints, never on time.
+
+def http_command(*args):
+    """The command line that starts the LMSP server under test."""
+    return [sys.executable, TASKSTORE_PY, "http", *args]
+
+
+def create_body(text="Local model services make long work durable", model="demo-model",
+                on_restart=None, **request):
+    """A create body whose response request asks for *text* (the demo echoes it)."""
+    body = {"type": "response", "input": dict({"model": model, "input": text}, **request)}
+    if on_restart is not None:
+        body["on_restart"] = on_restart
+    return body
+
+
+class Client:
+    """A small LMSP client over http.client; every call has a socket timeout."""
+
+    def __init__(self, host, port, token=None):
+        self.host, self.port, self.token = host, port, token
+
+    def request(self, method, path, body=None, headers=None, raw=None):
+        """Return ``(status, headers, parsed JSON or bytes)``."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=TIMEOUT)
+        try:
+            headers = dict(headers or {})
+            if self.token and "Authorization" not in headers:
+                headers["Authorization"] = f"Bearer {self.token}"
+            data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+            if data is not None:
+                headers.setdefault("Content-Type", "application/json")
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            payload = resp.read()
+            kind = resp.getheader("Content-Type", "")
+            if "json" in kind and payload:
+                payload = json.loads(payload)
+            return resp.status, resp, payload
+        finally:
+            conn.close()
+
+    def create(self, body=None, headers=None):
+        status, _, task = self.request("POST", "/lmsp/v1/tasks", body or create_body(), headers)
+        assert status == 202, (status, task)
+        return task
+
+    def task(self, task_id):
+        return self.request("GET", f"/lmsp/v1/tasks/{task_id}")[2]
+
+    def stream(self, task_id, headers=None, query=""):
+        return EventReader(self, f"/lmsp/v1/tasks/{task_id}/events{query}", headers)
+
+    def events(self, task_id, **kwargs):
+        """Read a task's whole stream (it ends after the final event)."""
+        with self.stream(task_id, **kwargs) as reader:
+            return reader.all()
+
+
+class EventReader:
+    """Reads one SSE response block by block (socket timeout TIMEOUT)."""
+
+    def __init__(self, client, path, headers=None):
+        self.conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+        headers = dict(headers or {}, Accept="text/event-stream")
+        if client.token:
+            headers["Authorization"] = f"Bearer {client.token}"
+        self.conn.request("GET", path, headers=headers)
+        self.resp = self.conn.getresponse()
+        self.status = self.resp.status
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.conn.close()
+
+    def block(self):
+        """Return the next block as a dict (``comment``, or ``id``/``event``/``data``).
+
+        None at the end of the stream.
+        """
+        fields = {}
+        while True:
+            line = self.resp.readline()
+            if not line:
+                return None
+            line = line.decode().rstrip("\n")
+            if line == "":
+                if fields:
+                    return fields
+                continue
+            if line.startswith(":"):
+                return {"comment": line[1:].strip()}
+            name, _, value = line.partition(": ")
+            fields[name] = json.loads(value) if name == "data" else value
+
+    def next_event(self):
+        """Return the next event (comments skipped), None at EOF."""
+        while True:
+            block = self.block()
+            if block is None or "comment" not in block:
+                return block
+
+    def until(self, predicate):
+        """Read events until one satisfies *predicate*; return all read."""
+        seen = []
+        while True:
+            event = self.next_event()
+            if event is None:
+                raise AssertionError(f"stream ended before the expected event: {seen}")
+            seen.append(event)
+            if predicate(event):
+                return seen
+
+    def all(self):
+        events = []
+        while (event := self.next_event()) is not None:
+            events.append(event)
+        return events
+
+
+def deltas(events):
+    return "".join(e["data"]["delta"] for e in events if e["event"] == "response.output_text.delta")
+
+
+class StepBackend:
+    """A backend the test drives: every step waits for ``allow`` (or a cancel).
+
+    ``calls`` receives "called" when the handler starts (the task is loading).
+    """
+
+    name = "steps"
+    snapshots = False
+
+    def __init__(self, chunks=("one ", "two ", "three"), ignore_cancel=False):
+        self.chunks, self.ignore_cancel = chunks, ignore_cancel
+        self.allow = threading.Semaphore(0)
+        self.calls = queue.Queue()
+
+    def _step(self, out):
+        while not self.allow.acquire(timeout=0.01):
+            if out.cancelled.is_set() and not self.ignore_cancel:
+                return False
+        return True
+
+    def __call__(self, request, out):
+        self.calls.put("called")
+        if not self._step(out):
+            return None
+        out.start()
+        for chunk in self.chunks:
+            if not self._step(out):
+                return None
+            out.write(chunk)
+        return {"usage": None}
+
+
+class ServerTestCase(unittest.TestCase):
+    """Starts an in-process LMSP server (store, runner, app) on 127.0.0.1:0."""
+
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.dir = tmp.name
+        self.db = os.path.join(self.dir, "lmsp.db")
+
+    def start_server(self, backend=None, *, workers=4, tokens=None, store_kwargs=None,
+                     **app_kwargs):
+        backend = backend or DemoBackend(delay=0)
+        store = TaskStore(self.db, **(store_kwargs or {}))
+        runner = Runner(store, {"response": response_handler(backend)}, workers=workers)
+        app = LMSPApp(store, backend, tokens=tokens, **app_kwargs)
+        server = LMSPServer(app, "127.0.0.1", 0)
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+        runner.start()
+        thread.start()
+
+        def stop():
+            app.close()
+            server.shutdown()
+            server.server_close()
+            thread.join(TIMEOUT)
+            runner.stop(timeout=TIMEOUT)
+            store.close()
+        self.addCleanup(stop)
+        self.store, self.app, self.server = store, app, server
+        host, port = server.server_address[:2]
+        return Client(host, port, token=next(iter(tokens), None) if tokens else None)
+
+    def wait_terminal(self, task_id):
+        task = self.store.wait(task_id, timeout=TIMEOUT, terminal=True)
+        self.assertTrue(task.terminal, task.status)
+        return task
+
+    def assertProblem(self, reply, status, code, param=None):
+        got_status, resp, body = reply
+        self.assertEqual(got_status, status, body)
+        self.assertEqual(resp.getheader("Content-Type"), "application/problem+json")
+        self.assertEqual(body["status"], status)
+        self.assertEqual(body["code"], code)
+        self.assertEqual(body["type"], "about:blank")
+        self.assertIsInstance(body["title"], str)
+        self.assertIsInstance(body["detail"], str)
+        if param is not None:
+            self.assertEqual(body.get("param"), param)
+        return body
+
+
+class LmspWireTests(unittest.TestCase):
+    """Pure functions: idempotency keys, cursors, demo chunks, input text."""
+
+    def test_idempotency_key_bare_and_quoted_are_the_same_key(self):
+        self.assertEqual(parse_idempotency_key(["abc"]), "abc")
+        self.assertEqual(parse_idempotency_key(['"abc"']), "abc")
+        self.assertEqual(parse_idempotency_key([' "a\\"b" ']), 'a"b')
+        self.assertEqual(parse_idempotency_key(["x" * 255]), "x" * 255)
+        self.assertIsNone(parse_idempotency_key([]))
+
+    def test_malformed_idempotency_keys_are_rejected(self):
+        for value in (['"abc'], ['abc"'], ['a"b'], [""], ["x" * 256], ["a b"], ["caf\u00e9"],
+                      ['""'], ["a", "b"], ['"a\\x"']):
+            with self.subTest(value=value), self.assertRaises(InvalidParams) as cm:
+                parse_idempotency_key(value)
+            self.assertEqual(cm.exception.param, "Idempotency-Key")
+
+    def test_demo_chunks_concatenate_to_the_text(self):
+        self.assertEqual(demo_chunks("  Hello big\n world "), ["  Hello ", "big\n ", "world "])
+        self.assertEqual(demo_chunks("   "), ["   "])
+        self.assertEqual(demo_chunks(""), [])
+        for text in ("a", " a b  c\t", "x\ny"):
+            self.assertEqual("".join(demo_chunks(text)), text)
+
+    def test_request_text_takes_user_input_text_parts_in_order(self):
+        request = {"input": [
+            {"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "first"}, {"type": "input_image", "url": "x"},
+                {"type": "input_text", "text": "second"}]},
+            {"type": "message", "role": "system",
+             "content": [{"type": "input_text", "text": "no"}]},
+            {"type": "function_call_output", "output": "no"},
+            {"role": "user", "content": "third"}]}
+        self.assertEqual(request_text(request), "first\nsecond\nthird")
+        self.assertEqual(request_text({"input": "plain"}), "plain")
+
+    def test_cursor_must_be_a_non_negative_integer(self):
+        self.assertEqual(parse_cursor("12", "after"), 12)
+        for bad in ("-1", "x", "1.5", "", " 1"):
+            with self.subTest(bad=bad), self.assertRaises(InvalidParams):
+                parse_cursor(bad, "after")
+
+    def test_loopback_detection(self):
+        self.assertTrue(_is_loopback("127.0.0.1") and _is_loopback("::1")
+                        and _is_loopback("localhost"))
+        self.assertFalse(_is_loopback("0.0.0.0") or _is_loopback("192.168.1.2"))
+
+
+class LmspRouteTests(ServerTestCase):
+    """Every route of LMSP.md B.1 and every error code of B.2."""
+
+    def test_create_returns_202_with_location_and_the_task_object(self):
+        client = self.start_server(DemoBackend(delay=0))
+        status, resp, task = client.request("POST", "/lmsp/v1/tasks", create_body())
+        self.assertEqual(status, 202)
+        self.assertEqual(resp.getheader("Location"), f"/lmsp/v1/tasks/{task['id']}")
+        self.assertEqual(resp.getheader("Content-Type"), "application/json")
+        self.assertRegex(task["id"], r"^task_[0-9A-Z]{36}$")
+        self.assertRegex(task["response_id"], r"^resp_[0-9A-Z]{36}$")
+        self.assertEqual(set(task), {"id", "object", "type", "status", "created_at", "updated_at",
+                                     "response_id", "events_url", "on_restart", "response",
+                                     "error"})
+        self.assertEqual((task["object"], task["type"], task["on_restart"], task["error"]),
+                         ("task", "response", "fail", None))
+        self.assertEqual(task["events_url"], f"/lmsp/v1/tasks/{task['id']}/events")
+        self.assertIsInstance(task["created_at"], int)
+
+    def test_get_returns_the_finished_task_with_its_response(self):
+        client = self.start_server(DemoBackend(delay=0))
+        task = client.create(create_body("hello there world"))
+        self.wait_terminal(task["id"])
+        status, _, got = client.request("GET", f"/lmsp/v1/tasks/{task['id']}")
+        self.assertEqual(status, 200)
+        self.assertEqual(got["status"], "succeeded")
+        response = got["response"]
+        self.assertEqual(response["id"], task["response_id"])
+        self.assertEqual((response["object"], response["status"], response["model"]),
+                         ("response", "completed", "demo-model"))
+        self.assertEqual(response["output"][0]["content"][0]["text"], "hello there world")
+        self.assertEqual(response["output"][0]["role"], "assistant")
+        self.assertEqual(response["usage"],
+                         {"input_tokens": 3, "output_tokens": 3, "total_tokens": 6})
+        self.assertIsNone(response["error"])
+        self.assertIsNone(response["incomplete_details"])
+
+    def test_unknown_and_malformed_task_ids_are_404_task_not_found(self):
+        client = self.start_server()
+        missing = "task_" + "0" * 36
+        for path in (f"/lmsp/v1/tasks/{missing}", "/lmsp/v1/tasks/nope",
+                     f"/lmsp/v1/tasks/{missing}/events", "/lmsp/v1/tasks/%27;drop/events"):
+            with self.subTest(path=path):
+                self.assertProblem(client.request("GET", path), 404, "task_not_found")
+        self.assertProblem(client.request("POST", f"/lmsp/v1/tasks/{missing}/cancel"),
+                           404, "task_not_found")
+
+    def test_list_is_newest_first_with_limit_cursor_and_status_filter(self):
+        backend = StepBackend()
+        client = self.start_server(backend, workers=1)
+        ids = [client.create()["id"] for _ in range(5)]
+        self.assertEqual(backend.calls.get(timeout=TIMEOUT), "called")   # ids[0] is loading
+        status, _, page = client.request("GET", "/lmsp/v1/tasks?limit=2")
+        self.assertEqual(status, 200)
+        self.assertEqual((page["object"], page["has_more"]), ("list", True))
+        self.assertEqual([t["id"] for t in page["data"]], ids[:-3:-1])
+        seen = [t["id"] for t in page["data"]]
+        while page["next_cursor"]:
+            page = client.request("GET", f"/lmsp/v1/tasks?limit=2&after={page['next_cursor']}")[2]
+            seen += [t["id"] for t in page["data"]]
+        self.assertEqual(seen, ids[::-1])
+        self.assertFalse(page["has_more"])
+        queued = client.request("GET", "/lmsp/v1/tasks?status=queued")[2]["data"]
+        self.assertEqual([t["id"] for t in queued], ids[:0:-1])
+        loading = client.request("GET", "/lmsp/v1/tasks?status=loading")[2]["data"]
+        self.assertEqual([t["id"] for t in loading], ids[:1])
+
+    def test_list_rejects_bad_parameters_with_param(self):
+        client = self.start_server()
+        for query, param in (("status=done", "status"), ("limit=0", "limit"),
+                             ("limit=101", "limit"), ("limit=x", "limit"),
+                             ("after=garbage", "after")):
+            with self.subTest(query=query):
+                self.assertProblem(client.request("GET", f"/lmsp/v1/tasks?{query}"),
+                                   400, "invalid_request", param)
+
+    def test_capabilities_and_healthz(self):
+        client = self.start_server(max_body=2048)
+        status, _, caps = client.request("GET", "/lmsp/v1/capabilities")
+        self.assertEqual(status, 200)
+        self.assertEqual(caps, {
+            "object": "capabilities", "lmsp_version": "1.0",
+            "tasks": {"types": ["response"], "on_restart": ["fail", "retry", "resume"],
+                      "event_resume": True, "list": True, "max_body_bytes": 2048},
+            "retention": {"task_seconds": 86400, "event_seconds": 86400,
+                          "idempotency_seconds": 86400},
+            "backend": {"name": "demo", "snapshots": True}})
+        status, resp, body = client.request("GET", "/healthz")
+        self.assertEqual((status, body), (200, {"status": "ok"}))
+        self.assertEqual(resp.getheader("Content-Length"), str(len(b'{"status":"ok"}')))
+
+    def test_unknown_route_is_404_and_wrong_method_is_405_with_allow(self):
+        client = self.start_server()
+        self.assertProblem(client.request("GET", "/lmsp/v1/nothing"), 404, "not_found")
+        self.assertProblem(client.request("GET", "/lmsp/v2/tasks"), 404, "not_found")
+        for method, path, allow in (("DELETE", "/lmsp/v1/tasks", "GET, HEAD, POST"),
+                                    ("PUT", "/lmsp/v1/capabilities", "GET, HEAD"),
+                                    ("GET", "/lmsp/v1/tasks/task_x/cancel", "POST"),
+                                    ("POST", "/healthz", "GET, HEAD")):
+            with self.subTest(method=method, path=path):
+                reply = client.request(method, path)
+                self.assertProblem(reply, 405, "method_not_allowed")
+                self.assertEqual(reply[1].getheader("Allow"), allow)
+        reply = client.request("HEAD", "/lmsp/v1/tasks/task_x/events")
+        self.assertEqual((reply[0], reply[1].getheader("Allow")), (405, "GET"))
+        body = self.assertProblem(client.request("BREW", "/lmsp/v1/tasks"), 501, "not_implemented")
+        self.assertEqual(body["title"], "Not Implemented")
+
+    def test_requests_during_shutdown_are_503(self):
+        client = self.start_server()
+        self.app.close()
+        self.assertProblem(client.request("GET", "/lmsp/v1/capabilities"), 503,
+                           "service_unavailable")
+
+    def test_create_validation_errors_are_400_with_param(self):
+        client = self.start_server()
+        cases = [
+            (b"{not json", None), (b"[1]", None), (b'"x"', None),
+            (json.dumps({"input": {"model": "m", "input": "x"}}).encode(), "type"),
+            (json.dumps({"type": "chat", "input": {"model": "m", "input": "x"}}).encode(), "type"),
+            (json.dumps({"type": "response"}).encode(), "input"),
+            (json.dumps({"type": "response", "input": {"input": "x"}}).encode(), "input.model"),
+            (json.dumps({"type": "response", "input": {"model": "", "input": "x"}}).encode(),
+             "input.model"),
+            (json.dumps({"type": "response", "input": {"model": "m"}}).encode(), "input.input"),
+            (json.dumps({"type": "response", "input": {"model": "m", "input": 5}}).encode(),
+             "input.input"),
+            (json.dumps(create_body(max_output_tokens=0)).encode(), "input.max_output_tokens"),
+            (json.dumps(create_body(max_output_tokens=True)).encode(), "input.max_output_tokens"),
+            (json.dumps(create_body(on_restart="later")).encode(), "on_restart"),
+            (json.dumps(create_body(metadata={"demo_fail_after": "x"})).encode(),
+             "input.metadata.demo_fail_after"),
+            ("{\"type\": \"response\"\u00ff".encode("latin-1"), None),
+        ]
+        for raw, param in cases:
+            with self.subTest(raw=raw):
+                body = self.assertProblem(client.request("POST", "/lmsp/v1/tasks", raw=raw),
+                                          400, "invalid_request", param)
+                if param is None:
+                    self.assertNotIn("param", body)
+        self.assertEqual(self.store.list()[0], [])
+
+    def test_resume_without_snapshots_is_unsupported_capability(self):
+        client = self.start_server(StepBackend())
+        self.assertProblem(
+            client.request("POST", "/lmsp/v1/tasks", create_body(on_restart="resume")),
+            400, "unsupported_capability", "on_restart")
+        caps = client.request("GET", "/lmsp/v1/capabilities")[2]
+        self.assertEqual(caps["tasks"]["on_restart"], ["fail", "retry"])
+        self.assertEqual(caps["backend"], {"name": "steps", "snapshots": False})
+
+    def test_body_limits_media_type_and_titles(self):
+        client = self.start_server(max_body=200)
+        body = self.assertProblem(
+            client.request("POST", "/lmsp/v1/tasks", create_body("x" * 300)),
+            413, "payload_too_large")
+        self.assertEqual(body["title"], "Content Too Large")
+        body = self.assertProblem(
+            client.request("POST", "/lmsp/v1/tasks", raw=b"type=response",
+                           headers={"Content-Type": "application/x-www-form-urlencoded"}),
+            415, "unsupported_media_type")
+        self.assertEqual(body["title"], "Unsupported Media Type")
+        status, _, _ = client.request("POST", "/lmsp/v1/tasks", create_body("ok"),
+                                      headers={"Content-Type": "application/json; charset=utf-8"})
+        self.assertEqual(status, 202)
+
+    def test_a_bug_is_500_internal_error_without_details(self):
+        client = self.start_server()
+
+        def broken(request):
+            raise RuntimeError("secret detail /etc/passwd")
+        index = [p.pattern for p, _ in self.app.routes].index("/lmsp/v1/capabilities")
+        self.app.routes[index] = (self.app.routes[index][0], {"GET": broken})
+        with self.assertLogs("taskstore", "ERROR"):
+            body = self.assertProblem(client.request("GET", "/lmsp/v1/capabilities"),
+                                      500, "internal_error")
+        self.assertNotIn("secret", json.dumps(body))
+
+    def test_keep_alive_serves_several_requests_on_one_connection(self):
+        client = self.start_server()
+        conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+        self.addCleanup(conn.close)
+        for _ in range(3):
+            conn.request("GET", "/healthz")
+            resp = conn.getresponse()
+            self.assertEqual(resp.read(), b'{"status":"ok"}')
+            self.assertFalse(resp.will_close)
+        conn.request("HEAD", "/lmsp/v1/capabilities")
+        resp = conn.getresponse()
+        self.assertEqual((resp.status, resp.read()), (200, b""))
+        self.assertGreater(int(resp.getheader("Content-Length")), 0)
+
+
+class LmspIdempotencyTests(ServerTestCase):
+    """B.3: replay, mismatch, malformed keys, principals, concurrent duplicates."""
+
+    def test_replay_returns_the_current_task_with_the_replayed_header(self):
+        client = self.start_server(DemoBackend(delay=0))
+        first = client.request("POST", "/lmsp/v1/tasks", create_body("a b"),
+                               headers={"Idempotency-Key": "k-1"})
+        self.assertIsNone(first[1].getheader("Idempotent-Replayed"))
+        self.wait_terminal(first[2]["id"])
+        # Same JSON, other formatting and key order, and the key as a quoted string.
+        raw = b'{ "input": {"input": "a b", "model": "demo-model"},\n "type": "response" }'
+        status, resp, again = client.request("POST", "/lmsp/v1/tasks", raw=raw,
+                                             headers={"Idempotency-Key": '"k-1"'})
+        self.assertEqual(status, 202)
+        self.assertEqual(resp.getheader("Idempotent-Replayed"), "true")
+        self.assertEqual(again["id"], first[2]["id"])
+        self.assertEqual(again["status"], "succeeded")       # the current object
+        self.assertEqual(len(self.store.list()[0]), 1)
+
+    def test_same_key_with_another_body_is_422(self):
+        client = self.start_server()
+        client.create(create_body("a"), headers={"Idempotency-Key": "k"})
+        body = self.assertProblem(
+            client.request("POST", "/lmsp/v1/tasks", create_body("b"),
+                           headers={"Idempotency-Key": "k"}), 422, "idempotency_key_reused")
+        self.assertEqual(body["title"], "Unprocessable Content")
+
+    def test_malformed_key_is_400(self):
+        client = self.start_server()
+        self.assertProblem(client.request("POST", "/lmsp/v1/tasks", create_body(),
+                                          headers={"Idempotency-Key": '"unbalanced'}),
+                           400, "invalid_request", "Idempotency-Key")
+        self.assertEqual(self.store.list()[0], [])
+
+    def test_keys_never_cross_principals(self):
+        client = self.start_server(tokens={"token-alice": "alice", "token-bob": "bob"})
+        bob = Client(client.host, client.port, "token-bob")
+        a = client.create(create_body("x"), headers={"Idempotency-Key": "shared"})
+        b = bob.create(create_body("x"), headers={"Idempotency-Key": "shared"})
+        self.assertNotEqual(a["id"], b["id"])
+
+    def test_sixteen_concurrent_duplicates_create_one_task(self):
+        client = self.start_server(StepBackend())
+        barrier = threading.Barrier(16, timeout=TIMEOUT)
+        results = queue.Queue()
+
+        def post():
+            barrier.wait()
+            status, resp, task = client.request("POST", "/lmsp/v1/tasks", create_body("dup"),
+                                                headers={"Idempotency-Key": "same-key"})
+            results.put((status, task["id"], resp.getheader("Idempotent-Replayed")))
+        threads = [threading.Thread(target=post) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        answers = [results.get(timeout=TIMEOUT) for _ in range(16)]
+        self.assertEqual({a[0] for a in answers}, {202})
+        self.assertEqual(len({a[1] for a in answers}), 1)
+        self.assertEqual(sorted(a[2] or "" for a in answers), [""] + ["true"] * 15)
+        self.assertEqual(len(self.store.list()[0]), 1)
+
+
+class LmspEventStreamTests(ServerTestCase):
+    """A.4, B.4, B.5: the event stream, its numbering and resumption."""
+
+    EXPECTED = ["response.created", "response.loading", "response.in_progress",
+                "response.output_item.added", "response.content_part.added",
+                "response.output_text.delta", "response.output_text.delta",
+                "response.output_text.delta", "response.output_text.done",
+                "response.content_part.done", "response.output_item.done",
+                "response.completed"]
+
+    def finished_task(self, client, text="Local model services"):
+        task = client.create(create_body(text))
+        self.wait_terminal(task["id"])
+        return task
+
+    def test_stream_from_the_start_has_every_event_in_order(self):
+        client = self.start_server(DemoBackend(delay=0))
+        task = client.create(create_body("Local model services"))
+        with client.stream(task["id"]) as reader:
+            self.assertEqual(reader.status, 200)
+            self.assertEqual(reader.resp.getheader("Content-Type"),
+                             "text/event-stream; charset=utf-8")
+            events = reader.all()
+        self.assertEqual([e["event"] for e in events], self.EXPECTED)
+        self.assertEqual([e["id"] for e in events], [str(i) for i in range(len(events))])
+        for event in events:
+            self.assertEqual(event["data"]["type"], event["event"])
+            self.assertEqual(event["data"]["sequence_number"], int(event["id"]))
+        created = events[0]["data"]["response"]
+        self.assertEqual((created["id"], created["status"]), (task["response_id"], "queued"))
+        self.assertEqual(deltas(events), "Local model services")
+        item_ids = {e["data"]["item_id"] for e in events if "item_id" in e["data"]}
+        self.assertEqual(len(item_ids), 1)
+        final = events[-1]["data"]["response"]
+        self.assertEqual(final, client.task(task["id"])["response"])
+
+    def test_late_join_replays_then_closes_after_the_one_final_event(self):
+        client = self.start_server(DemoBackend(delay=0))
+        task = self.finished_task(client)
+        events = client.events(task["id"])
+        self.assertEqual([e["event"] for e in events], self.EXPECTED)
+        self.assertEqual(sum(e["event"] in FINAL_EVENTS for e in events), 1)
+
+    def test_resume_with_last_event_id_after_and_the_header_wins(self):
+        client = self.start_server(DemoBackend(delay=0))
+        task = self.finished_task(client)
+        by_header = client.events(task["id"], headers={"Last-Event-ID": "5"})
+        self.assertEqual([e["id"] for e in by_header], [str(i) for i in range(6, 12)])
+        by_query = client.events(task["id"], query="?after=9")
+        self.assertEqual([e["id"] for e in by_query], ["10", "11"])
+        both = client.events(task["id"], headers={"Last-Event-ID": "10"}, query="?after=2")
+        self.assertEqual([e["id"] for e in both], ["11"])
+        self.assertEqual(client.events(task["id"], query="?after=11"), [])
+
+    def test_bad_or_future_cursor_is_400_before_the_stream(self):
+        client = self.start_server(DemoBackend(delay=0))
+        task = self.finished_task(client)
+        path = f"/lmsp/v1/tasks/{task['id']}/events"
+        for headers, query, param in (({"Last-Event-ID": "x"}, "", "Last-Event-ID"),
+                                      ({"Last-Event-ID": "-1"}, "", "Last-Event-ID"),
+                                      ({}, "?after=1.5", "after"), ({}, "?after=12", "after"),
+                                      ({"Last-Event-ID": "99"}, "?after=1", "Last-Event-ID")):
+            with self.subTest(headers=headers, query=query):
+                self.assertProblem(client.request("GET", path + query, headers=headers),
+                                   400, "invalid_request", param)
+
+    def test_pruned_events_are_410(self):
+        client = self.start_server(DemoBackend(delay=0),
+                                   store_kwargs={"event_retention_ms": 0})
+        task = self.finished_task(client)
+        self.store.reap()
+        self.assertEqual(client.task(task["id"])["status"], "succeeded")   # the task stays
+        path = f"/lmsp/v1/tasks/{task['id']}/events"
+        self.assertProblem(client.request("GET", path), 410, "event_history_expired")
+        self.assertProblem(client.request("GET", path + "?after=3"), 410, "event_history_expired")
+        self.assertEqual(client.events(task["id"], query="?after=11"), [])
+
+    def test_live_stream_sees_events_as_they_happen_and_keep_alives(self):
+        backend = StepBackend()
+        client = self.start_server(backend, keepalive_interval=0.05)
+        task = client.create()
+        with client.stream(task["id"]) as reader:
+            self.assertEqual(reader.next_event()["event"], "response.created")
+            self.assertEqual(reader.next_event()["event"], "response.loading")
+            while "comment" not in (block := reader.block()):
+                pass
+            self.assertEqual(block["comment"], "keep-alive")
+            backend.allow.release()            # start: item and part added
+            seen = reader.until(lambda e: e["event"] == "response.content_part.added")
+            self.assertEqual(seen[0]["event"], "response.in_progress")
+            for chunk in backend.chunks:
+                backend.allow.release()
+                event = reader.next_event()
+                self.assertEqual((event["event"], event["data"]["delta"]),
+                                 ("response.output_text.delta", chunk))
+            rest = reader.all()
+        self.assertEqual(rest[-1]["event"], "response.completed")
+
+    def test_a_client_leaving_does_not_affect_the_task(self):
+        backend = StepBackend()
+        client = self.start_server(backend)
+        task = client.create()
+        with client.stream(task["id"]) as reader:
+            reader.until(lambda e: e["event"] == "response.loading")
+        for _ in range(len(backend.chunks) + 1):
+            backend.allow.release()
+        self.assertEqual(self.wait_terminal(task["id"]).status, SUCCEEDED)
+
+    def test_more_streams_than_the_cap_get_503(self):
+        backend = StepBackend()
+        client = self.start_server(backend, max_streams=1)
+        task = client.create()
+        with client.stream(task["id"]) as reader:
+            reader.until(lambda e: e["event"] == "response.loading")
+            self.assertProblem(client.request("GET", f"/lmsp/v1/tasks/{task['id']}/events"),
+                               503, "service_unavailable")
+        # The task is idle, so nothing is written: the server notices the closed
+        # socket itself and gives the slot back (within _STREAM_WAKE_S).
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            reader = client.stream(task["id"])
+            if reader.status == 200:
+                break
+            reader.conn.close()
+            self.assertLess(time.monotonic(), deadline, "the slot never came back")
+        with reader:
+            for _ in range(len(backend.chunks) + 1):
+                backend.allow.release()
+            self.assertEqual(reader.all()[-1]["event"], "response.completed")
+
+
+class LmspCancelTests(ServerTestCase):
+    """A.3: cancel in every state."""
+
+    def cancel(self, client, task_id):
+        return client.request("POST", f"/lmsp/v1/tasks/{task_id}/cancel")
+
+    def test_cancel_queued_is_cancelled_at_once(self):
+        backend = StepBackend()
+        client = self.start_server(backend, workers=1)
+        client.create()
+        self.assertEqual(backend.calls.get(timeout=TIMEOUT), "called")
+        queued = client.create()
+        status, _, task = self.cancel(client, queued["id"])
+        self.assertEqual((status, task["status"]), (200, "cancelled"))
+        events = client.events(queued["id"])
+        self.assertEqual([e["event"] for e in events], ["response.created", "response.cancelled"])
+        self.assertEqual(events[-1]["data"]["response"]["status"], "cancelled")
+
+    def test_cancel_loading_and_running_go_through_cancelling(self):
+        for started in (False, True):
+            with self.subTest(started=started):
+                backend = StepBackend()
+                client = self.start_server(backend)
+                task = client.create()
+                with client.stream(task["id"]) as reader:
+                    reader.until(lambda e: e["event"] == "response.loading")
+                    if started:
+                        backend.allow.release()
+                        backend.allow.release()
+                        reader.until(lambda e: e["event"] == "response.output_text.delta")
+                    status, _, body = self.cancel(client, task["id"])
+                    self.assertEqual((status, body["status"]), (200, "cancelling"))
+                    rest = reader.all()
+                events = client.events(task["id"])
+                names = [e["event"] for e in rest]
+                self.assertEqual(names[-2:], ["response.cancelling", "response.cancelled"])
+                self.assertEqual(self.store.get(task["id"]).status, CANCELLED)
+                again = self.cancel(client, task["id"])
+                self.assertEqual((again[0], again[2]["status"]), (200, "cancelled"))
+                final = rest[-1]["data"]["response"]
+                self.assertEqual(final["status"], "cancelled")
+                self.assertEqual(deltas(events), "one " if started else "")
+                self.assertEqual([c["text"] for o in final["output"] for c in o["content"]],
+                                 ["one "] if started else [])
+
+    def test_cancel_cancelling_is_idempotent(self):
+        backend = StepBackend(ignore_cancel=True)
+        client = self.start_server(backend)
+        task = client.create()
+        self.assertEqual(backend.calls.get(timeout=TIMEOUT), "called")
+        for _ in range(3):          # the backend has not stopped: the task stays cancelling
+            status, _, body = self.cancel(client, task["id"])
+            self.assertEqual((status, body["status"]), (200, "cancelling"))
+        for _ in range(len(backend.chunks) + 1):
+            backend.allow.release()
+        self.assertEqual(self.wait_terminal(task["id"]).status, CANCELLED)
+        names = [e["event"] for e in client.events(task["id"])]
+        self.assertEqual(names.count("response.cancelling"), 1)
+        self.assertEqual(names[-1], "response.cancelled")
+
+    def test_cancel_finished_tasks(self):
+        client = self.start_server(DemoBackend(delay=0))
+        done = client.create(create_body("a"))
+        failed = client.create(create_body("a b", metadata={"demo_fail_after": 1}))
+        for task in (done, failed):
+            self.wait_terminal(task["id"])
+            self.assertProblem(self.cancel(client, task["id"]), 409, "task_not_cancelable")
+
+
+class LmspDemoBackendTests(ServerTestCase):
+    """The demo backend's exact contract (issue 4)."""
+
+    def run_task(self, client, body):
+        task = client.create(body)
+        events = client.events(task["id"])
+        return client.task(task["id"]), events
+
+    def test_message_items_are_echoed_and_usage_counts_words_and_chunks(self):
+        client = self.start_server(DemoBackend(delay=0))
+        body = {"type": "response", "input": {"model": "qwen3:14b-q4_k_m", "input": [
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": " Write a"}]},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "ignored"}]},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": "long report."}]}]}}
+        task, events = self.run_task(client, body)
+        text = " Write a\nlong report."
+        self.assertEqual(deltas(events), text)
+        self.assertEqual([e["data"]["delta"] for e in events
+                          if e["event"] == "response.output_text.delta"],
+                         [" Write ", "a\n", "long ", "report."])
+        response = task["response"]
+        self.assertEqual(response["model"], "qwen3:14b-q4_k_m")
+        self.assertEqual(response["output"][0]["content"][0]["text"], text)
+        self.assertEqual(response["usage"],
+                         {"input_tokens": 4, "output_tokens": 4, "total_tokens": 8})
+
+    def test_max_output_tokens_makes_the_response_incomplete(self):
+        client = self.start_server(DemoBackend(delay=0))
+        task, events = self.run_task(client, create_body("a b c d e", max_output_tokens=2))
+        self.assertEqual(task["status"], "succeeded")
+        self.assertEqual(task["response"]["status"], "incomplete")
+        self.assertEqual(task["response"]["incomplete_details"], {"reason": "max_output_tokens"})
+        self.assertEqual(deltas(events), "a b ")
+        self.assertEqual(events[-1]["event"], "response.incomplete")
+        self.assertEqual(sum(e["event"] in FINAL_EVENTS for e in events), 1)
+        self.assertEqual(task["response"]["usage"]["output_tokens"], 2)
+        # A cap at or above the chunk count cuts nothing.
+        task, events = self.run_task(client, create_body("a b", max_output_tokens=2))
+        self.assertEqual(task["response"]["status"], "completed")
+
+    def test_demo_fail_after_fails_the_task_with_backend_error(self):
+        client = self.start_server(DemoBackend(delay=0))
+        for value in (2, "2"):
+            with self.subTest(value=value):
+                task, events = self.run_task(
+                    client, create_body("a b c d", metadata={"demo_fail_after": value}))
+                self.assertEqual(task["status"], "failed")
+                self.assertIsNone(task["response"])
+                self.assertEqual(task["error"]["code"], "backend_error")
+                self.assertEqual((task["error"]["status"], task["error"]["title"]),
+                                 (500, "Internal Server Error"))
+                self.assertEqual(deltas(events), "a b ")
+                self.assertEqual(events[-1]["event"], "response.failed")
+                final = events[-1]["data"]["response"]
+                self.assertEqual(final["status"], "failed")
+                self.assertEqual(final["error"], task["error"])
+                self.assertEqual(final["output"][0]["content"][0]["text"], "a b ")
+        task, _ = self.run_task(client, create_body("a b", metadata={"demo_fail_after": 2}))
+        self.assertEqual(task["status"], "succeeded")
+
+
+class LmspRetentionTests(ServerTestCase):
+    """B.7: finished tasks are purged after task_retention; keys expire too."""
+
+    def test_a_purged_task_is_404_and_its_key_can_be_used_again(self):
+        client = self.start_server(DemoBackend(delay=0), task_retention=0,
+                                   idempotency_retention=0)
+        task = client.create(create_body("x"), headers={"Idempotency-Key": "once"})
+        self.wait_terminal(task["id"])
+        self.assertEqual(self.store.reap()["tasks"], 1)
+        self.assertProblem(client.request("GET", f"/lmsp/v1/tasks/{task['id']}"), 404,
+                           "task_not_found")
+        again = client.create(create_body("x"), headers={"Idempotency-Key": "once"})
+        self.assertNotEqual(again["id"], task["id"])
+
+
+class LmspAuthTests(ServerTestCase):
+    """B.9: tokens, principals, ownership."""
+
+    def test_auth_off_on_loopback_needs_no_header(self):
+        client = self.start_server()
+        self.assertEqual(client.request("GET", "/lmsp/v1/capabilities")[0], 200)
+
+    def test_missing_or_wrong_token_is_401_with_www_authenticate(self):
+        client = self.start_server(tokens={"secret-token-1": "alice"})
+        anon = Client(client.host, client.port)
+        for headers in ({}, {"Authorization": "Bearer wrong-token"},
+                        {"Authorization": "Basic c2VjcmV0LXRva2VuLTE="},
+                        {"Authorization": "secret-token-1"}):
+            for path in ("/lmsp/v1/tasks", "/lmsp/v1/capabilities", "/lmsp/v1/unknown"):
+                with self.subTest(headers=headers, path=path):
+                    reply = anon.request("GET", path, headers=headers)
+                    self.assertProblem(reply, 401, "unauthorized")
+                    self.assertTrue(reply[1].getheader("WWW-Authenticate").startswith("Bearer"))
+        self.assertEqual(anon.request("GET", "/healthz")[0], 200)
+        self.assertEqual(client.request("GET", "/lmsp/v1/tasks")[0], 200)
+
+    def test_another_principals_task_is_invisible(self):
+        client = self.start_server(StepBackend(), tokens={"token-alice": "alice",
+                                                          "token-bob": "bob"})
+        bob = Client(client.host, client.port, "token-bob")
+        task = client.create()
+        for method, path in (("GET", f"/lmsp/v1/tasks/{task['id']}"),
+                             ("GET", f"/lmsp/v1/tasks/{task['id']}/events"),
+                             ("POST", f"/lmsp/v1/tasks/{task['id']}/cancel")):
+            with self.subTest(path=path):
+                self.assertProblem(bob.request(method, path), 404, "task_not_found")
+        self.assertEqual(bob.request("GET", "/lmsp/v1/tasks")[2]["data"], [])
+        self.assertEqual([t["id"] for t in client.request("GET", "/lmsp/v1/tasks")[2]["data"]],
+                         [task["id"]])
+        self.assertEqual(self.store.get(task["id"]).principal, "alice")
+
+
+class LmspSlowClientTests(ServerTestCase):
+    """A client sending its request slowly cannot hold a thread past --request-timeout."""
+
+    def test_a_trickling_client_is_disconnected_at_the_deadline(self):
+        client = self.start_server(request_timeout=0.5)
+        sock = socket.create_connection((client.host, client.port), timeout=TIMEOUT)
+        self.addCleanup(sock.close)
+        started = time.monotonic()
+        request = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
+        closed = False
+        for byte in request:
+            sock.settimeout(0.1)            # pace: one byte per 0.1 s unless the server hangs up
+            try:
+                closed = sock.recv(1024) == b""
+            except TimeoutError:
+                pass
+            except ConnectionResetError:
+                closed = True
+            if closed:
+                break
+            try:
+                sock.send(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+        self.assertTrue(closed, "the server kept a trickling client")
+        self.assertLess(time.monotonic() - started, TIMEOUT)
+        self.assertEqual(client.request("GET", "/healthz")[0], 200)
+
+
+class LmspOpenAIBackendTests(ServerTestCase):
+    """The openai backend against a fake OpenAI-compatible server (http.server)."""
+
+    def fake_upstream(self, script):
+        """Start a fake /v1/chat/completions; *script(handler, body)* writes the answer."""
+        requests = queue.Queue()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                requests.put((self.path, body))
+                script(self, body)
+
+        upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        upstream.daemon_threads = True
+        thread = threading.Thread(target=upstream.serve_forever, kwargs={"poll_interval": 0.05})
+        thread.start()
+        self.addCleanup(thread.join, TIMEOUT)
+        self.addCleanup(upstream.server_close)
+        self.addCleanup(upstream.shutdown)
+        return f"http://127.0.0.1:{upstream.server_address[1]}/v1", requests
+
+    @staticmethod
+    def sse(handler, chunks, status=200):
+        handler.send_response(status)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        for chunk in chunks:
+            handler.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            handler.wfile.flush()
+        handler.wfile.write(b"data: [DONE]\n\n")
+
+    @staticmethod
+    def piece(text, finish=None):
+        return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+
+    def test_streams_the_upstream_text_and_usage(self):
+        url, requests = self.fake_upstream(lambda h, body: self.sse(h, [
+            self.piece("Hel"), self.piece("lo"), self.piece("", "stop"),
+            {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}]))
+        client = self.start_server(OpenAIBackend(url))
+        body = create_body("hi", model="llama3", instructions="be brief", max_output_tokens=50,
+                           temperature=0.5)
+        task = client.create(body)
+        events = client.events(task["id"])
+        self.assertEqual(deltas(events), "Hello")
+        self.assertEqual(events[-1]["event"], "response.completed")
+        response = client.task(task["id"])["response"]
+        self.assertEqual(response["output"][0]["content"][0]["text"], "Hello")
+        self.assertEqual(response["usage"], {"input_tokens": 5, "output_tokens": 2,
+                                             "total_tokens": 7})
+        path, sent = requests.get(timeout=TIMEOUT)
+        self.assertEqual(path, "/v1/chat/completions")
+        self.assertEqual(sent["messages"], [{"role": "system", "content": "be brief"},
+                                            {"role": "user", "content": "hi"}])
+        self.assertEqual((sent["model"], sent["stream"], sent["max_tokens"], sent["temperature"]),
+                         ("llama3", True, 50, 0.5))
+
+    def test_length_finish_is_incomplete_and_an_upstream_error_fails_the_task(self):
+        url, _ = self.fake_upstream(lambda h, body: self.sse(h, [self.piece("ab", "length")])
+                                    if body["model"] == "short" else self.sse(h, [], status=500))
+        client = self.start_server(OpenAIBackend(url))
+        task = client.create(create_body("x", model="short"))
+        self.assertEqual(client.events(task["id"])[-1]["event"], "response.incomplete")
+        self.assertEqual(client.task(task["id"])["response"]["incomplete_details"],
+                         {"reason": "max_output_tokens"})
+        task = client.create(create_body("x", model="broken"))
+        self.assertEqual(client.events(task["id"])[-1]["event"], "response.failed")
+        self.assertEqual(client.task(task["id"])["error"]["code"], "backend_error")
+
+    def test_cancel_closes_the_upstream_stream(self):
+        hung_up = threading.Event()
+
+        def script(handler, body):
+            handler.send_response(200)
+            handler.send_header("Content-Type", "text/event-stream")
+            handler.end_headers()
+            handler.wfile.write(b"data: " + json.dumps(self.piece("first ")).encode() + b"\n\n")
+            handler.wfile.flush()
+            handler.connection.settimeout(TIMEOUT)
+            try:
+                hung_up.set() if handler.connection.recv(1) == b"" else None
+            except OSError:
+                hung_up.set()
+        url, _ = self.fake_upstream(script)
+        client = self.start_server(OpenAIBackend(url))
+        task = client.create(create_body("x"))
+        with client.stream(task["id"]) as reader:
+            reader.until(lambda e: e["event"] == "response.output_text.delta")
+            client.request("POST", f"/lmsp/v1/tasks/{task['id']}/cancel")
+            self.assertEqual(reader.all()[-1]["event"], "response.cancelled")
+        self.assertTrue(hung_up.wait(TIMEOUT))
+
+    def test_openai_backend_refuses_resume(self):
+        client = self.start_server(OpenAIBackend("http://127.0.0.1:9/v1"))
+        self.assertProblem(client.request("POST", "/lmsp/v1/tasks",
+                                          create_body(on_restart="resume")),
+                           400, "unsupported_capability", "on_restart")
+
+
+class ServerProcess:
+    """``taskstore.py http`` in a child process; its ``listening on`` line gives the port."""
+
+    def __init__(self, test, db, *args):
+        self.proc = subprocess.Popen(http_command("--db", db, "--port", "0", *args),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        test.addCleanup(self.cleanup)
+        self.lines = queue.Queue()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        line = self.lines.get(timeout=TIMEOUT)
+        match = re.fullmatch(r"taskstore: listening on http://(127\.0\.0\.1):(\d+)", line.strip())
+        test.assertTrue(match, line)
+        self.client = Client(match.group(1), int(match.group(2)))
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.put(line)
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(timeout=TIMEOUT)
+
+    def cleanup(self):
+        if self.proc.poll() is None:
+            self.kill()
+        self.proc.stderr.close()
+
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+class LmspProcessTests(unittest.TestCase):
+    """The real command: the listening line, SIGTERM, and restarts after kill -9."""
+
+    TEXT = " ".join(f"w{i}" for i in range(40))
+
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.db = os.path.join(tmp.name, "lmsp.db")
+
+    def start_mid_task(self, policy):
+        """Start a slow server, create a task, read 2 deltas, kill -9; return task and events."""
+        server = ServerProcess(self, self.db, "--demo-delay", "0.2")
+        task = server.client.create(create_body(self.TEXT, on_restart=policy),
+                                    headers={"Idempotency-Key": f"job-{policy}"})
+        with server.client.stream(task["id"]) as reader:     # 40 chunks: 8 s to finish
+            seen = reader.until(lambda e: e["data"].get("delta") == "w1 ")
+        server.kill()
+        self.assertEqual(server.proc.returncode, -signal.SIGKILL)
+        return task, seen
+
+    def restart(self):
+        return ServerProcess(self, self.db, "--demo-delay", "0").client
+
+    def test_listening_line_and_sigterm_ends_streams_and_exits_0(self):
+        server = ServerProcess(self, self.db, "--demo-delay", "0.2")
+        task = server.client.create(create_body(self.TEXT))
+        with server.client.stream(task["id"]) as reader:
+            reader.until(lambda e: e["event"] == "response.output_text.delta")
+            server.proc.send_signal(signal.SIGTERM)
+            reader.all()                 # returns only when the server ends the stream
+        self.assertEqual(server.proc.wait(timeout=5), 0)
+
+    def test_restart_fail_policy_fails_with_server_restarted(self):
+        task, seen = self.start_mid_task("fail")
+        client = self.restart()
+        got = client.task(task["id"])
+        self.assertEqual(got["status"], "failed")
+        self.assertEqual((got["error"]["code"], got["error"]["status"]), ("server_restarted", 503))
+        events = client.events(task["id"], headers={"Last-Event-ID": seen[-1]["id"]})
+        self.assertEqual(int(events[0]["id"]), int(seen[-1]["id"]) + 1)
+        self.assertEqual(events[-1]["event"], "response.failed")
+        self.assertEqual(events[-1]["data"]["response"]["error"]["code"], "server_restarted")
+
+    def test_restart_retry_runs_again_with_new_items_and_continuing_numbers(self):
+        task, seen = self.start_mid_task("retry")
+        client = self.restart()
+        events = client.events(task["id"])
+        self.assertEqual([int(e["id"]) for e in events], list(range(len(events))))
+        names = [e["event"] for e in events]
+        self.assertIn("response.queued", names)
+        self.assertEqual(names.count("response.output_item.added"), 2)
+        after_requeue = events[names.index("response.queued"):]
+        self.assertEqual(deltas(after_requeue), self.TEXT)
+        items = {e["data"]["item_id"] for e in events if e["event"] == "response.output_text.delta"}
+        self.assertEqual(len(items), 2)
+        self.assertEqual(client.task(task["id"])["response"]["output"][0]["content"][0]["text"],
+                         self.TEXT)
+        self.assertEqual(sum(n in FINAL_EVENTS for n in names), 1)
+        # The key still names the task after the restart: no second task, ever.
+        status, resp, again = client.request("POST", "/lmsp/v1/tasks",
+                                             create_body(self.TEXT, on_restart="retry"),
+                                             headers={"Idempotency-Key": "job-retry"})
+        self.assertEqual((status, again["id"], resp.getheader("Idempotent-Replayed")),
+                         (202, task["id"], "true"))
+        self.assertEqual(len(client.request("GET", "/lmsp/v1/tasks")[2]["data"]), 1)
+
+    def test_event_retention_and_reap_interval_flags_prune_events(self):
+        server = ServerProcess(self, self.db, "--demo-delay", "0", "--event-retention", "0.001",
+                               "--reap-interval", "0.05")
+        task = server.client.create(create_body("short"))
+        server.client.events(task["id"])                       # it finished
+        deadline = time.monotonic() + TIMEOUT
+        path = f"/lmsp/v1/tasks/{task['id']}/events"
+        while (status := server.client.request("GET", path)[0]) == 200:
+            self.assertLess(time.monotonic(), deadline, "events were never pruned")
+        self.assertEqual(status, 410)
+
+    def test_restart_resume_continues_without_repeating_text(self):
+        task, seen = self.start_mid_task("resume")
+        client = self.restart()
+        events = client.events(task["id"])
+        self.assertEqual([int(e["id"]) for e in events], list(range(len(events))))
+        self.assertEqual(deltas(events), self.TEXT)      # across both runs, nothing repeated
+        items = {e["data"]["item_id"] for e in events if "item_id" in e["data"]}
+        self.assertEqual(len(items), 1)
+        names = [e["event"] for e in events]
+        self.assertEqual(names.count("response.output_item.added"), 1)
+        self.assertEqual(names[-1], "response.completed")
+        response = client.task(task["id"])["response"]
+        self.assertEqual(response["output"][0]["content"][0]["text"], self.TEXT)
+        self.assertEqual(response["usage"]["output_tokens"], 40)
+
+    def test_restart_completes_a_cancelling_task_as_cancelled(self):
+        task, seen = self.start_mid_task("retry")
+        # The server died between the cancel's commit and its backend stopping:
+        # put the task in that state from outside, as the killed process left it.
+        store = TaskStore(self.db, recover_on_open=False)
+        self.assertEqual(store.cancel(task["id"]).status, CANCELLING)
+        store.close()
+        client = self.restart()
+        got = client.task(task["id"])
+        self.assertEqual(got["status"], "cancelled")
+        events = client.events(task["id"])
+        self.assertEqual([e["event"] for e in events][-2:],
+                         ["response.cancelling", "response.cancelled"])
+
+    def test_a_queued_task_survives_a_restart_and_runs(self):
+        store = TaskStore(self.db)
+        task = store.create("response", {"model": "m", "input": "still here"}, policy="fail",
+                            meta={"response_id": "resp_" + "1" * 36})
+        store.close()
+        client = self.restart()
+        events = client.events(task.id)
+        self.assertEqual(deltas(events), "still here")
+        self.assertEqual(events[-1]["event"], "response.completed")
+
+    def test_non_loopback_bind_without_tokens_is_refused(self):
+        proc = subprocess.run(http_command("--db", self.db, "--host", "0.0.0.0", "--port", "0"),
+                              capture_output=True, text=True, timeout=TIMEOUT)
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("--insecure-bind", proc.stderr)
+        self.assertFalse(os.path.exists(self.db))
+
+
+if __name__ == "__main__":
+    unittest.main()
 
 
 if __name__ == "__main__":
