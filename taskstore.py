@@ -65,6 +65,10 @@ __all__ = [
     "fingerprint", "new_id", "is_task_id", "iso_time", "main",
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
     "FAILED", "CANCELLED",
+    # MCP server (section 9)
+    "McpServer", "McpTool", "ToolContext", "McpError", "ParseError", "InvalidRequest",
+    "MethodNotFound", "add_demo_tools", "text_result", "mcp_task_to_wire", "check_arguments", "add_mcp_parser",
+    "run_mcp", "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
     # LMSP HTTP server (section 10)
     "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
@@ -88,9 +92,12 @@ import http.client
 import http.server
 import io
 import ipaddress
+import itertools
 import json
 import logging
+import math
 import os
+import queue
 import re
 import secrets
 import select
@@ -2139,6 +2146,1003 @@ class Runner:
                 return
             except Exception:
                 logger.exception("runner maintenance failed")
+
+
+# =============================================================================
+# 9. MCP server (stdio JSON-RPC)
+# =============================================================================
+# The MCP adapter: the 2025-11-25 tasks vocabulary and wire shapes, nothing
+# else.  Rules: no SQL and no store locking here; one function builds each
+# wire shape (mcp_task_to_wire, _create_task_result, _task_payload); errors
+# reach the client only through to_jsonrpc_error (or, for tasks/result, as
+# the error that to_jsonrpc_error produced when the task failed); the reader
+# thread never blocks on the store (every request runs on its own thread);
+# McpServer._send is the only writer of the output stream.
+
+MCP_PROTOCOL_VERSION = "2025-11-25"
+# Older revisions are served the way the 1.x SDK serves them: same
+# capabilities, and a task request is still honoured (MCP-TASKS.md section 6).
+MCP_PROTOCOL_VERSIONS = (MCP_PROTOCOL_VERSION, "2025-06-18", "2025-03-26", "2024-11-05")
+MCP_TASK_KIND = "mcp.tools/call"        # the store kind of every task this adapter creates
+RELATED_TASK = "io.modelcontextprotocol/related-task"
+DRAFT_TASK_KEY = "modelcontextprotocol.io/task"   # SEP-1686 draft opt-in, in params._meta
+TASK_SUPPORT = ("forbidden", "optional", "required")
+DEFAULT_MCP_TTL_MS = 3600 * 1000
+DEFAULT_MCP_POLL_INTERVAL_MS = 500
+DEFAULT_MCP_PAGE_SIZE = 50
+DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
+SHUTDOWN_GRACE_S = 1.0                  # running work gets this long at EOF/SIGTERM
+_MCP_TERMINAL = frozenset(("completed", "failed", "cancelled"))
+_UNSET = object()
+_NO_RESPONSE = object()                 # an inline call cancelled by the client gets no answer
+
+
+class ParseError(TaskStoreError):
+    """A line that is not JSON (or not UTF-8)."""
+
+    code = "parse_error"
+    http_status = 400
+    jsonrpc_code = -32700
+
+
+class InvalidRequest(TaskStoreError):
+    """A message that is not a JSON-RPC 2.0 request, a batch, or a line too long."""
+
+    code = "invalid_request"
+    http_status = 400
+    jsonrpc_code = -32600
+
+
+class MethodNotFound(TaskStoreError):
+    """An unknown method, or a tools/call that breaks the tool's taskSupport."""
+
+    code = "method_not_found"
+    http_status = 404
+    jsonrpc_code = -32601
+
+
+class McpError(TaskStoreError):
+    """A JSON-RPC error with a chosen code.
+
+    Raise it from a tool to end the call with that error: inline it is the
+    answer to ``tools/call``; as a task the error is stored, the task is
+    ``failed``, and ``tasks/result`` replays it.  ``elicit`` raises it when the
+    client answers with an error or cannot elicit.
+    """
+
+    code = "mcp_error"
+
+    def __init__(self, jsonrpc_code, message):
+        super().__init__(message)
+        self.jsonrpc_code = jsonrpc_code
+
+
+class _StoredError(Exception):
+    """Carries a JSON-RPC error object stored with a failed task, replayed as is."""
+
+    def __init__(self, error):
+        super().__init__(error.get("message", ""))
+        self.error = error
+
+
+def text_result(text, is_error=False):
+    """Return a CallToolResult holding one text block."""
+    return {"content": [{"type": "text", "text": text}], "isError": bool(is_error)}
+
+
+def mcp_task_to_wire(task, poll_interval_ms):
+    """Return the MCP ``Task`` object for a stored task.
+
+    The only producer of the Task's camelCase keys: tasks/get, tasks/cancel,
+    tasks/list, CreateTaskResult and notifications/tasks/status all use it.
+    """
+    wire = {"taskId": task.id, "status": mcp_status(task),
+            "createdAt": iso_time(task.created_at), "lastUpdatedAt": iso_time(task.updated_at),
+            "ttl": task.ttl_ms, "pollInterval": poll_interval_ms}
+    message = task.status_message or (task.error or {}).get("message")
+    if message:
+        wire["statusMessage"] = message
+    return wire
+
+
+def _create_task_result(task, poll_interval_ms, legacy):
+    """Return the CreateTaskResult; the lesson's ``_meta.task`` mirror when *legacy*."""
+    wire = mcp_task_to_wire(task, poll_interval_ms)
+    result = {"task": wire}
+    if legacy:
+        result["_meta"] = {"task": {"id": wire["taskId"], "state": wire["status"],
+                                    "ttl": wire["ttl"]}}
+    return result
+
+
+def _task_payload(task):
+    """Return what tasks/result answers for a task MCP shows as terminal.
+
+    Returns ``(result, None)`` for a CallToolResult carrying the related-task
+    ``_meta``, or ``(None, error)`` for a JSON-RPC error the work raised.
+    """
+    status = mcp_status(task)
+    error = task.error or {}
+    if status == "completed":
+        result = dict(task.result)
+    elif status == "cancelled":
+        # MCP-TASKS.md section 6: never a bare {_meta}.
+        result = text_result(f"Task {task.id} was cancelled", is_error=True)
+    elif isinstance(task.result, dict):
+        result = dict(task.result)          # the tool's own isError result
+    elif isinstance(error.get("code"), int) and not isinstance(error.get("code"), bool):
+        return None, error                  # a JSON-RPC error: replay it
+    else:                                   # e.g. CRASH_RECOVERY: report the failure
+        result = text_result(task.status_message or error.get("message") or "task failed",
+                             is_error=True)
+    result["_meta"] = {**(result.get("_meta") or {}), RELATED_TASK: {"taskId": task.id}}
+    return result, None
+
+
+def _as_call_tool_result(value):
+    """Turn a handler's return value into a CallToolResult."""
+    if isinstance(value, str):
+        return text_result(value)
+    if isinstance(value, dict) and isinstance(value.get("content"), list):
+        return value
+    result = text_result(dumps(value))
+    if isinstance(value, dict):
+        result["structuredContent"] = value
+    return result
+
+
+def _type_ok(value, json_type):
+    if json_type in ("number", "integer") and isinstance(value, bool):
+        return False
+    if json_type == "integer":
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    expected = {"string": str, "number": (int, float), "boolean": bool, "object": dict,
+                "array": list, "null": type(None)}.get(json_type)
+    return expected is None or isinstance(value, expected)
+
+
+def check_arguments(tool, arguments):
+    """Check *arguments* against the tool's input schema (``required`` and ``type``).
+
+    Raises:
+        InvalidParams: naming the first offending field.
+    """
+    schema = tool.input_schema
+    for name in schema.get("required", ()):
+        if name not in arguments:
+            raise InvalidParams(f"Invalid arguments for tool {tool.name}: "
+                                f"missing required argument '{name}'", param=name)
+    properties = schema.get("properties") or {}
+    for name, value in arguments.items():
+        json_type = (properties.get(name) or {}).get("type")
+        if json_type is None:
+            continue
+        types = json_type if isinstance(json_type, list) else [json_type]
+        if not any(_type_ok(value, t) for t in types):
+            raise InvalidParams(f"Invalid arguments for tool {tool.name}: argument '{name}' "
+                                f"must be of type {' or '.join(types)}", param=name)
+
+
+def _task_request(params):
+    """Return ``(ttl, legacy)`` when *params* ask for a task, else None.
+
+    ``ttl`` is ``_UNSET`` when the request names none.  Precedence follows
+    MCP-TASKS.md 2.4: ``params.task``, then the lesson's ``_meta.task``, then
+    the SEP draft's ``_meta["modelcontextprotocol.io/task"]`` (its
+    ``keepAlive`` is the TTL hint; its client-chosen ``taskId`` is ignored).
+    """
+    task = params.get("task")
+    if task is not None:
+        if not isinstance(task, dict):
+            raise InvalidParams("task must be an object", param="task")
+        return task.get("ttl", _UNSET), False
+    meta = params.get("_meta")
+    if not isinstance(meta, dict):
+        return None
+    lesson = meta.get("task")
+    if isinstance(lesson, dict) and lesson.get("required", True) is not False:
+        return lesson.get("ttl", _UNSET), True
+    draft = meta.get(DRAFT_TASK_KEY)
+    if isinstance(draft, dict):
+        return draft.get("keepAlive", _UNSET), True
+    return None
+
+
+def _message_kind(message):
+    """Classify a decoded message as "request", "notification" or "response".
+
+    Raises:
+        InvalidRequest: not a JSON-RPC 2.0 message (a batch is not accepted).
+    """
+    if isinstance(message, list):
+        raise InvalidRequest("batches are not supported")
+    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+        raise InvalidRequest("not a JSON-RPC 2.0 message")
+    has_id = "id" in message
+    msg_id = message.get("id")
+    if has_id and (isinstance(msg_id, bool) or not isinstance(msg_id, (str, int))):
+        raise InvalidRequest("id must be a string or an integer")
+    if "method" in message:
+        if not isinstance(message["method"], str):
+            raise InvalidRequest("method must be a string")
+        return "request" if has_id else "notification"
+    if has_id and ("result" in message or "error" in message):
+        return "response"
+    raise InvalidRequest("not a JSON-RPC 2.0 request")
+
+
+class _LineReader:
+    """Split a binary stream into lines of at most *limit* bytes (newline excluded).
+
+    Reads in chunks (``read1`` when the stream has it, else ``read``), so a
+    raw unbuffered stdin works: no Python-level lock is held while blocked,
+    which lets the interpreter exit while the reader thread still waits.  A
+    longer line is dropped as it arrives, never held in memory whole.
+    """
+
+    def __init__(self, stream, limit):
+        self._read = getattr(stream, "read1", stream.read)
+        self._limit = limit
+        self._buffer = bytearray()
+
+    def next(self):
+        """Return ``(line, too_long)``; ``(None, False)`` at EOF."""
+        skipping = False
+        while True:
+            end = self._buffer.find(b"\n")
+            if end >= 0:
+                line = bytes(self._buffer[:end + 1])
+                del self._buffer[:end + 1]
+                if skipping or end > self._limit:
+                    return b"", True
+                return line, False
+            if len(self._buffer) > self._limit:
+                skipping = True
+                self._buffer.clear()
+            chunk = self._read(65536)
+            if not chunk:
+                line, self._buffer = bytes(self._buffer), bytearray()
+                if skipping or len(line) > self._limit:
+                    return b"", True
+                return (line, False) if line else (None, False)
+            self._buffer += chunk
+
+
+class McpTool(typing.NamedTuple):
+    """A tool the server offers: ``handler(ctx, arguments)`` returns the result.
+
+    The handler returns a string (one text block), a CallToolResult dict (with
+    ``content``; ``isError: true`` makes a task ``failed``) or any other JSON
+    value (sent as text plus ``structuredContent``).  It raises ``McpError``
+    to answer with a JSON-RPC error; any other exception becomes an
+    ``isError`` result with a generic text (the traceback goes to the log).
+    """
+
+    name: str
+    handler: object
+    description: str
+    input_schema: dict
+    task_support: str
+
+    def to_wire(self):
+        """Return the ``tools/list`` entry."""
+        return {"name": self.name, "description": self.description,
+                "inputSchema": self.input_schema,
+                "execution": {"taskSupport": self.task_support}}
+
+
+class ToolContext:
+    """What a tool handler receives besides its arguments.
+
+    ``task_id`` is the task's id when the call runs as a task, None inline.
+    ``cancelled`` is a ``threading.Event`` set when the task is cancelled (or
+    the inline request is cancelled by ``notifications/cancelled``); long work
+    waits on it instead of sleeping, so it stops at once.
+    """
+
+    def __init__(self, server, *, task_ctx=None, progress_token=None):
+        self._server = server
+        self._task_ctx = task_ctx
+        self._progress_token = progress_token
+        self.task_id = task_ctx.task_id if task_ctx is not None else None
+        self.cancelled = task_ctx.cancelled if task_ctx is not None else threading.Event()
+
+    def is_cancelled(self):
+        """True once the work should stop."""
+        return self.cancelled.is_set()
+
+    def progress(self, value, total=None, message=None):
+        """Report progress; as a task *message* also becomes the statusMessage.
+
+        The client hears ``notifications/progress`` when its request carried a
+        ``progressToken`` (for a task: until the task is terminal).
+        """
+        if self._task_ctx is not None:
+            if message is None:
+                self._task_ctx.progress(value, total=total)
+            else:
+                self._task_ctx.progress(value, total=total, message=message)
+        elif self._progress_token is not None:
+            self._server._notify_progress(self._progress_token, value, total, message, None)
+
+    def elicit(self, message, requested_schema):
+        """Ask the user through the client (``elicitation/create``) and wait for the answer.
+
+        Returns the ElicitResult dict: ``{"action": "accept"|"decline"|"cancel",
+        "content": {...}}``.  As a task, the task is ``input_required`` until
+        the answer arrives, then ``working`` again.
+
+        Raises:
+            McpError: the client did not declare elicitation, or answered with an error.
+            Cancelled: the task (or inline request) was cancelled while waiting.
+        """
+        if "elicitation" not in self._server.client_capabilities:
+            raise McpError(-32601, "the client does not support elicitation")
+        if self._task_ctx is not None and \
+                self._task_ctx.task.meta.get("session") != self._server._session:
+            # Claimed from a file shared with another server: its client is not ours.
+            raise McpError(-32603, "the client that created this task is not connected here")
+        params = {"message": message, "requestedSchema": requested_schema}
+        if self._task_ctx is not None:
+            answer = self._task_ctx.ask({"method": "elicitation/create", "params": params})
+        else:
+            answer = self._server._request("elicitation/create", params, self.cancelled)
+        if "error" in answer:
+            error = answer["error"] if isinstance(answer["error"], dict) else {}
+            raise McpError(error.get("code", -32603),
+                           f"elicitation failed: {error.get('message', 'error')}")
+        return answer.get("result") or {}
+
+
+class McpServer:
+    """An MCP server (revision 2025-11-25, with tasks) over a TaskStore.
+
+    Register tools with ``add_tool`` or the ``tool`` decorator, then call
+    ``serve()``: it reads one JSON-RPC message per line from *infile* and
+    writes one per line to *outfile* until EOF or ``stop()``.  A task-augmented
+    ``tools/call`` becomes a store task (kind ``mcp.tools/call``) run by this
+    server's Runner; everything else is answered on a per-request thread.
+
+    Example::
+
+        store = TaskStore("my.db")
+        server = McpServer(store)
+
+        @server.tool(input_schema={"type": "object", "required": ["text"],
+                                   "properties": {"text": {"type": "string"}}},
+                     task_support="optional")
+        def shout(ctx, args):
+            return args["text"].upper()
+
+        server.serve()          # stdin/stdout until EOF
+        store.close()
+    """
+
+    def __init__(self, store, *, default_ttl_ms=DEFAULT_MCP_TTL_MS, max_ttl_ms=None,
+                 allow_unlimited_ttl=False, poll_interval_ms=DEFAULT_MCP_POLL_INTERVAL_MS,
+                 list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, workers=4,
+                 max_line_bytes=DEFAULT_MAX_LINE_BYTES, name="taskstore", version=__version__,
+                 shutdown_grace_s=SHUTDOWN_GRACE_S):
+        self.store = store
+        self.default_ttl_ms = default_ttl_ms
+        self.max_ttl_ms = max_ttl_ms if max_ttl_ms is not None else store.max_ttl_ms
+        self.allow_unlimited_ttl = allow_unlimited_ttl
+        self.poll_interval_ms = poll_interval_ms
+        self.list_tasks = list_tasks
+        self.page_size = page_size
+        self.max_line_bytes = max_line_bytes
+        self.server_info = {"name": name, "version": version}
+        self.shutdown_grace_s = shutdown_grace_s
+        self.client_capabilities = {}
+        self.tools = {}
+        self.runner = Runner(store, {MCP_TASK_KIND: self._run_task}, workers=workers)
+        # Tasks created by this server carry this id in their meta, so that
+        # only its own client hears their notifications and input requests.
+        self._session = secrets.token_hex(8)
+        self._stop = threading.Event()
+        self._stop_requested = False
+        self._out = None
+        self._write_lock = threading.Lock()
+        self._lock = threading.Lock()       # guards the dicts and sets below; never held long
+        self._pending = {}                  # our request id -> (task id or None, callback)
+        self._inline = {}                   # client request id -> ToolContext of an inline call
+        self._sent = {}                     # task id -> (version, MCP status, progress) notified
+        self._threads = set()
+        self._unfinished = set()            # ids of this session's tasks not yet terminal
+        self._ids = itertools.count(1)
+        # method -> fn(params, request_id) -> result
+        self._methods = {
+            "initialize": self._initialize,
+            "ping": lambda params, _: {},
+            "tools/list": lambda params, _: {"tools": [t.to_wire() for t in self.tools.values()]},
+            "tools/call": self._tools_call,
+            "tasks/get": lambda params, _: mcp_task_to_wire(self._get_task(params),
+                                                            self.poll_interval_ms),
+            "tasks/status": self._tasks_status,
+            "tasks/result": self._tasks_result,
+            "tasks/cancel": self._tasks_cancel,
+        }
+        if list_tasks:
+            self._methods["tasks/list"] = self._tasks_list
+
+    # -- tool registration ---------------------------------------------------
+
+    def add_tool(self, name, handler, *, description="", input_schema=None,
+                 task_support="forbidden"):
+        """Register a tool; see ``McpTool`` for the handler's contract.
+
+        Raises:
+            InvalidParams: *task_support* is not forbidden, optional or required.
+        """
+        if task_support not in TASK_SUPPORT:
+            raise InvalidParams(f"task_support must be one of {', '.join(TASK_SUPPORT)}",
+                                param="task_support")
+        tool = McpTool(name, handler, description,
+                       input_schema if input_schema is not None else {"type": "object"},
+                       task_support)
+        self.tools[name] = tool
+        return tool
+
+    def tool(self, name=None, **options):
+        """Decorator form of ``add_tool``; the name defaults to the function's."""
+        def register(handler):
+            self.add_tool(name or handler.__name__, handler,
+                          description=options.pop("description", handler.__doc__ or ""),
+                          **options)
+            return handler
+        return register
+
+    # -- transport -----------------------------------------------------------
+
+    def serve(self, infile=None, outfile=None):
+        """Serve one client on *infile*/*outfile* (binary; default stdin/stdout); once.
+
+        Returns after EOF on *infile* or ``stop()``, once running work has
+        been given ``shutdown_grace_s`` and the Runner has applied each
+        unfinished task's restart policy (so no later process sees it working).
+        """
+        self._out = outfile if outfile is not None else sys.stdout.buffer
+        if infile is None:
+            # A raw stdin: the reader thread blocks in read() holding no lock, so
+            # the interpreter can exit while it still waits (after SIGTERM).  Not
+            # closed, for the same reason; closefd=False leaves fd 0 alone.
+            infile = open(sys.stdin.fileno(), "rb", buffering=0, closefd=False)
+        self.store.add_listener(self._on_change)
+        self.runner.start()
+        reader = threading.Thread(target=self._read_loop, args=(infile,),
+                                  name="taskstore-mcp-reader", daemon=True)
+        reader.start()
+        try:
+            # A timed wait, so that stop()'s flag is seen promptly.
+            while not self._stop.wait(0.1) and not self._stop_requested:
+                pass
+        finally:
+            self._stop.set()
+            with self._lock:
+                inline = list(self._inline.values())
+            for ctx in inline:              # inline calls stop with the tasks
+                ctx.cancelled.set()
+            self.runner.stop(timeout=self.shutdown_grace_s)
+            self._fail_unstarted()
+            deadline = time.monotonic() + 0.5
+            with self._lock:
+                threads = list(self._threads)
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            self.store.remove_listener(self._on_change)
+            with self._write_lock:
+                self._out = None
+            logger.info("mcp server stopped")
+
+    def stop(self):
+        """Ask ``serve()`` to return; safe from any thread and from a signal handler.
+
+        It only sets a flag (a signal handler must not take a lock the main
+        thread may hold); ``serve()`` notices it within 0.1 s.
+        """
+        self._stop_requested = True
+
+    def _fail_unstarted(self):
+        # Runner.stop released what it had claimed; a task of this session
+        # still queued would otherwise show as working with nobody to run it
+        # for this client.  It fails the way a crash does.
+        with self._lock:
+            task_ids = sorted(self._unfinished)
+        for task_id in task_ids:
+            try:
+                if self.store.get(task_id).status == QUEUED:
+                    self.store.fail(task_id, {"code": "server_restarted", "message":
+                                              "CRASH_RECOVERY: the server shut down before "
+                                              "the task started"})
+            except TaskStoreError as exc:   # claimed or closed meanwhile
+                logger.debug("task %s left as it is: %s", task_id, exc)
+
+    def _read_loop(self, infile):
+        lines = _LineReader(infile, self.max_line_bytes)
+        try:
+            while not self._stop.is_set():
+                line, too_long = lines.next()
+                if line is None:
+                    break
+                if too_long:
+                    self._reply(None, error=to_jsonrpc_error(InvalidRequest(
+                        f"message exceeds {self.max_line_bytes} bytes")))
+                elif line.strip():
+                    self._dispatch_line(line)
+        except Exception:                   # a broken stream must not go unnoticed
+            logger.exception("mcp reader failed")
+        finally:
+            self._stop.set()
+
+    def _dispatch_line(self, line):
+        try:
+            message = json.loads(line)
+        except ValueError:                  # includes bad UTF-8
+            self._reply(None, error=to_jsonrpc_error(ParseError("parse error: not JSON")))
+            return
+        try:
+            kind = _message_kind(message)
+        except InvalidRequest as exc:
+            msg_id = message.get("id") if isinstance(message, dict) else None
+            valid_id = isinstance(msg_id, (str, int)) and not isinstance(msg_id, bool)
+            self._reply(msg_id if valid_id else None, error=to_jsonrpc_error(exc))
+            return
+        if kind == "response":
+            with self._lock:
+                entry = self._pending.pop(message["id"], None)
+            if entry is None:
+                logger.debug("response to unknown request %r", message["id"])
+            else:                           # its callback may write to the store
+                threading.Thread(target=entry[1], args=(message,), daemon=True,
+                                 name="taskstore-mcp-answer").start()
+        elif kind == "notification":
+            self._notification(message)
+        else:
+            thread = threading.Thread(target=self._run_request, args=(message,),
+                                      name="taskstore-mcp-request", daemon=True)
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
+
+    def _run_request(self, message):
+        try:
+            response = self.handle_request(message)
+            if response is not None:
+                self._send(response)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _send(self, message):
+        """Write one message as one line; the only writer of the output stream."""
+        if "method" in message and self._stop.is_set():
+            # After EOF the client has gone (or is going): no more notifications
+            # or requests of ours, only the answers still owed.
+            return
+        try:
+            data = dumps(message).encode("utf-8") + b"\n"
+        except (TypeError, ValueError):
+            logger.exception("unserialisable message")
+            if "id" not in message or "method" in message:
+                return
+            data = dumps({"jsonrpc": "2.0", "id": message["id"],
+                          "error": to_jsonrpc_error(RuntimeError())}).encode("utf-8") + b"\n"
+        with self._write_lock:
+            if self._out is None:
+                return
+            try:
+                self._out.write(data)
+                self._out.flush()
+            except (OSError, ValueError):   # the client went away
+                logger.info("mcp output closed")
+                self._stop.set()
+
+    def _reply(self, msg_id, result=None, error=None):
+        message = {"jsonrpc": "2.0", "id": msg_id}
+        message.update({"error": error} if error is not None else {"result": result})
+        self._send(message)
+
+    def _notify(self, method, params):
+        self._send({"jsonrpc": "2.0", "method": method, "params": params})
+
+    def _request(self, method, params, cancelled):
+        """Send a request to the client; block until it answers; return the response.
+
+        Raises:
+            Cancelled: *cancelled* was set, or the server stops, before the answer.
+        """
+        answers = queue.Queue(1)
+        with self._lock:
+            request_id = next(self._ids)
+            self._pending[request_id] = (None, answers.put)
+        self._send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+        while True:
+            try:
+                return answers.get(timeout=0.1)
+            except queue.Empty:
+                if cancelled.is_set() or self._stop.is_set():
+                    with self._lock:
+                        self._pending.pop(request_id, None)
+                    raise Cancelled() from None
+
+    # -- dispatch (sans-IO) --------------------------------------------------
+
+    def handle_request(self, message):
+        """Answer one decoded JSON-RPC request; return the response (None: no answer).
+
+        Blocks while the method does (``tasks/result``, inline tool calls).
+        """
+        msg_id = message.get("id")
+        try:
+            method = self._methods.get(message.get("method"))
+            if method is None:
+                raise MethodNotFound(f"method not found: {message.get('method')}")
+            params = message.get("params", {})
+            if params is None:
+                params = {}
+            if not isinstance(params, dict):
+                raise InvalidParams("params must be an object", param="params")
+            result = method(params, msg_id)
+        except _StoredError as exc:
+            return {"jsonrpc": "2.0", "id": msg_id, "error": exc.error}
+        except Exception as exc:
+            if not isinstance(exc, TaskStoreError):
+                logger.exception("internal error in %s", message.get("method"))
+            return {"jsonrpc": "2.0", "id": msg_id, "error": to_jsonrpc_error(exc)}
+        if result is _NO_RESPONSE:
+            return None
+        return {"jsonrpc": "2.0", "id": msg_id, "result": result}
+
+    def _notification(self, message):
+        params = message.get("params") if isinstance(message.get("params"), dict) else {}
+        if message["method"] == "notifications/cancelled":
+            # Only inline calls: MCP forbids notifications/cancelled for tasks.
+            with self._lock:
+                ctx = self._inline.get(params.get("requestId"))
+            if ctx is not None:
+                ctx.cancelled.set()
+        # notifications/initialized and anything unknown need nothing.
+
+    def _initialize(self, params, _):
+        requested = params.get("protocolVersion")
+        version = requested if requested in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSION
+        capabilities = params.get("capabilities")
+        self.client_capabilities = capabilities if isinstance(capabilities, dict) else {}
+        tasks = {"cancel": {}, "requests": {"tools": {"call": {}}}}
+        if self.list_tasks:
+            tasks["list"] = {}
+        return {"protocolVersion": version,
+                "capabilities": {"tools": {"listChanged": False}, "tasks": tasks},
+                "serverInfo": self.server_info}
+
+    def _grant_ttl(self, requested):
+        """MCP-TASKS.md section 6: default when absent, capped, null only if allowed."""
+        cap = self.max_ttl_ms
+
+        def capped(ttl):
+            return ttl if cap is None or ttl is None else min(ttl, cap)
+        if requested is _UNSET:
+            return capped(self.default_ttl_ms)
+        if requested is None:
+            return None if self.allow_unlimited_ttl else capped(cap or self.default_ttl_ms)
+        if isinstance(requested, bool) or not isinstance(requested, (int, float)) \
+                or not math.isfinite(requested) or requested < 0:
+            raise InvalidParams("task.ttl must be a non-negative number or null", param="ttl")
+        return capped(int(requested))
+
+    def _tools_call(self, params, msg_id):
+        name = params.get("name")
+        tool = self.tools.get(name) if isinstance(name, str) else None
+        if tool is None:
+            raise InvalidParams(f"Unknown tool: {name}", param="name")
+        arguments = params.get("arguments")
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise InvalidParams("arguments must be an object", param="arguments")
+        task_request = _task_request(params)
+        # MCP-TASKS.md section 6: taskSupport violations are -32601, never a tool result.
+        if task_request is not None and tool.task_support == "forbidden":
+            raise MethodNotFound(f"Tool {name} does not support task-augmented execution")
+        if task_request is None and tool.task_support == "required":
+            raise MethodNotFound(f"Tool {name} requires task-augmented execution")
+        check_arguments(tool, arguments)
+        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        token = meta.get("progressToken")
+        if task_request is None:
+            return self._call_inline(tool, arguments, token, msg_id)
+        ttl_ms, legacy = self._grant_ttl(task_request[0]), task_request[1]
+        task = self.store.create(MCP_TASK_KIND, {"name": name, "arguments": arguments},
+                                 ttl_ms=ttl_ms,
+                                 meta={"session": self._session, "progressToken": token,
+                                       "legacy": legacy})
+        with self._lock:        # a stale entry is harmless: _fail_unstarted re-reads
+            self._unfinished.add(task.id)
+        return _create_task_result(task, self.poll_interval_ms, legacy)
+
+    def _call_inline(self, tool, arguments, token, msg_id):
+        ctx = ToolContext(self, progress_token=token)
+        with self._lock:
+            self._inline[msg_id] = ctx
+        try:
+            result = self._invoke(tool, ctx, arguments)
+        except Cancelled:
+            result = _NO_RESPONSE
+        finally:
+            with self._lock:
+                self._inline.pop(msg_id, None)
+        # MCP: a request the client cancelled gets no answer.
+        return _NO_RESPONSE if ctx.is_cancelled() else result
+
+    def _invoke(self, tool, ctx, arguments):
+        try:
+            value = tool.handler(ctx, arguments)
+        except (TaskStoreError, Cancelled):
+            raise
+        except Exception:
+            logger.exception("tool %s failed", tool.name)
+            return text_result(f"Tool {tool.name} failed with an internal error", is_error=True)
+        return _as_call_tool_result(value)
+
+    def _run_task(self, task_ctx, payload):
+        """Runner handler for kind ``mcp.tools/call``: run the tool, map its outcome."""
+        tool = self.tools.get(payload.get("name"))
+        if tool is None:        # e.g. a task queued by a server with other tools
+            raise TaskFailed({"code": -32602, "message": f"Unknown tool: {payload.get('name')}"})
+        ctx = ToolContext(self, task_ctx=task_ctx)     # progress goes out via _on_change
+        try:
+            result = self._invoke(tool, ctx, payload.get("arguments") or {})
+        except TaskStoreError as exc:
+            # A JSON-RPC error: stored as such so that tasks/result replays it.
+            raise TaskFailed(to_jsonrpc_error(exc)) from None
+        if result.get("isError"):
+            texts = [c.get("text") for c in result.get("content", ()) if c.get("type") == "text"]
+            error = {"code": "tool_error", "message": texts[0] if texts else "tool error"}
+            raise TaskFailed(error, result=result)
+        return result
+
+    def _get_task(self, params, names=("taskId",)):
+        task_id = next((params[n] for n in names if n in params), None)
+        if not isinstance(task_id, str):
+            raise InvalidParams("taskId must be a string", param="taskId")
+        task = self.store.get(task_id)
+        if task.kind != MCP_TASK_KIND:      # another adapter's task is not an MCP task
+            raise TaskNotFound(task_id)
+        return task
+
+    def _tasks_status(self, params, _):
+        # The lesson's poll method: tasks/get plus its id/state mirror fields.
+        wire = mcp_task_to_wire(self._get_task(params, ("taskId", "id")), self.poll_interval_ms)
+        return {**wire, "id": wire["taskId"], "state": wire["status"]}
+
+    def _tasks_result(self, params, _):
+        task = self._get_task(params)
+        while mcp_status(task) not in _MCP_TERMINAL:
+            if self._stop.is_set():
+                raise StoreClosed("the server is shutting down")
+            # Bounded waits so that shutdown is noticed; in-process changes wake it at once.
+            task = self.store.wait(task.id, timeout=0.25, since_version=task.version)
+        result, error = _task_payload(task)
+        if error is not None:
+            raise _StoredError(error)
+        return result
+
+    def _tasks_cancel(self, params, _):
+        task = self._get_task(params)
+        try:
+            task = self.store.cancel(task.id)
+        except NotCancelable as exc:
+            # Same error class, MCP's word for the status in its message.
+            raise NotCancelable(task.id, mcp_status(exc.state)) from None
+        return mcp_task_to_wire(task, self.poll_interval_ms)
+
+    def _tasks_list(self, params, _):
+        cursor = params.get("cursor")
+        tasks, next_cursor = self.store.list(kind=MCP_TASK_KIND, limit=self.page_size,
+                                             cursor=cursor)
+        result = {"tasks": [mcp_task_to_wire(t, self.poll_interval_ms) for t in tasks]}
+        if next_cursor is not None:
+            result["nextCursor"] = next_cursor
+        return result
+
+    # -- store changes -> notifications and input requests ----------------------
+
+    def _on_change(self, task, change):
+        """Store listener: tell this session's client about its tasks."""
+        if (task.kind != MCP_TASK_KIND or task.meta.get("session") != self._session
+                or self._out is None):
+            return
+        status = mcp_status(task)
+        token = task.meta.get("progressToken")
+        with self._lock:
+            version, sent, progress = self._sent.get(task.id, (0, "working", None))
+            # Listeners of two writers may run out of order: only newer news counts.
+            fresh = task.version > version
+            # MCP: progress must increase, and it stops at the terminal status.
+            new_progress = (change == "progress" and token is not None
+                            and task.progress is not None and status not in _MCP_TERMINAL
+                            and (progress is None or task.progress > progress))
+            if fresh:
+                self._sent[task.id] = (task.version, status,
+                                       task.progress if new_progress else progress)
+            if status in _MCP_TERMINAL:     # a pending input request can never be used
+                self._unfinished.discard(task.id)
+                for request_id in [k for k, v in self._pending.items() if v[0] == task.id]:
+                    del self._pending[request_id]
+        if not fresh:
+            return
+        if status != sent:
+            self._notify("notifications/tasks/status",
+                         mcp_task_to_wire(task, self.poll_interval_ms))
+        if change == "status" and task.status == INPUT_REQUIRED and task.input_request:
+            self._send_input_request(task)
+        if new_progress:
+            self._notify_progress(token, task.progress, task.progress_total,
+                                  task.status_message, task.id)
+
+    def _send_input_request(self, task):
+        request = task.input_request
+        params = dict(request.get("params") or {})
+        params["_meta"] = {**(params.get("_meta") or {}), RELATED_TASK: {"taskId": task.id}}
+
+        def answered(response):
+            answer = ({"error": response["error"]} if "error" in response
+                      else {"result": response.get("result")})
+            try:
+                self.store.provide_input(task.id, answer)
+            except TaskStoreError as exc:   # cancelled meanwhile: the answer is moot
+                logger.debug("input for %s dropped: %s", task.id, exc)
+
+        with self._lock:
+            request_id = next(self._ids)
+            self._pending[request_id] = (task.id, answered)
+        self._send({"jsonrpc": "2.0", "id": request_id, "method": request["method"],
+                    "params": params})
+
+    def _notify_progress(self, token, value, total, message, task_id):
+        params = {"progressToken": token, "progress": value}
+        if total is not None:
+            params["total"] = total
+        if message:
+            params["message"] = message
+        if task_id is not None:
+            params["_meta"] = {RELATED_TASK: {"taskId": task_id}}
+        self._notify("notifications/progress", params)
+
+
+# -- demo tools (their contract is in the README; clients and tests rely on it) --
+
+def _demo_sleep_then_echo(ctx, args):
+    if ctx.cancelled.wait(max(0.0, args["seconds"])):
+        raise Cancelled()
+    return args["text"]
+
+
+def _demo_generate_report(ctx, args):
+    seconds = max(0.0, args["seconds"])
+    steps = max(1, math.ceil(seconds))      # one step per second at most
+    for step in range(steps):
+        ctx.progress(step, steps, f"step {step + 1}/{steps}")
+        if ctx.cancelled.wait(seconds / steps):     # wakes at once on cancel
+            raise Cancelled()
+    ctx.progress(steps, steps, f"step {steps}/{steps}")
+    return f"Report on {args['topic']!r}: {steps} sections written."
+
+
+def _demo_fail_with_error(ctx, args):
+    return text_result(args["message"], is_error=True)
+
+
+def _demo_echo(ctx, args):
+    return args["text"]
+
+
+def _demo_ask_user(ctx, args):
+    try:
+        answer = ctx.elicit(args["question"], {
+            "type": "object", "required": ["answer"],
+            "properties": {"answer": {"type": "string", "title": args["question"]}}})
+    except McpError as exc:
+        return text_result(str(exc), is_error=True)
+    content = answer.get("content") or {}
+    if answer.get("action") != "accept" or not isinstance(content.get("answer"), str):
+        return text_result(f"the user did not answer ({answer.get('action', 'no action')})",
+                           is_error=True)
+    return content["answer"]
+
+
+def _schema(**properties):
+    return {"type": "object", "required": list(properties),
+            "properties": {name: {"type": t} for name, t in properties.items()}}
+
+
+def add_demo_tools(server):
+    """Register the demo tools: sleep_then_echo, generate_report, fail_with_error, echo, ask_user."""
+    server.add_tool("sleep_then_echo", _demo_sleep_then_echo, task_support="optional",
+                    description="Wait `seconds`, then return `text`.",
+                    input_schema=_schema(seconds="number", text="string"))
+    server.add_tool("generate_report", _demo_generate_report, task_support="required",
+                    description="Work for `seconds` on a report about `topic`, "
+                                "reporting `step i/n` progress; stops at once on cancel.",
+                    input_schema=_schema(topic="string", seconds="number"))
+    server.add_tool("fail_with_error", _demo_fail_with_error, task_support="optional",
+                    description="Return an isError result whose text is `message`.",
+                    input_schema=_schema(message="string"))
+    server.add_tool("echo", _demo_echo, task_support="forbidden",
+                    description="Return `text` (never as a task).",
+                    input_schema=_schema(text="string"))
+    server.add_tool("ask_user", _demo_ask_user, task_support="optional",
+                    description="Ask the user `question` through elicitation; return the answer.",
+                    input_schema=_schema(question="string"))
+
+
+# -- command line -------------------------------------------------------------
+
+def _at_least(minimum, kind=int):
+    """An argparse type: a number of *kind* that is at least *minimum*."""
+    def parse(text):
+        value = kind(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {text}")
+        return value
+    return parse
+
+
+def add_mcp_parser(subparsers):
+    """Add the ``mcp`` subcommand (an MCP server on stdin/stdout) to *subparsers*."""
+    p = subparsers.add_parser(
+        "mcp", help="run the MCP server (with the demo tools) on stdin/stdout",
+        description="MCP 2025-11-25 server with tasks, one JSON-RPC message per line on "
+                    "stdin/stdout; logs go to stderr.")
+    _add_db_option(p)                   # --db PATH (./taskstore.db), --sync
+    p.add_argument("--default-ttl", metavar="MS", type=_at_least(0), default=DEFAULT_MCP_TTL_MS,
+                   help="ttl granted to a task request that names none (default: %(default)s)")
+    p.add_argument("--max-ttl", metavar="MS", type=_at_least(0), default=DEFAULT_MAX_TTL_MS,
+                   help="largest ttl granted; larger requests are capped (default: %(default)s)")
+    p.add_argument("--allow-unlimited-ttl", action="store_true",
+                   help="grant ttl null (never expires) when asked; otherwise null gets "
+                        "--max-ttl (default: off)")
+    p.add_argument("--poll-interval", metavar="MS", type=_at_least(1),
+                   default=DEFAULT_MCP_POLL_INTERVAL_MS,
+                   help="pollInterval suggested to clients (default: %(default)s)")
+    p.add_argument("--no-list", action="store_true",
+                   help="do not declare or serve tasks/list (default: declared)")
+    p.add_argument("--page-size", metavar="N", type=_at_least(1), default=DEFAULT_MCP_PAGE_SIZE,
+                   help="tasks per tasks/list page (default: %(default)s)")
+    p.add_argument("--workers", metavar="N", type=_at_least(1), default=4,
+                   help="worker threads running tasks (default: %(default)s)")
+    p.add_argument("--max-line-bytes", metavar="N", type=_at_least(1024),
+                   default=DEFAULT_MAX_LINE_BYTES,
+                   help="longest accepted input line; longer ones get -32600 "
+                        "(default: %(default)s)")
+    p.add_argument("--reap-interval", metavar="S", type=_at_least(0.001, float),
+                   default=DEFAULT_REAP_INTERVAL_S,
+                   help="seconds between passes deleting expired tasks and recovering "
+                        "those of dead processes (default: %(default)s)")
+    p.set_defaults(func=run_mcp)
+    return p
+
+
+def run_mcp(args):
+    """Run ``taskstore.py mcp``: serve the demo tools until EOF or SIGTERM; return 0."""
+    out = sys.stdout.buffer
+    store = TaskStore(args.db, synchronous=args.sync, max_ttl_ms=args.max_ttl)
+    with contextlib.ExitStack() as stack:
+        stack.callback(store.close)     # also stops the reaper
+        store.start_reaper(args.reap_interval)
+        # stdout belongs to the protocol: a stray print in a tool goes to stderr.
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+        server = McpServer(store, default_ttl_ms=args.default_ttl, max_ttl_ms=args.max_ttl,
+                           allow_unlimited_ttl=args.allow_unlimited_ttl,
+                           poll_interval_ms=args.poll_interval, list_tasks=not args.no_list,
+                           page_size=args.page_size, workers=args.workers,
+                           max_line_bytes=args.max_line_bytes)
+        add_demo_tools(server)
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
+            stack.callback(signal.signal, signal.SIGTERM, previous)
+        server.serve(outfile=out)
+    return 0
 
 
 # =============================================================================

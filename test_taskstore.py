@@ -7,6 +7,7 @@ synchronise on facts (events, queues, lines a child prints, the store's
 blocking call has a timeout.
 """
 
+import asyncio
 import contextlib
 import http.client
 import http.server
@@ -3312,6 +3313,978 @@ class LmspProcessTests(unittest.TestCase):
         self.assertIn("--insecure-bind", proc.stderr)
         self.assertFalse(os.path.exists(self.db))
 
+
+# =============================================================================
+# MCP server tests
+# =============================================================================
+# Real pipes everywhere: in-process (McpServer.serve on os.pipe()) and to the
+# command in a subprocess.  Every wait is a queue.get / wait with TIMEOUT on
+# a line the server wrote; nothing waits for time to pass.
+
+
+def mcp_server_command(*args):
+    """The command line of the MCP server under test."""
+    return [sys.executable, TASKSTORE_PY, "mcp", *args]
+
+
+class McpTestClient:
+    """A line-oriented JSON-RPC peer on two binary pipes, with a reader thread.
+
+    Every line the server writes must be JSON (stdout carries protocol only):
+    a line that is not is recorded in ``bad_lines`` and tests assert it empty.
+    """
+
+    def __init__(self, write, read):
+        self._write = write
+        self._inbox = queue.Queue()
+        self._kept = []
+        self.log = []                       # every message read so far, in arrival order
+        self._ids = iter(range(1, 10**9))
+        self.bad_lines = []
+        self._reader = threading.Thread(target=self._read, args=(read,), daemon=True)
+        self._reader.start()
+
+    def _read(self, read):
+        with read:
+            for line in read:
+                try:
+                    self._inbox.put(json.loads(line))
+                except ValueError:
+                    self.bad_lines.append(line)
+        self._inbox.put(None)               # EOF marker
+
+    def send(self, message):
+        data = message if isinstance(message, bytes) else json.dumps(message).encode() + b"\n"
+        self._write.write(data)
+        self._write.flush()
+
+    def request(self, method, params=None, msg_id=None):
+        """Send a request; return its id."""
+        msg_id = next(self._ids) if msg_id is None else msg_id
+        message = {"jsonrpc": "2.0", "id": msg_id, "method": method}
+        if params is not None:
+            message["params"] = params
+        self.send(message)
+        return msg_id
+
+    def wait_for(self, predicate, timeout=TIMEOUT):
+        """Return (and consume) the first message matching *predicate*."""
+        for i, message in enumerate(self._kept):
+            if predicate(message):
+                return self._kept.pop(i)
+        deadline = time.monotonic() + timeout
+        while True:
+            message = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            if message is None:
+                self._inbox.put(None)
+                raise AssertionError("the server closed its output")
+            self.log.append(message)
+            if predicate(message):
+                return message
+            self._kept.append(message)
+
+    def response(self, msg_id):
+        return self.wait_for(lambda m: m.get("id") == msg_id and "method" not in m)
+
+    def call(self, method, params=None):
+        """Send a request and return the whole response."""
+        return self.response(self.request(method, params))
+
+    def result(self, method, params=None):
+        response = self.call(method, params)
+        if "result" not in response:
+            raise AssertionError(f"{method} failed: {response}")
+        return response["result"]
+
+    def unread(self):
+        """Return the messages read but not yet taken by ``wait_for``."""
+        return list(self._kept)
+
+    def flush(self):
+        """Round-trip a ping: every message the server wrote before its answer is read."""
+        self.result("ping")
+
+    def after(self, message, method):
+        """Return the messages of *method* read after *message* (flush first)."""
+        index = next(i for i, m in enumerate(self.log) if m is message)
+        return [m for m in self.log[index + 1:] if m.get("method") == method]
+
+    def initialize(self, capabilities=None, version="2025-11-25"):
+        result = self.result("initialize", {"protocolVersion": version,
+                                            "capabilities": capabilities or {},
+                                            "clientInfo": {"name": "test", "version": "1"}})
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return result
+
+    def close(self):
+        with contextlib.suppress(OSError, ValueError):
+            self._write.close()
+
+    def wait_eof(self, timeout=TIMEOUT):
+        self._reader.join(timeout)
+        return not self._reader.is_alive()
+
+
+def _text(result):
+    return result["content"][0]["text"]
+
+
+def _status_of(message, task_id):
+    return (message.get("method") == "notifications/tasks/status"
+            and message["params"]["taskId"] == task_id)
+
+
+class McpTestBase(unittest.TestCase):
+    """Starts servers in-process on pipes or as subprocesses, and cleans up."""
+
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.dir = tmp.name
+        self.db = os.path.join(self.dir, "mcp.db")
+
+    # True in the *CommandTests subclasses: the same tests run against the command in
+    # a subprocess; ``server`` is then None and ``store`` a second store on its file.
+    COMMAND = False
+    FLAGS = {"default_ttl_ms": "--default-ttl", "max_ttl_ms": "--max-ttl",
+             "page_size": "--page-size", "max_line_bytes": "--max-line-bytes",
+             "poll_interval_ms": "--poll-interval", "workers": "--workers"}
+
+    def start_server(self, tools=(), demo=True, capabilities=None, clock=None, **options):
+        """Serve a fresh store; return (client, server, store) after ``initialize``."""
+        if self.COMMAND:
+            if tools or not demo or clock:
+                self.skipTest("needs the server object in this process")
+            args = ["--db", self.db]
+            for name, value in options.items():
+                if name == "list_tasks":
+                    args += [] if value else ["--no-list"]
+                elif name == "allow_unlimited_ttl":
+                    args += ["--allow-unlimited-ttl"] if value else []
+                else:
+                    args += [self.FLAGS[name], str(value)]
+            client, _ = self.start_process(*args)
+            client.initialize(capabilities)
+            store = taskstore.TaskStore(self.db)
+            self.addCleanup(store.close)
+            return client, None, store
+        store = taskstore.TaskStore(self.db, **({"clock": clock} if clock else {}))
+        self.addCleanup(store.close)
+        server = taskstore.McpServer(store, **options)
+        if demo:
+            taskstore.add_demo_tools(server)
+        for name, handler, kwargs in tools:
+            server.add_tool(name, handler, **kwargs)
+        c2s_r, c2s_w = os.pipe()
+        s2c_r, s2c_w = os.pipe()
+        infile, outfile = os.fdopen(c2s_r, "rb"), os.fdopen(s2c_w, "wb")
+
+        def serve():
+            try:
+                server.serve(infile, outfile)
+            finally:
+                infile.close()
+                outfile.close()
+        thread = threading.Thread(target=serve, name="test-mcp-serve", daemon=True)
+        thread.start()
+        client = McpTestClient(os.fdopen(c2s_w, "wb"), os.fdopen(s2c_r, "rb"))
+
+        def stop():
+            client.close()
+            thread.join(TIMEOUT)
+            self.assertFalse(thread.is_alive(), "serve() did not return after EOF")
+            self.assertEqual(client.bad_lines, [])
+        self.addCleanup(stop)
+        client.initialize(capabilities)
+        return client, server, store
+
+    def start_process(self, *args, cwd=None):
+        """Start the server command; return (client, process)."""
+        stderr = open(os.path.join(self.dir, "stderr.log"), "ab")
+        self.addCleanup(stderr.close)
+        proc = subprocess.Popen(mcp_server_command(*args), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=stderr, cwd=cwd or self.dir)
+
+        client = McpTestClient(proc.stdin, proc.stdout)
+
+        def reap():
+            client.close()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(TIMEOUT)
+            self.assertTrue(client.wait_eof())
+        self.addCleanup(reap)
+        self.addCleanup(lambda: self.assertEqual(client.bad_lines, []))
+        return client, proc
+
+    def create_task(self, client, name, arguments, task=None, meta=None):
+        params = {"name": name, "arguments": arguments, "task": task if task is not None else {}}
+        if meta is not None:
+            params["_meta"] = meta
+        return client.result("tools/call", params)["task"]
+
+    def assertError(self, response, code, text=None):
+        self.assertIn("error", response, response)
+        self.assertEqual(response["error"]["code"], code, response)
+        if text is not None:
+            self.assertIn(text, response["error"]["message"])
+
+
+class McpProtocolTests(McpTestBase):
+    """Every method and error path of the stdio server, in-process over real pipes."""
+
+    def test_initialize_negotiates_2025_11_25_and_declares_tasks(self):
+        client, _, _ = self.start_server()
+        result = client.initialize()
+        self.assertEqual(result["protocolVersion"], "2025-11-25")
+        self.assertEqual(result["capabilities"]["tasks"],
+                         {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}})
+        self.assertIn("tools", result["capabilities"])
+        self.assertEqual(result["serverInfo"]["name"], "taskstore")
+
+    def test_older_version_is_echoed_and_still_serves_tasks(self):
+        client, _, _ = self.start_server()
+        result = client.initialize(version="2025-06-18")
+        self.assertEqual(result["protocolVersion"], "2025-06-18")
+        self.assertIn("tasks", result["capabilities"])
+        self.assertEqual(client.initialize(version="1999-01-01")["protocolVersion"], "2025-11-25")
+        task = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "old"})
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": task["taskId"]})), "old")
+
+    def test_ping_and_tools_list_with_task_support(self):
+        client, _, _ = self.start_server()
+        self.assertEqual(client.result("ping"), {})
+        tools = {t["name"]: t for t in client.result("tools/list")["tools"]}
+        self.assertEqual({n: t["execution"]["taskSupport"] for n, t in tools.items()},
+                         {"sleep_then_echo": "optional", "generate_report": "required",
+                          "fail_with_error": "optional", "echo": "forbidden",
+                          "ask_user": "optional"})
+        self.assertEqual(tools["echo"]["inputSchema"]["required"], ["text"])
+        # Only tools/call is augmentable: a task field elsewhere is ignored.
+        self.assertEqual(client.result("tools/list", {"task": {"ttl": 5}})["tools"],
+                         list(tools.values()))
+        self.assertEqual(client.result("ping", {"task": {}}), {})
+
+    def test_inline_calls_return_the_tool_result(self):
+        client, _, store = self.start_server()
+        self.assertEqual(client.result("tools/call", {"name": "echo", "arguments": {"text": "a"}}),
+                         {"content": [{"type": "text", "text": "a"}], "isError": False})
+        result = client.result("tools/call", {"name": "sleep_then_echo",
+                                              "arguments": {"seconds": 0, "text": "b"}})
+        self.assertEqual(_text(result), "b")
+        result = client.result("tools/call", {"name": "fail_with_error",
+                                              "arguments": {"message": "boom"}})
+        self.assertEqual((result["isError"], _text(result)), (True, "boom"))
+        self.assertEqual(store.list()[0], [], "an inline call creates no task")
+
+    def test_task_support_violations_are_32601(self):
+        client, _, store = self.start_server()
+        response = client.call("tools/call", {"name": "echo", "arguments": {"text": "a"},
+                                              "task": {}})
+        self.assertError(response, -32601, "echo")
+        response = client.call("tools/call", {"name": "generate_report",
+                                              "arguments": {"topic": "t", "seconds": 1}})
+        self.assertError(response, -32601, "generate_report")
+        self.assertEqual(store.list()[0], [])
+
+    def test_unknown_tool_and_bad_arguments_are_32602_naming_the_field(self):
+        client, _, _ = self.start_server()
+        self.assertError(client.call("tools/call", {"name": "nope", "arguments": {}}),
+                         -32602, "nope")
+        cases = [({"seconds": 1}, "'text'"),
+                 ({"seconds": "1", "text": "x"}, "'seconds' must be of type number"),
+                 ({"seconds": True, "text": "x"}, "'seconds' must be of type number"),
+                 ({"seconds": 1, "text": 5}, "'text' must be of type string")]
+        for arguments, text in cases:
+            with self.subTest(arguments=arguments):
+                response = client.call("tools/call", {"name": "sleep_then_echo",
+                                                      "arguments": arguments, "task": {}})
+                self.assertError(response, -32602, text)
+        self.assertError(client.call("tools/call", {"name": "echo", "arguments": [1]}),
+                         -32602, "arguments")
+        self.assertError(client.call("tools/call", {"name": "sleep_then_echo", "task": 5,
+                                                    "arguments": {"seconds": 0, "text": "x"}}),
+                         -32602, "task")
+
+    def test_task_lifecycle_create_result_get_and_status_notification(self):
+        client, _, _ = self.start_server()
+        task = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "hi"},
+                                task={"ttl": 60000})
+        self.assertEqual(task["status"], "working")
+        self.assertEqual(task["ttl"], 60000)
+        self.assertEqual(task["pollInterval"], 500)
+        self.assertRegex(task["createdAt"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+        self.assertRegex(task["taskId"], r"^task_[0-9A-Z]{36}$")
+        result = client.result("tasks/result", {"taskId": task["taskId"]})
+        self.assertEqual(result, {"content": [{"type": "text", "text": "hi"}], "isError": False,
+                                  "_meta": {taskstore.RELATED_TASK: {"taskId": task["taskId"]}}})
+        got = client.result("tasks/get", {"taskId": task["taskId"]})
+        self.assertEqual(got["status"], "completed")
+        self.assertEqual(set(got) - {"statusMessage"},
+                         {"taskId", "status", "createdAt", "lastUpdatedAt", "ttl", "pollInterval"})
+        note = client.wait_for(lambda m: _status_of(m, task["taskId"]))
+        self.assertEqual(note["params"]["status"], "completed")
+        response = client.call("tasks/cancel", {"taskId": task["taskId"]})
+        self.assertError(response, -32602, "completed")
+
+    def test_ttl_default_cap_and_null(self):
+        client, _, _ = self.start_server(default_ttl_ms=5000, max_ttl_ms=9000)
+        args = {"seconds": 0, "text": "x"}
+        self.assertEqual(self.create_task(client, "sleep_then_echo", args)["ttl"], 5000)
+        self.assertEqual(self.create_task(client, "sleep_then_echo", args,
+                                          {"ttl": 10**9})["ttl"], 9000)
+        self.assertEqual(self.create_task(client, "sleep_then_echo", args,
+                                          {"ttl": None})["ttl"], 9000)
+        self.assertError(client.call("tools/call", {"name": "sleep_then_echo", "arguments": args,
+                                                    "task": {"ttl": "soon"}}), -32602, "ttl")
+
+    def test_unlimited_ttl_when_the_operator_allows_it(self):
+        client, _, _ = self.start_server(allow_unlimited_ttl=True)
+        task = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "x"},
+                                {"ttl": None})
+        self.assertIsNone(task["ttl"])
+        self.assertIsNone(client.result("tasks/get", {"taskId": task["taskId"]})["ttl"])
+
+    def test_blocked_tasks_result_holds_up_nothing_and_cancel_answers_it(self):
+        client, _, store = self.start_server()
+        task = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "late"})
+        waiting = client.request("tasks/result", {"taskId": task["taskId"]})
+        self.assertEqual(client.result("ping"), {})
+        self.assertEqual(client.result("tasks/get", {"taskId": task["taskId"]})["status"],
+                         "working")
+        cancelled = client.result("tasks/cancel", {"taskId": task["taskId"]})
+        self.assertEqual(cancelled["status"], "cancelled")
+        result = client.response(waiting)["result"]
+        self.assertTrue(result["isError"])
+        self.assertIn("cancelled", _text(result))
+        self.assertEqual(result["_meta"], {taskstore.RELATED_TASK: {"taskId": task["taskId"]}})
+        # The work stopped: the store moves on to its final cancelled status.
+        self.assertEqual(store.wait(task["taskId"], timeout=TIMEOUT, terminal=True).status,
+                         CANCELLED)
+        self.assertEqual(client.result("tasks/cancel", {"taskId": task["taskId"]})["status"],
+                         "cancelled")
+
+    def test_is_error_result_makes_the_task_failed(self):
+        client, _, store = self.start_server()
+        task = self.create_task(client, "fail_with_error", {"message": "disk full"})
+        result = client.result("tasks/result", {"taskId": task["taskId"]})
+        self.assertEqual((result["isError"], _text(result)), (True, "disk full"))
+        got = client.result("tasks/get", {"taskId": task["taskId"]})
+        self.assertEqual((got["status"], got["statusMessage"]), ("failed", "disk full"))
+        self.assertEqual(store.get(task["taskId"]).status, FAILED)
+        self.assertError(client.call("tasks/cancel", {"taskId": task["taskId"]}), -32602,
+                         "failed")
+
+    def test_jsonrpc_error_from_a_tool_is_stored_and_replayed(self):
+        def refuse(ctx, args):
+            raise taskstore.McpError(-32042, "quota exceeded")
+        client, _, _ = self.start_server(tools=[("refuse", refuse, {"task_support": "optional"})])
+        self.assertError(client.call("tools/call", {"name": "refuse"}), -32042, "quota exceeded")
+        task = self.create_task(client, "refuse", {})
+        response = client.call("tasks/result", {"taskId": task["taskId"]})
+        self.assertError(response, -32042, "quota exceeded")
+        got = client.result("tasks/get", {"taskId": task["taskId"]})
+        self.assertEqual((got["status"], got["statusMessage"]), ("failed", "quota exceeded"))
+
+    def test_tool_exception_is_an_is_error_result_without_details(self):
+        def broken(ctx, args):
+            raise RuntimeError("secret /etc/passwd")
+        client, _, _ = self.start_server(tools=[("broken", broken, {"task_support": "optional"})])
+        for params in ({"name": "broken"}, {"name": "broken", "task": {}}):
+            with self.subTest(params=params), self.assertLogs("taskstore", "ERROR") as logs:
+                result = client.result("tools/call", params)
+                if "task" in result:
+                    result = client.result("tasks/result", {"taskId": result["task"]["taskId"]})
+            self.assertTrue(result["isError"])
+            self.assertNotIn("secret", json.dumps(result))
+            self.assertIn("secret /etc/passwd", "\n".join(logs.output), "the log has it")
+
+    def test_internal_error_is_32603_without_details(self):
+        client, server, store = self.start_server()
+        if server is None:
+            self.skipTest("patches the server's store")
+
+        def broken_get(*args, **kwargs):
+            raise sqlite3.OperationalError("no such table: SELECT secret FROM tasks")
+        store.get = broken_get
+        with self.assertLogs("taskstore", "ERROR") as logs:
+            response = client.call("tasks/get", {"taskId": "task_x"})
+        self.assertIn("SELECT secret", "\n".join(logs.output), "the log has the details")
+        self.assertError(response, -32603)
+        self.assertNotIn("SELECT", json.dumps(response))
+        self.assertNotIn("Traceback", json.dumps(response))
+
+    def test_generate_report_reports_steps_and_progress_then_stops_on_cancel(self):
+        client, _, store = self.start_server()
+        task = self.create_task(client, "generate_report", {"topic": "q3", "seconds": 600},
+                                meta={"progressToken": "tok"})
+        task_id = task["taskId"]
+        progress = client.wait_for(lambda m: m.get("method") == "notifications/progress")
+        self.assertEqual(progress["params"]["progressToken"], "tok")
+        self.assertEqual(progress["params"]["total"], 600)
+        self.assertEqual(progress["params"]["message"], "step 1/600")
+        self.assertEqual(progress["params"]["_meta"], {taskstore.RELATED_TASK: {"taskId": task_id}})
+        got = client.result("tasks/get", {"taskId": task_id})
+        self.assertEqual(got["status"], "working")
+        self.assertRegex(got["statusMessage"], r"^step [1-9]\d*/600$")
+        self.assertEqual(client.result("tasks/cancel", {"taskId": task_id})["status"], "cancelled")
+        self.assertEqual(store.wait(task_id, timeout=TIMEOUT, terminal=True).status, CANCELLED)
+        end = client.wait_for(lambda m: _status_of(m, task_id))
+        self.assertEqual(end["params"]["status"], "cancelled")
+        client.flush()
+        self.assertEqual(client.after(end, "notifications/progress"), [],
+                         "no progress after the terminal status")
+
+    def test_generate_report_completes_with_progress_before_the_end(self):
+        client, _, _ = self.start_server()
+        task = self.create_task(client, "generate_report", {"topic": "q3", "seconds": 0.2},
+                                meta={"progressToken": 7})
+        result = client.result("tasks/result", {"taskId": task["taskId"]})
+        self.assertIn("q3", _text(result))
+        end = client.wait_for(lambda m: _status_of(m, task["taskId"]))
+        self.assertEqual(end["params"]["status"], "completed")
+        client.flush()
+        progress = [m for m in client.log if m.get("method") == "notifications/progress"]
+        self.assertGreaterEqual(len(progress), 1)
+        self.assertEqual(client.after(end, "notifications/progress"), [],
+                         "no progress after the terminal status")
+        values = [m["params"]["progress"] for m in progress]
+        self.assertEqual(values, sorted(set(values)), "progress only increases")
+
+    def test_tasks_list_pages_with_opaque_cursors(self):
+        client, _, _ = self.start_server(page_size=2)
+        ids = [self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": str(i)})["taskId"]
+               for i in range(3)]
+        first = client.result("tasks/list")
+        self.assertEqual([t["taskId"] for t in first["tasks"]], ids[::-1][:2])
+        second = client.result("tasks/list", {"cursor": first["nextCursor"]})
+        self.assertEqual([t["taskId"] for t in second["tasks"]], ids[:1])
+        self.assertNotIn("nextCursor", second)
+        self.assertError(client.call("tasks/list", {"cursor": "not-a-cursor"}), -32602)
+
+    def test_no_list_drops_the_capability_and_the_method(self):
+        client, _, _ = self.start_server(list_tasks=False)
+        self.assertNotIn("list", client.initialize()["capabilities"]["tasks"])
+        self.assertError(client.call("tasks/list"), -32601)
+
+    def test_expiry_counts_from_creation_and_spares_running_and_late_tasks(self):
+        clock = FakeClock()
+        client, _, store = self.start_server(clock=clock)
+        done = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "x"},
+                                {"ttl": 1000})["taskId"]
+        client.result("tasks/result", {"taskId": done})
+        late = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "y"},
+                                {"ttl": 1000})["taskId"]
+        clock.advance(5)                    # both are past createdAt + ttl
+        store.reap()
+        for method in ("tasks/get", "tasks/result", "tasks/cancel"):
+            with self.subTest(method=method):
+                self.assertError(client.call(method, {"taskId": done}), -32602, "has expired")
+        self.assertEqual(client.result("tasks/get", {"taskId": late})["status"], "working",
+                         "a running task is never deleted")
+        client.result("tasks/cancel", {"taskId": late})     # finishes after its expiry
+        store.wait(late, timeout=TIMEOUT, terminal=True)
+        clock.advance(59)
+        store.reap()
+        self.assertEqual(client.result("tasks/get", {"taskId": late})["status"], "cancelled",
+                         "a late finisher is kept 60 s more")
+        clock.advance(2)
+        store.reap()
+        self.assertError(client.call("tasks/get", {"taskId": late}), -32602, "has expired")
+        self.assertEqual(client.result("tasks/list")["tasks"], [])
+
+    def test_unknown_task_id_is_32602_everywhere(self):
+        client, _, store = self.start_server()
+        for method in ("tasks/get", "tasks/result", "tasks/cancel", "tasks/status"):
+            with self.subTest(method=method):
+                self.assertError(client.call(method, {"taskId": "task_nope"}), -32602)
+        self.assertError(client.call("tasks/get", {}), -32602, "taskId")
+        other = store.create("lmsp.response", {})        # another adapter's task
+        self.assertError(client.call("tasks/get", {"taskId": other.id}), -32602)
+
+    def test_lesson_and_draft_task_forms_and_tasks_status_alias(self):
+        client, _, _ = self.start_server()
+        result = client.result("tools/call", {
+            "name": "sleep_then_echo", "arguments": {"seconds": 0, "text": "x"},
+            "_meta": {"task": {"required": True, "ttl": 30000}}})
+        task = result["task"]
+        self.assertEqual(task["ttl"], 30000)
+        self.assertEqual(result["_meta"]["task"],
+                         {"id": task["taskId"], "state": "working", "ttl": 30000})
+        result = client.result("tools/call", {
+            "name": "sleep_then_echo", "arguments": {"seconds": 0, "text": "y"},
+            "_meta": {"modelcontextprotocol.io/task": {"taskId": "mine", "keepAlive": 20000}}})
+        self.assertEqual(result["task"]["ttl"], 20000)
+        self.assertNotEqual(result["task"]["taskId"], "mine")
+        self.assertEqual(result["_meta"]["task"]["id"], result["task"]["taskId"])
+        client.result("tasks/result", {"taskId": task["taskId"]})
+        status = client.result("tasks/status", {"id": task["taskId"]})
+        self.assertEqual((status["id"], status["state"], status["taskId"], status["status"]),
+                         (task["taskId"], "completed", task["taskId"], "completed"))
+        self.assertNotIn("state", client.result("tasks/get", {"taskId": task["taskId"]}))
+        # A spec-form creation has no lesson mirror.
+        self.assertNotIn("_meta", client.result("tools/call", {
+            "name": "sleep_then_echo", "arguments": {"seconds": 0, "text": "z"}, "task": {}}))
+
+    def test_transport_errors_never_stop_the_server(self):
+        client, _, _ = self.start_server(max_line_bytes=1024)
+        cases = [(b"this is not json\n", -32700, None),
+                 (b"\xff\xfe{]\n", -32700, None),
+                 (b"[{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\"}]\n", -32600, None),
+                 (b"{\"id\":5,\"method\":\"ping\"}\n", -32600, 5),
+                 (b"{\"jsonrpc\":\"2.0\",\"id\":6,\"method\":7}\n", -32600, 6),
+                 (b"{\"jsonrpc\":\"2.0\",\"id\":true,\"method\":\"ping\"}\n", -32600, None),
+                 (b"{\"jsonrpc\":\"2.0\",\"id\":8,\"method\":\"nope\"}\n", -32601, 8),
+                 (b"{\"jsonrpc\":\"2.0\",\"id\":9,\"method\":\"ping\",\"params\":[1]}\n", -32602, 9),
+                 (b"{\"jsonrpc\":\"2.0\",\"method\":\"ping\",\"x\":\"" + b"a" * 5000 + b"\"}\n",
+                  -32600, None)]
+        for line, code, msg_id in cases:
+            with self.subTest(line=line[:40]):
+                client.send(line)
+                response = client.wait_for(lambda m: "error" in m)
+                self.assertEqual((response["error"]["code"], response["id"]), (code, msg_id))
+                self.assertNotIn("Traceback", response["error"]["message"])
+        client.send({"jsonrpc": "2.0", "method": "notifications/whatever"})
+        client.send({"jsonrpc": "2.0", "method": "nope/notification", "params": 3})
+        self.assertEqual(client.result("ping"), {})
+        self.assertEqual([m for m in client.unread() if "error" in m], [],
+                         "notifications get no answer, even bad ones")
+
+    def test_cancelled_inline_call_gets_no_answer(self):
+        client, _, _ = self.start_server()
+        call = client.request("tools/call", {"name": "sleep_then_echo",
+                                             "arguments": {"seconds": 600, "text": "x"}})
+        client.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                     "params": {"requestId": call, "reason": "changed my mind"}})
+        client.flush()
+        self.assertEqual([m for m in client.unread() if m.get("id") == call], [])
+
+    def test_own_tools_with_schema_decorator_and_task_mode(self):
+        client, server, _ = self.start_server(demo=False)
+
+        @server.tool(input_schema={"type": "object", "required": ["n"],
+                                   "properties": {"n": {"type": "integer"},
+                                                  "tags": {"type": ["array", "null"]}}},
+                     task_support="optional")
+        def square(ctx, args):
+            """Square n."""
+            ctx.progress(1, 1, "squared")
+            return {"square": args["n"] ** 2, "task": ctx.task_id is not None}
+        tools = client.result("tools/list")["tools"]
+        self.assertEqual([(t["name"], t["description"]) for t in tools], [("square", "Square n.")])
+        inline = client.result("tools/call", {"name": "square", "arguments": {"n": 3},
+                                              "_meta": {"progressToken": "p"}})
+        self.assertEqual(inline["structuredContent"], {"square": 9, "task": False})
+        progress = client.wait_for(lambda m: m.get("method") == "notifications/progress")
+        self.assertEqual(progress["params"], {"progressToken": "p", "progress": 1, "total": 1,
+                                              "message": "squared"})
+        task = self.create_task(client, "square", {"n": 4, "tags": None})
+        result = client.result("tasks/result", {"taskId": task["taskId"]})
+        self.assertEqual(result["structuredContent"], {"square": 16, "task": True})
+        self.assertError(client.call("tools/call", {"name": "square", "arguments": {"n": 1.5}}),
+                         -32602, "'n' must be of type integer")
+        with self.assertRaises(taskstore.InvalidParams):
+            server.add_tool("bad", square, task_support="sometimes")
+
+
+class McpElicitationTests(McpTestBase):
+    """ask_user: elicitation/create with the related-task _meta; input_required meanwhile."""
+
+    def test_task_is_input_required_until_the_answer_arrives(self):
+        client, _, store = self.start_server(capabilities={"elicitation": {}})
+        task = self.create_task(client, "ask_user", {"question": "Favourite colour?"})
+        task_id = task["taskId"]
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        self.assertEqual(ask["params"]["message"], "Favourite colour?")
+        self.assertEqual(ask["params"]["_meta"], {taskstore.RELATED_TASK: {"taskId": task_id}})
+        self.assertEqual(ask["params"]["requestedSchema"]["required"], ["answer"])
+        self.assertEqual(client.result("tasks/get", {"taskId": task_id})["status"],
+                         "input_required")
+        note = client.wait_for(lambda m: _status_of(m, task_id))
+        self.assertEqual(note["params"]["status"], "input_required")
+        waiting = client.request("tasks/result", {"taskId": task_id})
+        client.send({"jsonrpc": "2.0", "id": ask["id"],
+                     "result": {"action": "accept", "content": {"answer": "blue"},
+                                "_meta": {taskstore.RELATED_TASK: {"taskId": task_id}}}})
+        self.assertEqual(_text(client.response(waiting)["result"]), "blue")
+        moves = [(e.data["from"], e.data["status"]) for e in store.events(task_id)
+                 if e.type == "status"]
+        self.assertIn(("input_required", "running"), moves, "working again after the answer")
+        statuses = []
+        while "completed" not in statuses:
+            statuses.append(client.wait_for(lambda m: _status_of(m, task_id))["params"]["status"])
+        # Two writers' notifications may race; an older one is dropped, never sent late.
+        self.assertIn(statuses, (["working", "completed"], ["completed"]))
+
+    def test_declined_or_failed_elicitation_fails_the_task(self):
+        client, _, _ = self.start_server(capabilities={"elicitation": {}})
+        for answer in ({"result": {"action": "decline"}},
+                       {"result": {"action": "cancel"}},
+                       {"error": {"code": -32603, "message": "no UI"}}):
+            with self.subTest(answer=answer):
+                task = self.create_task(client, "ask_user", {"question": "?"})
+                ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+                client.send({"jsonrpc": "2.0", "id": ask["id"], **answer})
+                result = client.result("tasks/result", {"taskId": task["taskId"]})
+                self.assertTrue(result["isError"])
+                self.assertEqual(client.result("tasks/get", {"taskId": task["taskId"]})["status"],
+                                 "failed")
+
+    def test_inline_ask_user_and_a_client_without_elicitation(self):
+        client, _, _ = self.start_server(capabilities={"elicitation": {}})
+        call = client.request("tools/call", {"name": "ask_user", "arguments": {"question": "?"}})
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        self.assertNotIn("_meta", ask["params"])
+        client.send({"jsonrpc": "2.0", "id": ask["id"],
+                     "result": {"action": "accept", "content": {"answer": "yes"}}})
+        self.assertEqual(_text(client.response(call)["result"]), "yes")
+        client.initialize(capabilities={})
+        result = client.result("tools/call", {"name": "ask_user", "arguments": {"question": "?"}})
+        self.assertTrue(result["isError"])
+        self.assertIn("elicitation", _text(result))
+
+    def test_task_of_another_session_cannot_elicit(self):
+        client, _, store = self.start_server(capabilities={"elicitation": {}})
+        # As if another server on the same file had created it: our runner may claim it.
+        task = store.create(taskstore.MCP_TASK_KIND, {"name": "ask_user",
+                                                      "arguments": {"question": "?"}},
+                            ttl_ms=60000, meta={"session": "another-server"})
+        result = client.result("tasks/result", {"taskId": task.id})
+        self.assertTrue(result["isError"])
+        self.assertIn("not connected", _text(result))
+        client.flush()
+        self.assertEqual([m for m in client.unread() if m.get("method") == "elicitation/create"], [])
+
+    def test_cancel_while_input_required(self):
+        client, _, store = self.start_server(capabilities={"elicitation": {}})
+        task = self.create_task(client, "ask_user", {"question": "?"})
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        self.assertEqual(client.result("tasks/cancel", {"taskId": task["taskId"]})["status"],
+                         "cancelled")
+        self.assertEqual(store.wait(task["taskId"], timeout=TIMEOUT, terminal=True).status,
+                         CANCELLED)
+        client.send({"jsonrpc": "2.0", "id": ask["id"],     # a late answer is dropped
+                     "result": {"action": "accept", "content": {"answer": "late"}}})
+        client.flush()
+        self.assertEqual(client.result("tasks/get", {"taskId": task["taskId"]})["status"],
+                         "cancelled")
+
+
+class McpProtocolCommandTests(McpProtocolTests):
+    """The same protocol tests over real pipes to the server command."""
+
+    COMMAND = True
+
+
+class McpElicitationCommandTests(McpElicitationTests):
+    """The same elicitation tests over real pipes to the server command."""
+
+    COMMAND = True
+
+
+class McpCommandTests(McpTestBase):
+    """The command over real pipes: defaults, EOF, SIGTERM, kill -9 and restart."""
+
+    def test_no_options_serves_on_taskstore_db_in_the_current_folder(self):
+        client, proc = self.start_process()
+        self.assertEqual(client.initialize()["protocolVersion"], "2025-11-25")
+        task = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "hi"})
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": task["taskId"]})), "hi")
+        client.close()
+        self.assertEqual(proc.wait(TIMEOUT), 0)
+        self.assertTrue(client.wait_eof())
+        self.assertTrue(os.path.exists(os.path.join(self.dir, "taskstore.db")))
+
+    def test_options_poll_interval_workers_and_reap_interval(self):
+        client, _ = self.start_process("--db", self.db, "--poll-interval", "250",
+                                       "--workers", "1", "--reap-interval", "0.05")
+        client.initialize()
+        running = self._start_running_report(client)
+        waiting = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "w"},
+                                   {"ttl": 1000})
+        self.assertEqual(waiting["pollInterval"], 250)
+        with taskstore.TaskStore(self.db) as side:
+            self.assertEqual(side.get(waiting["taskId"]).status, taskstore.QUEUED,
+                             "the only worker is busy")
+            client.result("tasks/cancel", {"taskId": running})
+            self.assertEqual(_text(client.result("tasks/result",
+                                                 {"taskId": waiting["taskId"]})), "w")
+            task = side.get(waiting["taskId"])
+            if task.finished_at >= task.created_at + 1000:
+                self.skipTest("finished after its ttl (a slow machine): kept 60 s more")
+            # The server's reaper thread deletes it at createdAt + ttl; the wait ends then.
+            with self.assertRaises(taskstore.TaskExpired):
+                side.wait(task.id, timeout=TIMEOUT, since_version=task.version)
+        self.assertError(client.call("tasks/get", {"taskId": task.id}), -32602, "has expired")
+
+    def test_bad_option_values_are_usage_errors(self):
+        for args in (["--workers", "0"], ["--page-size", "0"], ["--default-ttl", "-1"],
+                     ["--max-line-bytes", "10"], ["--reap-interval", "0"]):
+            with self.subTest(args=args):
+                proc = subprocess.run(mcp_server_command(*args), stdin=subprocess.DEVNULL,
+                                      capture_output=True, timeout=TIMEOUT, cwd=self.dir)
+                self.assertEqual(proc.returncode, 2)
+                self.assertIn(b"must be at least", proc.stderr)
+
+    def _assert_crash_recovered(self, task_id):
+        with taskstore.TaskStore(self.db) as store:
+            task = store.get(task_id)
+        self.assertEqual(task.status, FAILED)
+        self.assertTrue(task.status_message.startswith("CRASH_RECOVERY"), task.status_message)
+
+    def _start_running_report(self, client):
+        """Start generate_report and return its id once its progress shows it runs."""
+        task = self.create_task(client, "generate_report", {"topic": "t", "seconds": 600},
+                                meta={"progressToken": "run"})
+        client.wait_for(lambda m: m.get("method") == "notifications/progress")
+        return task["taskId"]
+
+    def test_eof_shuts_down_promptly_and_running_tasks_end_failed(self):
+        client, proc = self.start_process("--db", self.db)
+        client.initialize()
+        running = self._start_running_report(client)
+        queued = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "q"})
+        client.close()
+        started = time.monotonic()
+        self.assertEqual(proc.wait(TIMEOUT), 0)
+        self.assertLess(time.monotonic() - started, 2.0, "EOF shutdown took 2 s or more")
+        self._assert_crash_recovered(running)
+        self._assert_crash_recovered(queued["taskId"])
+
+    @unittest.skipUnless(hasattr(signal, "SIGTERM"), "POSIX only")
+    def test_sigterm_shuts_down_promptly(self):
+        client, proc = self.start_process("--db", self.db)
+        client.initialize()
+        running = self._start_running_report(client)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        self.assertEqual(proc.wait(TIMEOUT), 0)
+        self.assertLess(time.monotonic() - started, 2.0, "SIGTERM shutdown took 2 s or more")
+        self._assert_crash_recovered(running)
+
+    @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+    def test_restart_after_kill_9_serves_finished_tasks_unchanged(self):
+        client, proc = self.start_process("--db", self.db)
+        client.initialize()
+        done = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "kept"})
+        client.result("tasks/result", {"taskId": done["taskId"]})
+        failed = self.create_task(client, "fail_with_error", {"message": "bad"})
+        client.result("tasks/result", {"taskId": failed["taskId"]})
+        cancelled = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "c"})
+        client.result("tasks/cancel", {"taskId": cancelled["taskId"]})
+        # MCP shows cancelling as cancelled; its lastUpdatedAt moves once more when the
+        # work has stopped.  Compare the final state, so wait for it (another process's
+        # store sees the server's writes).
+        with taskstore.TaskStore(self.db) as side:
+            self.assertEqual(side.wait(cancelled["taskId"], timeout=TIMEOUT,
+                                       terminal=True).status, CANCELLED)
+        running = self._start_running_report(client)
+        ids = [done["taskId"], failed["taskId"], cancelled["taskId"]]
+        before = {i: client.result("tasks/get", {"taskId": i}) for i in ids}
+        results = {i: client.result("tasks/result", {"taskId": i}) for i in ids}
+        proc.kill()
+        self.assertEqual(proc.wait(TIMEOUT), -signal.SIGKILL)
+
+        client, proc = self.start_process("--db", self.db)
+        client.initialize()
+        for task_id in ids:
+            with self.subTest(task_id=task_id):
+                self.assertEqual(client.result("tasks/get", {"taskId": task_id}), before[task_id])
+                self.assertEqual(client.result("tasks/result", {"taskId": task_id}),
+                                 results[task_id])
+        got = client.result("tasks/get", {"taskId": running})
+        self.assertEqual(got["status"], "failed")
+        self.assertTrue(got["statusMessage"].startswith("CRASH_RECOVERY"), got)
+        result = client.result("tasks/result", {"taskId": running})
+        self.assertTrue(result["isError"])
+        self.assertTrue(_text(result).startswith("CRASH_RECOVERY"))
+        listed = {t["taskId"]: t["status"] for t in client.result("tasks/list")["tasks"]}
+        self.assertEqual(listed, {done["taskId"]: "completed", failed["taskId"]: "failed",
+                                  cancelled["taskId"]: "cancelled", running: "failed"})
+
+
+try:
+    import mcp as _mcp_sdk                   # the official SDK: only for the interop test
+    from mcp import ClientSession, StdioServerParameters, types as mcp_types
+    from mcp.client.stdio import stdio_client
+    from mcp.shared.exceptions import McpError as SdkError
+except ImportError:
+    _mcp_sdk = None
+
+
+@unittest.skipUnless(_mcp_sdk is not None, "the official MCP SDK (mcp>=1.27,<2) is not installed")
+class McpSdkInteropTests(McpTestBase):
+    """The official Python SDK's task client against the server command (.ci/run installs it)."""
+
+    def run_client(self, body, *args, elicit=None):
+        """Run ``await body(session)`` against a fresh server process; return its value.
+
+        The server's notifications, as the SDK parsed them, go to ``self.notes``
+        (an asyncio.Queue) for ``next_note``.
+        """
+        command = mcp_server_command("--db", self.db, *args)
+        params = StdioServerParameters(command=command[0], args=command[1:], cwd=self.dir)
+
+        async def on_message(message):
+            if isinstance(message, mcp_types.ServerNotification):
+                self.notes.put_nowait(message.root)
+
+        async def main():
+            self.notes = asyncio.Queue()
+            errlog = open(os.path.join(self.dir, "sdk-stderr.log"), "a")
+            try:
+                async with stdio_client(params, errlog=errlog) as (read, write):
+                    async with ClientSession(read, write, elicitation_callback=elicit,
+                                             message_handler=on_message) as session:
+                        init = await session.initialize()
+                        self.assertEqual(init.protocolVersion, "2025-11-25")
+                        self.assertIsNotNone(init.capabilities.tasks.requests.tools.call)
+                        return await asyncio.wait_for(body(session), TIMEOUT)
+            finally:
+                errlog.close()
+        return asyncio.run(main())
+
+    async def next_note(self, kind, predicate=lambda note: True):
+        """Return the next notification of SDK type *kind* matching *predicate*."""
+        while True:
+            note = await asyncio.wait_for(self.notes.get(), TIMEOUT)
+            if isinstance(note, kind) and predicate(note):
+                return note
+
+    async def _poll(self, session, task_id):
+        statuses = []
+        async for status in session.experimental.poll_task(task_id):
+            statuses.append(status.status)
+        return statuses
+
+    def test_create_poll_result_cancel_and_errors(self):
+        async def body(session):
+            tools = {t.name: t for t in (await session.list_tools()).tools}
+            self.assertEqual(tools["generate_report"].execution.taskSupport, "required")
+            created = await session.experimental.call_tool_as_task(
+                "sleep_then_echo", {"seconds": 0.1, "text": "hello"}, ttl=60000)
+            task_id = created.task.taskId
+            self.assertEqual(created.task.ttl, 60000)
+            statuses = await self._poll(session, task_id)
+            self.assertEqual(statuses[-1], "completed")
+            result = await session.experimental.get_task_result(task_id, mcp_types.CallToolResult)
+            self.assertEqual(result.content[0].text, "hello")
+            self.assertEqual(result.meta[taskstore.RELATED_TASK], {"taskId": task_id})
+
+            report = await session.experimental.call_tool_as_task(
+                "generate_report", {"topic": "q3", "seconds": 600})
+            cancelled = await session.experimental.cancel_task(report.task.taskId)
+            self.assertEqual(cancelled.status, "cancelled")
+            got = await session.experimental.get_task(report.task.taskId)
+            self.assertEqual(got.status, "cancelled")
+            result = await session.experimental.get_task_result(report.task.taskId,
+                                                                mcp_types.CallToolResult)
+            self.assertTrue(result.isError)
+
+            failed = await session.experimental.call_tool_as_task(
+                "fail_with_error", {"message": "nope"})
+            self.assertEqual((await self._poll(session, failed.task.taskId))[-1], "failed")
+            with self.assertRaises(SdkError) as caught:
+                await session.call_tool("generate_report", {"topic": "q", "seconds": 1})
+            self.assertEqual(caught.exception.error.code, -32601)
+            with self.assertRaises(SdkError) as caught:
+                await session.experimental.call_tool_as_task("echo", {"text": "x"})
+            self.assertEqual(caught.exception.error.code, -32601)
+            with self.assertRaises(SdkError) as caught:
+                await session.experimental.get_task("task_unknown")
+            self.assertEqual(caught.exception.error.code, -32602)
+            inline = await session.call_tool("echo", {"text": "plain"})
+            self.assertEqual(inline.content[0].text, "plain")
+        self.run_client(body)
+
+    def test_list_with_cursors(self):
+        async def body(session):
+            ids = []
+            for i in range(3):
+                created = await session.experimental.call_tool_as_task(
+                    "sleep_then_echo", {"seconds": 0, "text": str(i)})
+                ids.append(created.task.taskId)
+            first = await session.experimental.list_tasks()
+            self.assertEqual(len(first.tasks), 2)
+            self.assertIsNotNone(first.nextCursor)
+            second = await session.experimental.list_tasks(first.nextCursor)
+            self.assertIsNone(second.nextCursor)
+            self.assertEqual([t.taskId for t in first.tasks + second.tasks], ids[::-1])
+            with self.assertRaises(SdkError) as caught:
+                await session.experimental.list_tasks("bogus")
+            self.assertEqual(caught.exception.error.code, -32602)
+        self.run_client(body, "--page-size", "2")
+
+    def test_elicitation_through_the_client_callback(self):
+        asked = []
+
+        async def elicit(context, params):
+            asked.append(params)
+            return mcp_types.ElicitResult(action="accept", content={"answer": "teal"})
+
+        async def body(session):
+            created = await session.experimental.call_tool_as_task("ask_user",
+                                                                   {"question": "Colour?"})
+            task_id = created.task.taskId
+            note = await self.next_note(mcp_types.TaskStatusNotification,
+                                        lambda n: n.params.taskId == task_id)
+            self.assertEqual(note.params.status, "input_required")
+            statuses = await self._poll(session, task_id)
+            self.assertEqual(statuses[-1], "completed")
+            result = await session.experimental.get_task_result(task_id,
+                                                                mcp_types.CallToolResult)
+            self.assertEqual(result.content[0].text, "teal")
+            return task_id
+        task_id = self.run_client(body, elicit=elicit)
+        self.assertEqual(len(asked), 1)
+        self.assertEqual(asked[0].message, "Colour?")
+        self.assertEqual(asked[0].meta.model_dump()[taskstore.RELATED_TASK], {"taskId": task_id})
+
+    def test_restart_keeps_finished_tasks_and_fails_running_ones(self):
+        async def first(session):
+            ids = {}
+            for name, tool, args in (("done", "sleep_then_echo", {"seconds": 0, "text": "kept"}),
+                                     ("failed", "fail_with_error", {"message": "bad"})):
+                created = await session.experimental.call_tool_as_task(tool, args)
+                ids[name] = created.task.taskId
+                await self._poll(session, ids[name])
+            note = await self.next_note(mcp_types.TaskStatusNotification,
+                                        lambda n: n.params.taskId == ids["failed"])
+            self.assertEqual(note.params.status, "failed")
+            created = await session.experimental.call_tool_as_task(
+                "generate_report", {"topic": "t", "seconds": 600})
+            ids["cancelled"] = created.task.taskId
+            await session.experimental.cancel_task(ids["cancelled"])
+            created = await session.experimental.call_tool_as_task(
+                "generate_report", {"topic": "t", "seconds": 600}, meta={"progressToken": "run"})
+            ids["running"] = created.task.taskId
+            note = await self.next_note(mcp_types.ProgressNotification,
+                                        lambda n: n.params.progressToken == "run")
+            self.assertEqual(note.params.message, "step 1/600")
+            # Compare final states: a cancelled task's lastUpdatedAt moves once more
+            # when its work stops.
+            with taskstore.TaskStore(self.db) as side:
+                side.wait(ids["cancelled"], timeout=TIMEOUT, terminal=True)
+            before = {name: (await session.experimental.get_task(ids[name])).model_dump()
+                      for name in ("done", "failed", "cancelled")}
+            return ids, before
+        ids, before = self.run_client(first)       # leaving closes stdin: the server stops
+
+        async def second(session):
+            for name, dump in before.items():
+                got = await session.experimental.get_task(ids[name])
+                self.assertEqual(got.model_dump(), dump, name)
+            result = await session.experimental.get_task_result(ids["done"],
+                                                                mcp_types.CallToolResult)
+            self.assertEqual(result.content[0].text, "kept")
+            got = await session.experimental.get_task(ids["running"])
+            self.assertEqual(got.status, "failed")
+            self.assertTrue(got.statusMessage.startswith("CRASH_RECOVERY"))
+            result = await session.experimental.get_task_result(ids["running"],
+                                                                mcp_types.CallToolResult)
+            self.assertTrue(result.isError)
+            self.assertTrue(result.content[0].text.startswith("CRASH_RECOVERY"))
+        self.run_client(second)
 
 if __name__ == "__main__":
     unittest.main()
