@@ -507,17 +507,31 @@ def dumps(value):
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+def _storable(text, param):
+    """Return *text* if SQLite can store it as UTF-8 (no lone surrogates), else raise."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidParams(f"{param} contains text that is not valid Unicode "
+                                "(a lone surrogate)", param=param) from None
+    return text
+
+
 def _json_param(value, param):
     try:
-        return dumps(value)
+        return _storable(dumps(value), param)
     except (TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidParams):
+            raise
         raise InvalidParams(f"{param} is not JSON-serialisable ({exc})", param=param) from None
 
 
 def fingerprint(value):
     """SHA-256 of a JSON value serialised canonically (sorted keys, no spaces)."""
     canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    # surrogatepass: a lone surrogate still hashes, deterministically.
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def iso_time(ms):
@@ -594,7 +608,7 @@ def _check_str(value, param, allow_none=True, max_len=1024):
     if not isinstance(value, str) or not value or len(value) > max_len:
         raise InvalidParams(f"{param} must be a non-empty string of at most {max_len} characters",
                             param=param)
-    return value
+    return _storable(value, param)
 
 
 def _as_tuple(value, param, allowed=None):
@@ -1085,6 +1099,7 @@ class TaskStore:
         if policy not in POLICIES:
             raise InvalidParams(f"policy must be one of {', '.join(POLICIES)}", param="policy")
         _check_str(principal, "principal")
+        _check_str(status_message, "status_message", max_len=100_000)
         if meta is not None and not isinstance(meta, dict):
             raise InvalidParams("meta must be a JSON object", param="meta")
         meta_json = None if meta is None else _json_param(meta, "meta")
@@ -1972,6 +1987,8 @@ class Runner:
         self.process_id = None
         self._lock = threading.Lock()
         self._active = {}            # task id -> TaskContext
+        self._unwritten = []         # (ctx, outcome) the store could not take yet (disk full)
+        self._complained = False     # a store outage is logged once, not every poll
         self._threads = []
         self._stopping = threading.Event()
         self._stopped = threading.Event()
@@ -2040,9 +2057,11 @@ class Runner:
                     k for k, h in self.handlers.items() if getattr(h, "has_loading_phase", False)))
             except StoreClosed:
                 return
-            except TaskStoreError:
-                logger.exception("claiming a task failed")
+            except TaskStoreError as exc:
+                self._complain(exc)
                 task = None
+            else:
+                self._complained = False
             if task is None:
                 try:
                     seen = self.store._wait_for_work(seen, self.store.poll_interval)
@@ -2070,7 +2089,14 @@ class Runner:
                              traceback.format_exc())
                 outcome = ("fail", {"code": "internal_error",
                                     "message": "the task's handler raised an exception"}, None)
-            self._finish(ctx, outcome)
+            try:
+                self._finish(ctx, outcome)
+            except StoreUnavailable as exc:
+                # The outcome is not lost: the maintenance thread writes it
+                # once the store takes writes again (a full disk freed).
+                self._complain(exc)
+                with self._lock:
+                    self._unwritten.append((ctx, outcome))
         except StoreClosed:
             pass
         except Exception:
@@ -2119,6 +2145,26 @@ class Runner:
             else:
                 logger.debug("late outcome of task %s ignored: it is %s", task_id, task.status)
 
+    def _complain(self, exc):
+        if not self._complained:
+            self._complained = True
+            logger.error("the store refuses writes: %s (retrying quietly)", exc)
+
+    def _write_unwritten(self):
+        with self._lock:
+            pending, self._unwritten = self._unwritten, []
+        for i, (ctx, outcome) in enumerate(pending):
+            try:
+                self._finish(ctx, outcome)
+            except StoreUnavailable:
+                with self._lock:
+                    self._unwritten.extend(pending[i:])
+                return
+            except Exception:
+                logger.exception("finishing task %s failed", ctx.task_id)
+        if pending:
+            self._complained = False
+
     def _maintain(self):
         last_beat = time.monotonic()
         while not self._stopped.wait(self.progress_interval_s):
@@ -2128,6 +2174,8 @@ class Runner:
                 for ctx in contexts:
                     with contextlib.suppress(InvalidTransition, TaskNotFound):
                         ctx.flush()
+                if self._unwritten:
+                    self._write_unwritten()
                 if time.monotonic() - last_beat >= self.heartbeat_s:
                     last_beat = time.monotonic()
                     if not self.store.heartbeat(self.process_id):
@@ -2144,6 +2192,8 @@ class Runner:
                             ctx.cancelled.set()
             except StoreClosed:
                 return
+            except StoreUnavailable as exc:
+                self._complain(exc)
             except Exception:
                 logger.exception("runner maintenance failed")
 
@@ -3356,16 +3406,54 @@ def parse_cursor(value, param):
     return int(value)
 
 
+MAX_JSON_DEPTH = 64     # nesting levels a request body may have (a Responses request needs ~6)
+
+
+def _not_json(constant):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _json_depth_ok(value, limit=MAX_JSON_DEPTH):
+    """True when *value* nests at most *limit* arrays/objects deep (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(
+            value, list) else None
+        if children is not None:
+            if depth > limit:
+                return False
+            stack.extend((child, depth + 1) for child in children)
+    return True
+
+
 def _json_body(body, content_type):
+    """Parse a request body as strict JSON the store can keep (RFC 8259, valid Unicode).
+
+    A client's mistake is always a 400: a recursion bomb, NaN/Infinity, a number
+    too large for a float, or an unpaired surrogate escape never reach the store.
+    """
     if content_type is not None:
         media = content_type.split(";")[0].strip().lower()
         if media != "application/json" and not media.endswith("+json"):
             raise UnsupportedMediaType(f"Content-Type {media or '(empty)'} is not JSON; "
                                        "send application/json")
     try:
-        return json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+        value = json.loads(body.decode("utf-8"), parse_constant=_not_json)
+    except RecursionError:
+        raise InvalidParams(f"the body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError:          # UnicodeDecodeError is one too
         raise InvalidParams("the body is not valid JSON") from None
+    if not _json_depth_ok(value):
+        raise InvalidParams(f"the body is nested more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        dumps(value).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidParams("the body has an unpaired surrogate escape (\\ud800-\\udfff); "
+                            "strings must be valid Unicode") from None
+    except ValueError:
+        raise InvalidParams("the body has a number too large to represent") from None
+    return value
 
 
 def validate_create(body, backend):
@@ -3418,11 +3506,18 @@ class ResponseOutput:
 
     ``write(text)`` streams one ``response.output_text.delta``; the first write
     (or ``start()``) also moves the task from ``loading`` to ``running`` and
-    opens the output item.  With snapshots, every write saves ``{item_id,
-    text, writes, state}``, so a ``resume`` after a restart continues the same
-    item: ``resumed`` is then True, ``text`` and ``writes`` hold what was
-    already streamed, and ``state`` whatever JSON the backend kept there.
+    opens the output item.  With snapshots, every event saves ``{item_id,
+    text, writes, state, sent}`` in its own transaction, so a ``resume`` after
+    a restart continues the same item: ``resumed`` is then True, ``text`` and
+    ``writes`` hold what was already streamed, ``state`` whatever JSON the
+    backend kept there, and ``sent`` the structural events (item and part
+    added/done) already streamed, so a kill between two of them neither repeats
+    nor skips one.
     """
+
+    _OPENING = ("response.output_item.added", "response.content_part.added")
+    _CLOSING = ("response.output_text.done", "response.content_part.done",
+                "response.output_item.done")
 
     def __init__(self, ctx, snapshots):
         self._ctx, self._snapshots = ctx, snapshots
@@ -3432,14 +3527,15 @@ class ResponseOutput:
         snap = snap if self.resumed else {}
         self.item_id = snap.get("item_id") or new_id("msg", int(time.time() * 1000))
         self.text, self.writes = snap.get("text", ""), snap.get("writes", 0)
-        self.state, self._done = snap.get("state"), snap.get("done", False)
-        self._opened = self.resumed
+        self.state = snap.get("state")
+        sent = snap.get("sent")
+        if not isinstance(sent, list):     # a snapshot of 0.1.0: it had only "done"
+            sent = list(self._OPENING if self.resumed else ()) + list(
+                self._CLOSING if snap.get("done") else ())
+        self._sent = sent
 
     def start(self):
         """Mark the model as producing (``loading`` -> ``running``) and open the output item."""
-        if self._opened:
-            return
-        self._opened = True
         self._send("response.output_item.added",
                    {"output_index": 0, "item": self._item("in_progress", [])})
         self._send("response.content_part.added", dict(self._where(), part=_text_part("")))
@@ -3455,10 +3551,14 @@ class ResponseOutput:
         return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
 
     def _send(self, name, data):
+        structural = name in self._OPENING or name in self._CLOSING
+        if structural and name in self._sent:
+            return                  # streamed before a restart: never twice
+        sent = self._sent + [name] if structural else self._sent
         # The snapshot is saved in the event's own transaction, so a kill -9
         # can never leave a streamed event out of it (or the reverse).
         snapshot = {"item_id": self.item_id, "text": self.text, "writes": self.writes,
-                    "state": self.state, "done": self._done}
+                    "state": self.state, "sent": sent}
         try:
             if self._snapshots:
                 self._ctx.emit(name, data, snapshot=snapshot)
@@ -3467,6 +3567,7 @@ class ResponseOutput:
         except InvalidTransition:
             # The task was cancelled (or requeued) under us: stop the backend.
             raise Cancelled(self._ctx.task_id) from None
+        self._sent = sent
 
     def _item(self, status, content):
         return {"id": self.item_id, "type": "message", "status": status, "role": "assistant",
@@ -3475,8 +3576,9 @@ class ResponseOutput:
     def response(self, status, usage=None, incomplete_reason=None):
         """Return the response object with the text so far (used as the task result)."""
         response = response_object(self._ctx.task, status)
+        opened = self._OPENING[0] in self._sent
         response.update(
-            output=[self._item(status, [_text_part(self.text)])] if self._opened else [],
+            output=[self._item(status, [_text_part(self.text)])] if opened else [],
             usage=usage,
             incomplete_details={"reason": incomplete_reason} if incomplete_reason else None)
         return response
@@ -3485,13 +3587,12 @@ class ResponseOutput:
         """Close the output item with the three ``.done`` events; return the final response."""
         self.start()
         status = "incomplete" if incomplete_reason else "completed"
-        if not self._done:      # a resume after the .done events must not repeat them
-            self._done = True
-            part = _text_part(self.text)
-            self._send("response.output_text.done", dict(self._where(), text=self.text))
-            self._send("response.content_part.done", dict(self._where(), part=part))
-            self._send("response.output_item.done",
-                       {"output_index": 0, "item": self._item(status, [part])})
+        part = _text_part(self.text)
+        # Each is skipped when it was streamed before a restart.
+        self._send("response.output_text.done", dict(self._where(), text=self.text))
+        self._send("response.content_part.done", dict(self._where(), part=part))
+        self._send("response.output_item.done",
+                   {"output_index": 0, "item": self._item(status, [part])})
         return self.response(status, usage, incomplete_reason)
 
 
@@ -4016,6 +4117,10 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def setup(self):
         super().setup()
+        # Without this, a keep-alive answer written as head + body waits ~40 ms
+        # for the client's delayed ACK (Nagle); SSE frames would lag the same way.
+        with contextlib.suppress(OSError):
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.rfile.close()      # its socket reference would keep the connection open
         self.rfile = io.BufferedReader(_DeadlineReader(self))
 
@@ -4028,8 +4133,21 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
         # The request line only: headers (and so tokens) are never logged.
         logger.debug("%s - %s", self.address_string(), format % args)
 
+    def parse_request(self):
+        """http.server's parsing, minus HTTP/0.9: its answers have no status line at all."""
+        if not super().parse_request():
+            return False
+        if self.request_version == "HTTP/0.9":
+            self.send_error(400, "HTTP/0.9 requests are not supported; send HTTP/1.1")
+            return False
+        return True
+
     def send_error(self, code, message=None, explain=None):
         """Answer http.server's own errors (bad request line, 501) as problem objects."""
+        # A request line too broken to name a version leaves http.server's
+        # default, HTTP/0.9, which would send the body without a status line.
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"
         status = code if code in (400, 501) else 400
         problem = problem_object(status, "not_implemented" if status == 501 else "invalid_request",
                                  message or "bad request")
@@ -4042,10 +4160,13 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             raise InvalidParams("send the body with Content-Length; chunked bodies are not "
                                 "accepted", param="Content-Length")
-        length = self.headers.get("Content-Length", "0").strip()
-        if not re.fullmatch(r"[0-9]{1,15}", length):
+        lengths = self.headers.get_all("Content-Length") or ["0"]
+        length = lengths[0].strip()
+        if len({v.strip() for v in lengths}) > 1 or not re.fullmatch(r"[0-9]{1,15}", length):
+            # RFC 9112 6.3: differing lengths make the framing unknowable.
             self.close_connection = True
-            raise InvalidParams("Content-Length must be an integer", param="Content-Length")
+            raise InvalidParams("Content-Length must be one non-negative integer",
+                                param="Content-Length")
         if int(length) > self.server.app.max_body:
             self.close_connection = True     # the body stays unread: end the connection
             raise PayloadTooLarge(f"the body has {length} bytes; at most "
@@ -4213,6 +4334,14 @@ def add_http_parser(subparsers):
                    help="concurrent event streams; 503 beyond (default: %(default)s)")
     p.add_argument("--keepalive-interval", type=_positive(float), default=DEFAULT_KEEPALIVE_S,
                    help="seconds between SSE keep-alive comments (default: %(default)s)")
+    p.add_argument("--max-db-bytes", type=_positive(int), default=None,
+                   help="cap on the store file's size; writes beyond it get 503 (default: none)")
+    p.add_argument("--sync", choices=("normal", "full"), default="normal",
+                   help="SQLite synchronous mode: normal survives process crashes, full also "
+                        "power loss (default: %(default)s)")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="log every request line at DEBUG level (never headers or tokens; "
+                        "default: INFO)")
     p.add_argument("--insecure-bind", action="store_true",
                    help="allow a non-loopback address without --token (default: refused)")
     p.set_defaults(func=cmd_http)
@@ -4234,7 +4363,10 @@ def cmd_http(args):
     event_retention = args.event_retention or args.task_retention
     store_retention = None if args.event_retention is None else int(args.event_retention * 1000)
     backend = make_backend(args.backend, demo_delay=args.demo_delay, url=args.backend_url)
-    store = TaskStore(args.db, event_retention_ms=store_retention)
+    if args.verbose:
+        logging.getLogger().setLevel(logging.DEBUG)
+    store = TaskStore(args.db, event_retention_ms=store_retention, synchronous=args.sync,
+                      max_bytes=args.max_db_bytes)
     runner = Runner(store, {"response": response_handler(backend)}, workers=args.workers)
     app = LMSPApp(store, backend, tokens=tokens, max_body=args.max_body,
                   task_retention=args.task_retention, event_retention=event_retention,

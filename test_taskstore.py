@@ -4286,6 +4286,1539 @@ class McpSdkInteropTests(McpTestBase):
             self.assertTrue(result.content[0].text.startswith("CRASH_RECOVERY"))
         self.run_client(second)
 
+
+class FullStoreRunnerTests(StoreTestCase):
+    """An outcome the store cannot write (disk full) is written once there is room."""
+
+    def test_a_task_whose_outcome_could_not_be_written_ends_once_there_is_room(self):
+        self.store.close()
+        store = self.open_store(max_bytes=128 * 1024, clock=time.time)
+        returned = threading.Event()
+
+        def filler(ctx, payload):
+            try:
+                while True:
+                    ctx.emit("chunk", {"x": "y" * 2000})
+            except taskstore.StoreUnavailable:
+                returned.set()
+                return {"done": "z" * 50_000}   # too big for what is left
+        task = store.create("fill")
+        with self.assertLogs("taskstore", "ERROR") as logs:
+            runner = self.start_runner({"fill": filler}, store=store)
+            self.assertTrue(returned.wait(TIMEOUT))
+            version = store.get(task.id).version
+            # The worker hands the unwritable outcome to the maintenance thread.
+            while runner.active():
+                store.wait(task.id, timeout=0.05, since_version=version)
+            with store._lock:                    # room again (the operator grew the disk)
+                store._conn.execute("PRAGMA max_page_count=1000000")
+            task = store.wait(task.id, timeout=TIMEOUT, terminal=True)
+        self.assertTrue(task.terminal, f"still {task.status}, owned by a live runner")
+        self.assertEqual(task.result, {"done": "z" * 50_000})
+        # A full store is reported once, not once per poll and worker.
+        self.assertEqual(sum("refuses writes" in line for line in logs.output), 1)
+
+
+class SurrogateTests(StoreTestCase):
+    """Text that cannot be stored as UTF-8 (a lone surrogate) is InvalidParams."""
+
+    def test_a_lone_surrogate_is_invalid_params_not_an_internal_error(self):
+        for kwargs in ({"payload": "\ud800"}, {"meta": {"a": "\udc00"}},
+                       {"principal": "\ud800"}):
+            with self.subTest(**{k: repr(v) for k, v in kwargs.items()}):
+                with self.assertRaises(taskstore.InvalidParams):
+                    self.store.create("k", **kwargs)
+        self.assertIsInstance(taskstore.fingerprint("\ud800"), str)
+
+
+# ===========================================================================
+# Issue 5: the LMSP HTTP server under faults
+# ===========================================================================
+# Crash torture (kill -9 at random moments, restart on the same file), fuzzing
+# with malformed requests over raw sockets, resource limits, and isolation
+# between principals.  Every class is seeded: a failure prints the seed and the
+# environment variable that replays it.  TASKSTORE_SOAK=SECONDS makes the
+# torture and the fuzzing run for about that many seconds each.
+
+import random as _random      # noqa: E402  (the draft file imports below the shared prelude)
+import collections  # noqa: E402
+import select  # noqa: E402
+
+SOAK_S = float(os.environ.get("TASKSTORE_SOAK", "0") or 0)
+TORTURE_CYCLES = int(os.environ.get("TASKSTORE_TEST_TORTURE_CYCLES", "50"))
+FUZZ_INPUTS = int(os.environ.get("TASKSTORE_TEST_FUZZ_INPUTS", "10000"))
+# Words that must never reach a client: a traceback, a file name, SQL.
+LEAK_MARKERS = (b"traceback", b"sqlite", b"select ", b'file "')
+WIRE_ID_RE = re.compile(r"\A(task|resp|msg)_[0-9A-HJKMNP-TV-Z]{36}\Z")
+
+
+def fault_seed(variable, default):
+    """The seed of a seeded class: $variable, else a fixed default (a fresh one when soaking)."""
+    value = os.environ.get(variable)
+    if value:
+        return int(value)
+    return _random.SystemRandom().randrange(2**31) if SOAK_S else default
+
+
+@contextlib.contextmanager
+def replay_hint(variable, seed, where):
+    """On any failure, say how to replay it: the seed and where it happened."""
+    try:
+        yield
+    except BaseException:
+        sys.stderr.write(f"\n*** replay: {variable}={seed} (failed at {where()})\n")
+        raise
+
+
+class RawHttp:
+    """One raw TCP connection: send any bytes, parse answers strictly.
+
+    ``read_response`` returns ``(status, headers, body)`` with header names in
+    lower case (lists of values), skipping 1xx interim answers, or None when
+    the server closed the connection before a byte of an answer.  Anything
+    else that is not a well-formed HTTP/1.1 answer fails the test.
+    """
+
+    def __init__(self, host, port, timeout=TIMEOUT):
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.buffer = b""
+        self.eof = False
+
+    def close(self):
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def send(self, data, half_close=False):
+        try:
+            self.sock.sendall(data)
+            if half_close:
+                self.sock.shutdown(socket.SHUT_WR)
+        except (BrokenPipeError, ConnectionResetError):
+            pass                # the server may hang up mid-request: then we read what it said
+
+    def _fill(self):
+        if self.eof:
+            return False
+        try:
+            chunk = self.sock.recv(65536)
+        except ConnectionResetError:
+            chunk = b""
+        except TimeoutError:
+            raise AssertionError(f"no complete answer within the timeout; got {self.buffer[:300]!r}")
+        if not chunk:
+            self.eof = True
+            return False
+        self.buffer += chunk
+        return True
+
+    def read_response(self, head=False):
+        while True:
+            while b"\r\n\r\n" not in self.buffer:
+                if not self._fill():
+                    if self.buffer:
+                        raise AssertionError(f"truncated answer head: {self.buffer[:300]!r}")
+                    return None
+            raw_head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
+            lines = raw_head.split(b"\r\n")
+            match = re.fullmatch(rb"HTTP/1\.[01] ([1-5][0-9][0-9]) [\x20-\x7e]*", lines[0])
+            if not match:
+                raise AssertionError(f"bad status line {lines[0][:200]!r}")
+            status = int(match.group(1))
+            headers = {}
+            for line in lines[1:]:
+                name, sep, value = line.partition(b":")
+                if not sep or not re.fullmatch(rb"[A-Za-z0-9-]+", name):
+                    raise AssertionError(f"bad header line {line[:200]!r}")
+                headers.setdefault(name.decode().lower(), []).append(value.strip().decode("latin-1"))
+            if 100 <= status < 200:
+                continue
+            if head:
+                return status, headers, b""
+            if "content-length" in headers:
+                length = int(headers["content-length"][0])
+                while len(self.buffer) < length:
+                    if not self._fill():
+                        raise AssertionError(f"body shorter than its Content-Length ({length})")
+                body, self.buffer = self.buffer[:length], self.buffer[length:]
+                return status, headers, body
+            if headers.get("content-type", [""])[0].startswith("text/event-stream"):
+                while self._fill():
+                    pass
+                body, self.buffer = self.buffer, b""
+                return status, headers, body
+            raise AssertionError(f"answer {status} without Content-Length: {headers}")
+
+
+def check_wire_answer(test, answer, context):
+    """The rules every answer follows, whatever the request (issue 5 fuzzing)."""
+    status, headers, body = answer
+    test.assertNotEqual(status, 500, f"500 for a client's mistake: {context}: {body[:300]!r}")
+    test.assertIn(status, (200, 202, 400, 401, 404, 405, 409, 410, 413, 415, 422, 501),
+                  f"{context}: {body[:300]!r}")
+    lowered = body.lower()
+    for marker in LEAK_MARKERS:
+        test.assertNotIn(marker, lowered, f"{context}: the answer leaks {marker!r}: {body[:500]!r}")
+    kind = headers.get("content-type", [""])[0]
+    if status >= 400:
+        test.assertEqual(kind, "application/problem+json", context)
+    if "json" in kind and body:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            raise AssertionError(f"{context}: the JSON answer does not parse: {body[:300]!r}")
+        if status >= 400:
+            test.assertIsInstance(data, dict, context)
+            for field, kind_ in (("type", str), ("title", str), ("status", int),
+                                 ("code", str), ("detail", str)):
+                test.assertIsInstance(data.get(field), kind_, f"{context}: {data}")
+            test.assertEqual(data["status"], status, context)
+    return status
+
+
+# ---------------------------------------------------------------------------
+# 1. Crash torture
+# ---------------------------------------------------------------------------
+
+class TortureState:
+    """What the client saw, to be checked against everything it sees later."""
+
+    def __init__(self):
+        self.tasks = {}           # id -> {"body", "key", "policy", "text", "expected"}
+        self.keys = {}            # key -> (body, id or None when the answer never came)
+        self.terminal = {}        # id -> the task object first seen terminal
+        self.events = {}          # (id, seq) -> (event name, data)
+        self.final = {}           # id -> seq of its final event
+        self.cancelled = set()    # ids whose cancel was answered 200
+        self.expect = {}          # (id, seq) -> allowed event names (restart checks)
+        self.killed_active = set()  # ids that were loading/running/cancelling at a kill
+
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+class LmspCrashTortureTests(unittest.TestCase):
+    """kill -9 the HTTP server at random moments, restart it on the same file, check everything.
+
+    Each cycle starts ``taskstore.py http`` on the same file, drives a seeded
+    mix of creates (every policy, with and without Idempotency-Key),
+    cancels, reads, lists and event streams, kills it after a random number
+    of operations (also with a create in flight and with a stream open after a
+    random number of events), checks the file (integrity, contiguous logs,
+    one final event per terminal task, nothing the client saw is missing),
+    restarts, and checks that each unfinished task went through its policy and
+    that keys replay.  Replay: TASKSTORE_TORTURE_SEED=N.
+    """
+
+    ACTIVE = ("loading", "running", "input_required", "cancelling")
+
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.db = os.path.join(tmp.name, "torture.db")
+
+    def start(self):
+        server = ServerProcess(self, self.db, "--demo-delay", "0.004", "--workers", "2",
+                               "--reap-interval", "3600")
+        return server
+
+    # -- what the client sees -------------------------------------------------
+
+    def saw_task(self, state, obj):
+        self.assertEqual(obj["object"], "task", obj)
+        self.assertRegex(obj["id"], WIRE_ID_RE)
+        first = state.terminal.get(obj["id"])
+        if first is not None:
+            self.assertEqual(obj, first, "a terminal task changed")
+        elif obj["status"] in ("succeeded", "failed", "cancelled"):
+            state.terminal[obj["id"]] = obj
+
+    def saw_events(self, state, task_id, events, after):
+        """Events of one stream read: contiguous from after+1, immutable, one final event."""
+        expected_seq = after + 1
+        for event in events:
+            seq = int(event["id"])
+            self.assertEqual(seq, expected_seq, f"{task_id}: gap or reordering in the stream")
+            self.assertEqual(event["data"]["sequence_number"], seq)
+            self.assertEqual(event["data"]["type"], event["event"])
+            expected_seq += 1
+            key = (task_id, seq)
+            if key in state.events:
+                self.assertEqual((event["event"], event["data"]), state.events[key],
+                                 f"{task_id}: event {seq} changed")
+            else:
+                state.events[key] = (event["event"], event["data"])
+            allowed = state.expect.get(key)
+            if allowed is not None:
+                self.assertIn(event["event"], allowed[0], f"{task_id} event {seq}: {allowed[1]}")
+                if event["event"] == "response.failed" and allowed[1] == "fail policy":
+                    error = event["data"]["response"]["error"]
+                    self.assertEqual((error["code"], error["status"]), ("server_restarted", 503))
+                state.expect[key] = None           # verified
+            if event["event"] in FINAL_EVENTS:
+                self.assertEqual(state.final.setdefault(task_id, seq), seq,
+                                 f"{task_id}: two final events")
+                self.assertIs(event, events[-1], f"{task_id}: events after the final one")
+
+    def read_stream(self, reader, limit=None):
+        events = []
+        while limit is None or len(events) < limit:
+            try:
+                event = reader.next_event()
+            except (OSError, http.client.HTTPException):
+                break               # the server was killed under the stream
+            if event is None:
+                break
+            events.append(event)
+        return events
+
+    # -- one cycle ------------------------------------------------------------
+
+    def new_body(self, rng, state, label):
+        words = [f"{label}w{j}" for j in range(rng.randint(3, 25))]
+        policy = rng.choice(POLICIES)
+        extra = {}
+        chunks = demo_chunks(" ".join(words))
+        if rng.random() < 0.1:
+            extra["max_output_tokens"] = rng.randint(1, len(chunks))
+            chunks = chunks[:extra["max_output_tokens"]]
+        body = create_body(" ".join(words), on_restart=policy, **extra)
+        fail_after = None
+        if rng.random() < 0.1:
+            fail_after = rng.randint(0, len(words) + 2)
+            body["input"]["metadata"] = {"demo_fail_after": fail_after}
+        expected = "".join(chunks[:fail_after] if fail_after is not None else chunks)
+        fails = fail_after is not None and fail_after < len(chunks)
+        return body, {"policy": policy, "text": expected, "fails": fails,
+                      "incomplete": "max_output_tokens" in extra and not fails
+                      and extra["max_output_tokens"] < len(demo_chunks(" ".join(words)))}
+
+    def drive_and_kill(self, server, state, rng, cycle):
+        client = server.client
+        n_ops = rng.randint(4, 14)
+        kill_at = rng.randint(2, n_ops)
+        killed = False
+
+        def kill():
+            server.proc.kill()
+            self.assertEqual(server.proc.wait(timeout=TIMEOUT), -signal.SIGKILL,
+                             "the server died before the kill")
+
+        for i in range(1, n_ops + 1):
+            last = i == kill_at
+            ids = sorted(state.tasks)
+            op = rng.choices(["create", "cancel", "get", "list", "stream", "replay"],
+                             [35, 15, 10, 8, 25, 7])[0]
+            if op in ("cancel", "get", "stream") and not ids:
+                op = "create"
+            if op == "replay" and not any(v[1] for v in state.keys.values()):
+                op = "create"
+            if op == "create":
+                body, info = self.new_body(rng, state, f"c{cycle}o{i}")
+                key = f"key-{cycle}-{i}" if rng.random() < 0.5 else None
+                headers = {"Idempotency-Key": key} if key else {}
+                if last and rng.random() < 0.5:
+                    # The kill races the create: acknowledged only if the 202 arrived.
+                    conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+                    try:
+                        conn.request("POST", "/lmsp/v1/tasks", body=json.dumps(body).encode(),
+                                     headers=dict(headers, **{"Content-Type": "application/json"}))
+                        kill()
+                        killed = True
+                        try:
+                            resp = conn.getresponse()
+                            status, obj = resp.status, json.loads(resp.read())
+                        except (OSError, http.client.HTTPException, ValueError):
+                            status, obj = None, None
+                    finally:
+                        conn.close()
+                    if key:
+                        state.keys[key] = (body, None)
+                    if status == 202:
+                        state.tasks[obj["id"]] = dict(info, body=body, key=key)
+                        if key:
+                            state.keys[key] = (body, obj["id"])
+                        self.saw_task(state, obj)
+                    break
+                status, resp, obj = client.request("POST", "/lmsp/v1/tasks", body, headers)
+                self.assertEqual(status, 202, obj)
+                self.assertIsNone(resp.getheader("Idempotent-Replayed"))
+                state.tasks[obj["id"]] = dict(info, body=body, key=key)
+                if key:
+                    state.keys[key] = (body, obj["id"])
+                self.saw_task(state, obj)
+            elif op == "replay":
+                key = rng.choice(sorted(k for k, v in state.keys.items() if v[1]))
+                self.check_replay(client, state, key)
+            elif op == "cancel":
+                task_id = rng.choice([t for t in ids if t not in state.terminal][-8:] or ids)
+                status, _, obj = client.request("POST", f"/lmsp/v1/tasks/{task_id}/cancel")
+                if status == 200:
+                    self.assertIn(obj["status"], ("cancelling", "cancelled"))
+                    state.cancelled.add(task_id)
+                    self.saw_task(state, obj)
+                else:
+                    self.assertEqual((status, obj["code"]), (409, "task_not_cancelable"), obj)
+                    seen = state.terminal.get(task_id)
+                    self.assertTrue(seen is None or seen["status"] in ("succeeded", "failed"))
+                    self.assertNotIn(task_id, state.cancelled)
+            elif op == "get":
+                status, _, obj = client.request("GET", f"/lmsp/v1/tasks/{rng.choice(ids)}")
+                self.assertEqual(status, 200, obj)
+                self.saw_task(state, obj)
+            elif op == "list":
+                word = rng.choice([None, "queued", "running", "succeeded", "failed", "cancelled"])
+                query = f"?limit={rng.randint(1, 100)}" + (f"&status={word}" if word else "")
+                status, _, page = client.request("GET", "/lmsp/v1/tasks" + query)
+                self.assertEqual(status, 200, page)
+                for obj in page["data"]:
+                    if word:
+                        self.assertEqual(obj["status"], word)
+                    self.saw_task(state, obj)
+            else:
+                unfinished = [t for t in ids if t not in state.final] or ids
+                task_id = rng.choice(unfinished)
+                seen = sorted(s for (t, s) in state.events if t == task_id)
+                after = rng.choice([-1, *seen[-3:]])
+                headers = {} if after < 0 else {"Last-Event-ID": str(after)}
+                with client.stream(task_id, headers=headers) as reader:
+                    self.assertEqual(reader.status, 200)
+                    events = self.read_stream(reader, rng.randint(1, 30))
+                    if last:
+                        kill()        # mid-stream: the stream must just end
+                        killed = True
+                        events += self.read_stream(reader)
+                self.saw_events(state, task_id, events, after)
+            if last and not killed:
+                kill()
+                killed = True
+            if killed:
+                break
+        if not killed:
+            kill()
+        self.check_server_log(server)
+
+    def check_server_log(self, server):
+        server.reader.join(TIMEOUT)
+        lines = []
+        while True:
+            try:
+                lines.append(server.lines.get_nowait())
+            except queue.Empty:
+                break
+        bad = [line for line in lines if "Traceback" in line or " ERROR " in line]
+        self.assertEqual(bad, [], "".join(lines[-40:]))
+
+    def check_replay(self, client, state, key):
+        body, task_id = state.keys[key]
+        status, resp, obj = client.request("POST", "/lmsp/v1/tasks", body,
+                                           {"Idempotency-Key": key})
+        self.assertEqual(status, 202, obj)
+        if task_id is None:          # its first answer was lost in a kill: either is right
+            if resp.getheader("Idempotent-Replayed") != "true":
+                self.assertNotIn(obj["id"], state.tasks)
+            state.keys[key] = (body, obj["id"])
+            info = self.new_body_info(body)
+            state.tasks.setdefault(obj["id"], dict(info, body=body, key=key))
+        else:
+            self.assertEqual((obj["id"], resp.getheader("Idempotent-Replayed")),
+                             (task_id, "true"), "a replay after a restart made another task")
+        self.saw_task(state, obj)
+
+    @staticmethod
+    def new_body_info(body):
+        request = body["input"]
+        chunks = demo_chunks(request["input"])
+        limit = request.get("max_output_tokens")
+        fail_after = (request.get("metadata") or {}).get("demo_fail_after")
+        emitted = chunks[:limit] if limit is not None else chunks
+        fails = fail_after is not None and fail_after < len(emitted)
+        return {"policy": body.get("on_restart", "fail"),
+                "text": "".join(emitted[:fail_after] if fail_after is not None else emitted),
+                "fails": fails, "incomplete": limit is not None and limit < len(chunks)
+                and not fails}
+
+    # -- the file between two lives -----------------------------------------
+
+    def check_file(self, state):
+        """After the kill, before the restart: integrity, logs, and nothing seen is lost."""
+        conn = sqlite3.connect(self.db, timeout=TIMEOUT)
+        try:
+            self.assertEqual(conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
+            tasks = {r[0]: r[1:] for r in conn.execute(
+                "SELECT id, status, policy, last_seq, first_seq FROM tasks")}
+            logs = {r[0]: r[1:] for r in conn.execute(
+                "SELECT task_id, count(*), min(seq), max(seq), sum(type = 'status' AND "
+                "json_extract(data, '$.status') IN ('succeeded', 'failed', 'cancelled')) "
+                "FROM events GROUP BY task_id")}
+        finally:
+            conn.close()
+        for task_id in state.tasks:
+            self.assertIn(task_id, tasks, "an acknowledged task is gone")
+        for task_id, (status, policy, last_seq, first_seq) in tasks.items():
+            count, low, high, finals = logs[task_id]
+            self.assertEqual((count, low, high), (last_seq + 1, 0, last_seq),
+                             f"{task_id}: the event log is not contiguous from 0")
+            self.assertEqual(finals, 1 if status in TERMINAL_STATES else 0,
+                             f"{task_id} ({status}): final events")
+            seen = state.terminal.get(task_id)
+            if seen is not None:
+                self.assertEqual(taskstore.LMSP_STATUS[status], seen["status"], task_id)
+            if task_id in state.final:
+                self.assertEqual(last_seq, state.final[task_id], task_id)
+        for (task_id, seq) in state.events:
+            self.assertLessEqual(seq, tasks[task_id][2], f"{task_id}: a streamed event was lost")
+        return tasks
+
+    def check_restart(self, server, state, killed_tasks, rng):
+        """Right after a restart: every task listed, each policy applied, keys replay."""
+        client = server.client
+        listed, cursor = {}, None
+        while True:
+            query = "?limit=100" + (f"&after={cursor}" if cursor else "")
+            status, _, page = client.request("GET", "/lmsp/v1/tasks" + query)
+            self.assertEqual(status, 200, page)
+            for obj in page["data"]:
+                listed[obj["id"]] = obj
+                self.saw_task(state, obj)
+            cursor = page["next_cursor"]
+            if not cursor:
+                break
+        self.assertEqual(set(listed), set(killed_tasks))
+        for task_id, (status, policy, last_seq, _) in sorted(killed_tasks.items()):
+            nxt = (task_id, last_seq + 1)
+            if status == "queued":
+                state.expect[nxt] = ({"response.loading", "response.cancelled"}, "queued stays")
+                continue
+            if status not in self.ACTIVE:
+                continue
+            state.killed_active.add(task_id)
+            if status == "cancelling":
+                state.expect[nxt] = ({"response.cancelled"}, "cancelling completes")
+            elif policy == "fail":
+                state.expect[nxt] = ({"response.failed"}, "fail policy")
+            else:
+                state.expect[nxt] = ({"response.queued"}, f"{policy} policy requeues")
+            # The recovery event is committed before the server listens: read it now.
+            with client.stream(task_id, headers={"Last-Event-ID": str(last_seq)}) as reader:
+                self.assertEqual(reader.status, 200)
+                events = self.read_stream(reader, 1)
+            self.assertEqual(len(events), 1, task_id)
+            self.saw_events(state, task_id, events, last_seq)
+        pending = [k for k, v in state.keys.items() if v[1] is None]
+        done = sorted(k for k, v in state.keys.items() if v[1] is not None)
+        for key in pending + rng.sample(done, min(4, len(done))):
+            self.check_replay(client, state, key)
+        if done and rng.random() < 0.3:
+            body, _ = state.keys[rng.choice(done)]
+            other = json.loads(json.dumps(body))
+            other["input"]["input"] += " (another body)"
+            status, _, obj = client.request("POST", "/lmsp/v1/tasks", other,
+                                            {"Idempotency-Key": rng.choice(done)})
+            self.assertEqual((status, obj["code"]), (422, "idempotency_key_reused"))
+
+    def final_check(self, server, state):
+        """No more kills: every task runs to its end; check each outcome and whole log."""
+        client = server.client
+        listed, cursor = [], None
+        while True:
+            status, _, page = client.request(
+                "GET", "/lmsp/v1/tasks?limit=100" + (f"&after={cursor}" if cursor else ""))
+            listed += [obj["id"] for obj in page["data"]]
+            cursor = page["next_cursor"]
+            if not cursor:
+                break
+        for task_id in listed:
+            with client.stream(task_id) as reader:
+                events = self.read_stream(reader)
+            self.saw_events(state, task_id, events, -1)
+            names = [e["event"] for e in events]
+            self.assertEqual(sum(n in FINAL_EVENTS for n in names), 1, f"{task_id}: {names}")
+            self.assertIn(names[-1], FINAL_EVENTS)
+            obj = client.task(task_id)
+            self.saw_task(state, obj)
+            info = state.tasks.get(task_id)
+            if info is None:
+                continue                    # created by a request whose answer a kill ate
+            if task_id in state.cancelled:
+                self.assertEqual(names[-1], "response.cancelled", task_id)
+                continue
+            if names[-1] == "response.cancelled":
+                self.fail(f"{task_id} was cancelled without an acknowledged cancel")
+            if names[-1] == "response.failed":
+                code = events[-1]["data"]["response"]["error"]["code"]
+                if code == "server_restarted":
+                    self.assertEqual(info["policy"], "fail", task_id)
+                    self.assertIn(task_id, state.killed_active)
+                else:
+                    self.assertEqual(code, "backend_error")
+                    self.assertTrue(info["fails"], task_id)
+                continue
+            self.assertFalse(info["fails"], f"{task_id}: {names[-1]}")
+            self.assertEqual(names[-1], "response.incomplete" if info["incomplete"]
+                             else "response.completed", task_id)
+            if info["policy"] == "resume":
+                # Resumed runs continue the same item: the deltas of all runs are the text once.
+                self.assertEqual(deltas(events), info["text"], task_id)
+                self.assertEqual(names.count("response.output_item.added"), 1, task_id)
+            else:
+                last_run = len(names) - names[::-1].index("response.queued") \
+                    if "response.queued" in names else 0
+                self.assertEqual(deltas(events[last_run:]), info["text"], task_id)
+            text = obj["response"]["output"][0]["content"][0]["text"]
+            self.assertEqual(text, info["text"], task_id)
+        unchecked = [k for k, v in state.expect.items() if v is not None]
+        self.assertEqual(unchecked, [], "restart expectations never seen in a stream")
+
+    def test_kill_9_at_random_moments_loses_nothing_and_applies_every_policy(self):
+        seed = fault_seed("TASKSTORE_TORTURE_SEED", 20261129)
+        rng = _random.Random(seed)
+        state = TortureState()
+        cycle = 0
+        deadline = time.monotonic() + SOAK_S
+        with replay_hint("TASKSTORE_TORTURE_SEED", seed, lambda: f"cycle {cycle}"):
+            server = self.start()
+            while cycle < TORTURE_CYCLES or time.monotonic() < deadline:
+                self.drive_and_kill(server, state, rng, cycle)
+                killed_tasks = self.check_file(state)
+                server = self.start()
+                self.check_restart(server, state, killed_tasks, rng)
+                cycle += 1
+            self.final_check(server, state)
+            server.proc.send_signal(signal.SIGTERM)
+            self.assertEqual(server.proc.wait(timeout=TIMEOUT), 0)
+            self.check_file(state)
+        self.assertGreaterEqual(cycle, TORTURE_CYCLES)
+        self.assertGreaterEqual(len(state.tasks), TORTURE_CYCLES // 2)
+        # The kills did hit work in progress, and every restart check was made.
+        self.assertGreater(len(state.killed_active), TORTURE_CYCLES // 10)
+        if os.environ.get("TASKSTORE_TEST_STATS"):
+            print(f"\ntorture: {cycle} cycles, {len(state.tasks)} tasks, "
+                  f"{len(state.killed_active)} killed while active, "
+                  f"{len(state.expect)} restart checks, {len(state.cancelled)} cancels, "
+                  f"{len(state.events)} events seen", file=sys.stderr)
+
+
+
+
+class _Killed(BaseException):
+    """Stands for kill -9 inside a backend: nothing in taskstore catches it."""
+
+
+class _DyingContext:
+    """The part of a TaskContext a ResponseOutput uses; the process 'dies' after *commits* events."""
+
+    def __init__(self, store, task, commits):
+        self.store, self.task, self.task_id, self.attempt = store, task, task.id, task.attempt
+        self.cancelled = threading.Event()
+        self.left = commits
+
+    def load_snapshot(self):
+        return self.store.load_snapshot(self.task_id)
+
+    def emit(self, name, data, snapshot=None):
+        if self.left == 0:
+            raise _Killed()
+        self.left -= 1
+        if self.store.get(self.task_id).status == LOADING:
+            self.store.start(self.task_id, attempt=self.attempt)
+        return self.store.emit(self.task_id, name, data, snapshot=snapshot, attempt=self.attempt)
+
+
+class LmspResumeKillPointTests(ServerTestCase):
+    """on_restart resume, killed after each single event of a run: no event is repeated or lost.
+
+    The torture above kills at random moments; this kills deterministically
+    between every two consecutive events of the demo backend, including
+    between ``output_item.added`` and ``content_part.added`` and between the
+    three ``.done`` events, then restarts on the file.
+    """
+
+    STRUCTURAL = ("response.output_item.added", "response.content_part.added",
+                  "response.output_text.done", "response.content_part.done",
+                  "response.output_item.done")
+
+    def test_a_resume_after_a_kill_at_every_event_streams_each_event_once(self):
+        text = "one two three"
+        total = len(self.STRUCTURAL) + len(demo_chunks(text))
+        for commits in range(total + 1):
+            with self.subTest(killed_after=commits):
+                self.db = os.path.join(self.dir, f"kill{commits}.db")
+                store = TaskStore(self.db)
+                task = store.create("response", {"model": "m", "input": text}, policy="resume",
+                                    meta={"response_id": new_id("resp", 0)})
+                claimed = store._claim("proc_gone", ("response",), ("response",))
+                ctx = _DyingContext(store, claimed, commits)
+                out = ResponseOutput(ctx, True)
+                try:                                       # what response_handler does
+                    info = DemoBackend(delay=0)({"model": "m", "input": text}, out)
+                    out.finish(info["usage"])              # (killed before the final status)
+                except _Killed:
+                    pass
+                self.assertEqual(ctx.left, 0)
+                store.close()
+                client = self.start_server()               # opening applies resume
+                events = client.events(task.id)
+                names = [e["event"] for e in events]
+                self.assertEqual([int(e["id"]) for e in events], list(range(len(events))))
+                for name in self.STRUCTURAL:
+                    self.assertEqual(names.count(name), 1, f"{name} in {names}")
+                self.assertEqual(deltas(events), text)
+                self.assertEqual(names[-1], "response.completed")
+                response = client.task(task.id)["response"]
+                self.assertEqual(response["output"][0]["content"][0]["text"], text)
+
+
+# ---------------------------------------------------------------------------
+# 2. Fuzzing
+# ---------------------------------------------------------------------------
+
+class HttpFuzzer:
+    """A seeded generator of malformed LMSP requests: ``next()`` -> (label, bytes, mode, head).
+
+    *mode* ``keep``: the request is well framed, so it may share a keep-alive
+    connection; ``fresh``: it goes alone on a new connection that is
+    half-closed after it, and every answer up to the end is read.
+    """
+
+    WRONG_VALUES = (None, True, False, 0, -1, 2**63, 1.5, -0.0, "", "x", "response", "retry",
+                    [], [1], [[]], {}, {"a": 1}, {"type": "message"}, "\u0000", "\U0001f600")
+    FIELDS = ("type", "input", "on_restart", "input.model", "input.input", "input.stream",
+              "input.max_output_tokens", "input.metadata", "input.metadata.demo_fail_after",
+              "input.instructions", "input.input.0", "input.input.0.type", "input.input.0.role",
+              "input.input.0.content", "input.input.0.content.0", "input.input.0.content.0.text",
+              "input.input.0.content.0.type")
+    BAD_IDS = ("..", ".", "..%2F..%2Fetc%2Fpasswd", "%2e%2e%2f", "task_..%2f..%2f",
+               "%0d%0aSet-Cookie:%20x=1", "%0D%0A%0D%0AHTTP/1.1%20200%20OK", "%00", "%",
+               "%zz", "%ff%fe", "task_", "task_" + "A" * 35, "task_" + "A" * 37,
+               "task_" + "a" * 36, "TASK_" + "A" * 36, "resp_" + "A" * 36, "task_" + "I" * 36,
+               "task_" + "A" * 36, "x" * 5000, "task_" + "A" * 36 + "%00", "\u00e9",
+               "'%20OR%20'1'='1", "%22%3E%3Cscript%3E", ";", "task_%41" + "A" * 34, "~", "*")
+
+    def __init__(self, rng, token, task_id, max_body):
+        self.rng, self.token, self.task_id, self.max_body = rng, token.encode(), task_id, max_body
+        self.type_case = 0
+        self.kinds = [(self.json_body, 18), (self.nesting, 5), (self.huge, 5),
+                      (self.wrong_types, 18), (self.routes, 10), (self.ids, 10),
+                      (self.queries, 9), (self.framing, 9), (self.headers, 11),
+                      (self.oversize, 2), (self.request_line, 3)]
+
+    def next(self):
+        make = self.rng.choices([k for k, _ in self.kinds], [w for _, w in self.kinds])[0]
+        return make()
+
+    # -- building blocks --
+
+    def request(self, method=b"GET", target=b"/healthz", headers=(), body=None, auth=None,
+                version=b"HTTP/1.1", length=True):
+        lines = [method + b" " + target + b" " + version, b"Host: fuzz"]
+        if auth is None:
+            auth = self.rng.random() < 0.9
+        if auth:
+            lines.append(b"Authorization: Bearer " + self.token)
+        lines += [name + b": " + value for name, value in headers]
+        if body is not None and length:
+            lines.append(b"Content-Length: %d" % len(body))
+        return b"\r\n".join(lines) + b"\r\n\r\n" + (body or b"")
+
+    def create(self, body, headers=()):
+        if not isinstance(body, bytes):
+            body = json.dumps(body).encode()
+        headers = [(b"Content-Type", b"application/json"), *headers]
+        return self.request(b"POST", b"/lmsp/v1/tasks", headers, body)
+
+    def valid_body(self):
+        return {"type": "response", "on_restart": self.rng.choice(POLICIES),
+                "input": {"model": "m", "max_output_tokens": 3, "metadata": {},
+                          "input": [{"type": "message", "role": "user", "content": [
+                              {"type": "input_text", "text": "fuzz me"}]}]}}
+
+    # -- the kinds of malformed input --
+
+    def json_body(self):
+        rng = self.rng
+        good = json.dumps(self.valid_body()).encode()
+        choice = rng.randrange(12)
+        if choice == 0:
+            body = good[:rng.randrange(len(good))]                      # truncated
+        elif choice == 1:
+            body = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+        elif choice == 2:
+            i = rng.randrange(len(good))
+            body = good[:i] + bytes([rng.randrange(256)]) + good[i + 1:]  # one byte flipped
+        elif choice == 3:
+            bad = rng.choice([b"\xff", b"\xc3\x28", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf8\x88",
+                              b"\xe2\x82", b"\x80"])
+            body = good.replace(b"fuzz me", b"fuzz" + bad + b"me")      # invalid UTF-8
+        elif choice == 4:
+            body = good.replace(b'"fuzz me"', rng.choice(
+                [b"NaN", b"Infinity", b"-Infinity", b'"\\ud800"', b'"\\udfff x"', b'"\\u12"',
+                 b'"\\x41"', b"'single'", b'"tab\there"', b"undefined", b"0x10", b"01"]))
+        elif choice == 5:
+            body = good + rng.choice([b"garbage", b"}", b"{}", b"\x00", b" ,"])
+        elif choice == 6:
+            body = rng.choice([b"", b"null", b"true", b"1", b'"s"', b"[]", b"{}", b" ", b"\n"])
+        elif choice == 7:
+            body = b"\xef\xbb\xbf" + good                               # a BOM
+        elif choice == 8:
+            body = good.decode().encode(rng.choice(["utf-16", "utf-32", "latin-1"]))
+        elif choice == 9:
+            body = b'{"type":"response","type":"x",' + good[1:]           # duplicate keys
+        elif choice == 10:
+            body = good.replace(b'"fuzz me"', b'"' + "\u00e9\u4e2d\U0001f600".encode() + b'"')
+        else:
+            body = good.replace(b"{", b"{" + b" " * rng.randrange(1, 2000), 1)
+        return "json", self.create(body), "keep", False
+
+    def nesting(self):
+        rng = self.rng
+        depth = rng.choice([63, 64, 65, 100, 999, 1000, 5000, 100000])
+        shape = rng.randrange(4)
+        if shape == 0:
+            body = b"[" * depth + b"]" * depth
+        elif shape == 1:
+            body = b'{"a":' * depth + b"1" + b"}" * depth
+        elif shape == 2:
+            body = b"[" * depth                                         # never closed
+        else:
+            inner = b"[" * depth + b"1" + b"]" * depth
+            body = (b'{"type":"response","input":{"model":"m","input":"x","metadata":{"deep":'
+                    + inner + b"}}}")
+        if len(body) > self.max_body:
+            body = body[:self.max_body]
+        return "nesting", self.create(body), "keep", False
+
+    def huge(self):
+        rng = self.rng
+        body = self.valid_body()
+        choice = rng.randrange(8)
+        if choice == 0:
+            raw = json.dumps(body).replace('"max_output_tokens": 3',
+                                           '"max_output_tokens": ' + "9" * rng.choice([20, 4300, 5000, 100000]))
+            return "huge", self.create(raw.encode()[:self.max_body]), "keep", False
+        if choice == 1:
+            raw = json.dumps(body).replace('"max_output_tokens": 3', '"max_output_tokens": ' +
+                                           rng.choice(["1e400", "-1e400", "1e-400", "1" + "0" * 400 + ".5",
+                                                       "-" + "9" * 30, "1E+9999999999"]))
+            return "huge", self.create(raw.encode()), "keep", False
+        if choice == 2:
+            body["type"] = "x" * rng.choice([1000, 100000])
+        elif choice == 3:
+            body["on_restart"] = "r" * 100000
+        elif choice == 4:
+            body["input"]["metadata"] = {"demo_fail_after": "9" * rng.choice([9, 10, 1000])}
+        elif choice == 5:
+            body["input"]["metadata"] = {"k" * 1000: "v" * 10000, "n": 2**64}
+        elif choice == 6:
+            body["input"]["max_output_tokens"] = -(2**70)
+        else:
+            body["input"]["input"][0]["content"][0]["text"] = "w" * rng.choice([10, 10000])
+        return "huge", self.create(body), "keep", False
+
+    def wrong_types(self):
+        fields, values = self.FIELDS, self.WRONG_VALUES
+        field = fields[self.type_case % len(fields)]
+        value = values[(self.type_case // len(fields)) % len(values)]
+        self.type_case += 1
+        body = self.valid_body()
+        parts = field.split(".")
+        target = body
+        for part in parts[:-1]:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        last = parts[-1]
+        if isinstance(target, list):
+            target[int(last)] = value
+        else:
+            target[last] = value
+        return "types", self.create(body), "keep", False
+
+    def routes(self):
+        rng = self.rng
+        method = rng.choice([b"GET", b"POST", b"PUT", b"DELETE", b"PATCH", b"HEAD", b"OPTIONS",
+                             b"TRACE", b"FOO", b"get", b"POSTX", b"M-SEARCH", b"\xc3\x89T"])
+        path = rng.choice([b"/", b"/lmsp", b"/lmsp/", b"/lmsp/v1", b"/lmsp/v1/", b"/lmsp/v1/tasks/",
+                           b"/lmsp/v1/tasks//cancel", b"/lmsp/v1/tasks//events", b"/lmsp/v2/tasks",
+                           b"/healthz/", b"//lmsp/v1/tasks", b"/LMSP/V1/TASKS", b"/lmsp/v1/capabilities/",
+                           b"/lmsp/v1/tasks/x/events/extra", b"/lmsp/v1/tasks/x/cancel/",
+                           b"/lmsp/v1/tasks?", b"/lmsp/v1/tasks#frag", b"http://fuzz/lmsp/v1/tasks",
+                           b"*", b"/healthz", b"/lmsp/v1/capabilities", b"/lmsp/v1/tasks",
+                           b"/lmsp/v1/tasks/%s" % self.task_id.encode(),
+                           b"/lmsp/v1/tasks/%s/cancel" % self.task_id.encode(),
+                           b"/lmsp/v1/tasks/%s/events" % self.task_id.encode(),
+                           b"/lmsp/%2e%2e/healthz", b"/lmsp/v1/../v1/tasks"])
+        body = rng.choice([None, b"", b"{}"])
+        if method == b"POST" and path.endswith(b"/lmsp/v1/tasks"):
+            body = b"{}"
+        return "routes", self.request(method, path, body=body), "keep", method == b"HEAD"
+
+    def ids(self):
+        rng = self.rng
+        task_id = rng.choice(self.BAD_IDS).encode()
+        method, suffix = rng.choice([(b"GET", b""), (b"HEAD", b""), (b"POST", b"/cancel"),
+                                     (b"GET", b"/events")])
+        return "ids", self.request(method, b"/lmsp/v1/tasks/" + task_id + suffix), "keep", \
+            method == b"HEAD"
+
+    def queries(self):
+        rng = self.rng
+        pieces = []
+        for _ in range(rng.randrange(1, 4)):
+            name = rng.choice([b"status", b"limit", b"after", b"", b"x", b"limit", b"%00"])
+            value = rng.choice([b"", b"0", b"1", b"100", b"101", b"-1", b"1e2", b"0x10", b"+5",
+                                b"%20%35", b"9" * 30, b"%d9%a3", b"queued", b"QUEUED", b"running",
+                                b"input_required", b"%ff", b"%00", b"%", b"%%", b"a" * 300,
+                                b"eyJ2IjoxLCJiZWZvcmUiOiJ4In0", b"eyJ2IjoyfQ", b"W10", b"MQ",
+                                b"bnVsbA", b"e30", b"_-_-", b"====", b"\xc3\xa9"])
+            pieces.append(name + rng.choice([b"=", b"", b"=="]) + value)
+        query = rng.choice([b"&", b";", b"&&"]).join(pieces)
+        if rng.random() < 0.5:
+            target = b"/lmsp/v1/tasks?" + query
+        else:
+            target = b"/lmsp/v1/tasks/%s/events?%s" % (self.task_id.encode(), query)
+        return "queries", self.request(b"GET", target), "keep", False
+
+    def framing(self):
+        rng = self.rng
+        good = json.dumps(self.valid_body()).encode()
+        head = (b"POST /lmsp/v1/tasks HTTP/1.1\r\nHost: fuzz\r\nAuthorization: Bearer " +
+                self.token + b"\r\nContent-Type: application/json\r\n")
+        choice = rng.randrange(10)
+        if choice == 0:
+            data = head + b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n" % len(good) + good
+        elif choice == 1:
+            chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(good), good)
+            data = head + b"Transfer-Encoding: chunked\r\n\r\n" + chunked
+        elif choice == 2:
+            data = head + b"Content-Length: 5\r\nContent-Length: %d\r\n\r\n" % len(good) + good
+        elif choice == 3:
+            data = head + b"Content-Length: %d\r\n\r\n" % (len(good) + rng.randrange(1, 500)) + good
+        elif choice == 4:
+            data = head + b"Content-Length: %d\r\n\r\n" % rng.randrange(len(good)) + good
+        elif choice == 5:
+            value = rng.choice([b"+5", b"-1", b"0x10", b"5 5", b"", b"1e3", b"9" * 16, b"\xd9\xa3",
+                                b" %d " % len(good), b"%d, %d" % (len(good), len(good))])
+            data = head + b"Content-Length: " + value + b"\r\n\r\n" + good
+        elif choice == 6:
+            data = (b"GET /lmsp/v1/tasks HTTP/1.1\r\nHost: fuzz\r\nAuthorization: Bearer " +
+                    self.token + b"\r\nContent-Length: %d\r\n\r\n" % len(good) + good)
+        elif choice == 7:
+            data = (b"GET /healthz HTTP/1.1\r\nHost: fuzz\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"5\r\nhello\r\n0\r\n\r\n")
+        elif choice == 8:
+            data = head + b"Transfer-Encoding: gzip, chunked\r\nContent-Length: 3\r\n\r\nabc"
+        else:
+            data = head + b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(good) + good
+        return "framing", data, "fresh", False
+
+    def headers(self):
+        rng = self.rng
+        choice = rng.randrange(6)
+        if choice == 0:
+            key = rng.choice([b"", b" ", b'"', b'"abc', b'abc"', b'"a\\"b"', b"a b", b"x" * 256,
+                              b"x" * 255, b"\x01", b"\xe9", b'"\\z"', b"\t", b"k\x7f", b'""'])
+            extra = [(b"Idempotency-Key", key)]
+            if rng.random() < 0.2:
+                extra.append((b"Idempotency-Key", b"second"))
+            return "headers", self.create(self.valid_body(), extra), "keep", False
+        if choice == 1:
+            value = rng.choice([b"-1", b"1e3", b"9" * 30, b"abc", b" 1 ", b"\t", b"0", b"\xd9\xa3",
+                                b"1,2", b"999999", b"1.0", b"0x0", b"\xff"])
+            target = b"/lmsp/v1/tasks/%s/events" % self.task_id.encode()
+            if rng.random() < 0.3:
+                target += b"?after=" + rng.choice([b"0", b"x", b"-5"])
+            return "headers", self.request(b"GET", target, [(b"Last-Event-ID", value)]), \
+                "keep", False
+        if choice == 2:
+            value = rng.choice([b"", b"Bearer", b"Bearer ", b"bearer " + self.token,
+                                b"Basic " + self.token, b"Bearer " + self.token + b"x",
+                                self.token, b"Bearer  " + self.token + b" ", b"Bearer \xff",
+                                b"Bearer " + b"t" * 8000, b"Bearer " + self.token[:-1],
+                                b"Bearer " + self.token + b"\x00"])
+            target = rng.choice([b"/lmsp/v1/tasks", b"/lmsp/v1/capabilities", b"/lmsp/v1/nowhere",
+                                 b"/lmsp/v1/tasks/%s" % self.task_id.encode()])
+            return "headers", self.request(b"GET", target, [(b"Authorization", value)], auth=False), \
+                "keep", False
+        if choice == 3:
+            kind = rng.choice([b"text/plain", b"", b"application/json; charset=latin-1",
+                               b"application/jsonx", b"APPLICATION/JSON", b"multipart/form-data",
+                               b";", b"application/problem+json", b"\xff/\xff"])
+            body = json.dumps(self.valid_body()).encode()
+            return "headers", self.request(b"POST", b"/lmsp/v1/tasks", [(b"Content-Type", kind)],
+                                           body), "keep", False
+        if choice == 4:
+            many = [(b"X-H%d" % i, b"v") for i in range(rng.choice([50, 99, 101, 300]))]
+            return "headers", self.request(b"GET", b"/healthz", many), "fresh", False
+        garbage = rng.choice([b"NoColonHere", b" folded: value", b"\tcontinued", b"X Y: z",
+                              b": empty-name", b"X-\x00: nul", b"X-Long: " + b"l" * 70000,
+                              b"\xff\xfe: bytes", b"Host: second"])
+        data = self.request(b"GET", b"/lmsp/v1/tasks")[:-2] + garbage + b"\r\n\r\n"
+        return "headers", data, "fresh", False
+
+    def oversize(self):
+        rng = self.rng
+        length = rng.choice([self.max_body + 1, self.max_body * 4, 10**12, 10**15 - 1])
+        data = (b"POST /lmsp/v1/tasks HTTP/1.1\r\nHost: fuzz\r\nAuthorization: Bearer " + self.token
+                + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{" % length)
+        return "oversize", data, "fresh", False
+
+    def request_line(self):
+        rng = self.rng
+        line = rng.choice([b"GET / HTTP/1.1 extra", b"GET / HTTP/2.0", b"GET / HTTP/1", b"GET / FTP/1.0",
+                           b"GET  /healthz  HTTP/1.1", b"GET /healthz HTTP/1.0", b"", b"\x00\x01\x02",
+                           b"GET", b"/healthz HTTP/1.1", b"GET /healthz HTTP/1.1\x00",
+                           b"GET /" + b"a" * 70000 + b" HTTP/1.1", b"GET /healthz http/1.1",
+                           b"PRI * HTTP/2.0", b"\x16\x03\x01\x02\x00\x01\x00",
+                           bytes(rng.randrange(256) for _ in range(40))])
+        if rng.random() < 0.15:
+            return "line", b"GET /healthz\r\n", "fresh", False       # HTTP/0.9: refused
+        return "line", line + b"\r\nHost: fuzz\r\n\r\n", "fresh", False
+
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+class LmspFuzzTests(unittest.TestCase):
+    """10,000 seeded malformed requests against one server process.
+
+    The server never dies, never answers 500, never leaks a traceback or
+    SQL, always answers a well-formed HTTP/1.1 response with a problem+json
+    body for errors, and answers normal requests correctly every 250 inputs
+    and at the end.  Replay: TASKSTORE_FUZZ_SEED=N.
+    """
+
+    TOKEN = "fuzz-token-7f3a9c01"
+    MAX_BODY = 256 * 1024
+
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.db = os.path.join(tmp.name, "fuzz.db")
+
+    def check_healthy(self, server, client, count):
+        self.assertIsNone(server.proc.poll(), f"the server died after {count} inputs")
+        status, _, body = client.request("GET", "/healthz")
+        self.assertEqual((status, body), (200, {"status": "ok"}))
+        if count % 1000 == 0:
+            task = client.create(create_body("still fine"))
+            status, _, again = client.request("GET", f"/lmsp/v1/tasks/{task['id']}")
+            self.assertEqual((status, again["id"]), (200, task["id"]))
+
+    def run_case(self, case, state):
+        label, data, mode, head = case
+        context = f"input {state['count']} ({label}): {data[:200]!r}"
+        if mode == "keep":
+            if state["conn"] is None:
+                state["conn"] = RawHttp(*state["address"])
+            conn = state["conn"]
+            conn.send(data)
+            answer = conn.read_response(head)
+            self.assertIsNotNone(answer, f"no answer to a well-framed request: {context}")
+            check_wire_answer(self, answer, context)
+            if "close" in answer[1].get("connection", [""])[0].lower() or conn.eof:
+                conn.close()
+                state["conn"] = None
+            return
+        conn = RawHttp(*state["address"])
+        try:
+            conn.send(data, half_close=True)
+            for _ in range(10):
+                answer = conn.read_response(head)
+                if answer is None:
+                    break
+                check_wire_answer(self, answer, context)
+        finally:
+            conn.close()
+
+    def test_ten_thousand_malformed_requests_never_hurt_the_server(self):
+        seed = fault_seed("TASKSTORE_FUZZ_SEED", 5)
+        rng = _random.Random(seed)
+        server = ServerProcess(self, self.db, "--demo-delay", "0", "--workers", "2",
+                               "--token", f"fuzz={self.TOKEN}", "--max-body", str(self.MAX_BODY))
+        client = server.client
+        client.token = self.TOKEN
+        target = client.create(create_body("a finished task to aim at"))
+        client.events(target["id"])
+        fuzzer = HttpFuzzer(rng, self.TOKEN, target["id"], self.MAX_BODY)
+        state = {"count": 0, "conn": None, "address": (client.host, client.port)}
+        self.addCleanup(lambda: state["conn"] and state["conn"].close())
+        deadline = time.monotonic() + SOAK_S
+        labels = collections.Counter()
+        with replay_hint("TASKSTORE_FUZZ_SEED", seed, lambda: f"input {state['count']}"):
+            while state["count"] < FUZZ_INPUTS or time.monotonic() < deadline:
+                case = fuzzer.next()
+                labels[case[0]] += 1
+                self.run_case(case, state)
+                state["count"] += 1
+                if state["count"] % 250 == 0:
+                    self.check_healthy(server, client, state["count"])
+            self.check_healthy(server, client, 1000)
+        self.assertGreaterEqual(state["count"], FUZZ_INPUTS)
+        self.assertEqual(len(labels), len(fuzzer.kinds), labels)
+        server.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(server.proc.wait(timeout=TIMEOUT), 0)
+        server.reader.join(TIMEOUT)
+        log = "".join(_drain(server.lines))
+        for marker in ("Traceback", "ERROR", "internal error"):
+            self.assertNotIn(marker, log, log[-3000:])
+        if os.environ.get("TASKSTORE_TEST_STATS"):
+            print(f"\nfuzz: {state['count']} inputs {dict(labels)}", file=sys.stderr)
+
+
+
+# ---------------------------------------------------------------------------
+# 3. Resource limits
+# ---------------------------------------------------------------------------
+
+# A backend that never looks at its cancel event and never returns on its own,
+# registered through the Python API in a child running the real ``http``
+# command: argv is [dir of taskstore.py, http options...].
+DEAF_SERVER_SCRIPT = r"""
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+import taskstore
+
+class Deaf:
+    name, snapshots = "deaf", False
+
+    def __call__(self, request, out):
+        out.write("started ")
+        threading.Event().wait(3600)      # ignores out.cancelled on purpose
+
+taskstore.make_backend = lambda name, **kwargs: Deaf()
+sys.exit(taskstore.main(["http", *sys.argv[2:]]))
+"""
+
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+class LmspResourceLimitTests(ServerTestCase):
+    """Many connections, many streams, slow clients, deaf handlers, a full disk."""
+
+    def server_process(self, *args, script=None):
+        if script is None:
+            return ServerProcess(self, self.db, *args)
+        # ServerProcess runs taskstore.py; this one runs a script with the same contract.
+        server = ServerProcess.__new__(ServerProcess)
+        server.proc = subprocess.Popen(
+            [sys.executable, "-c", script, TASKSTORE_DIR, "--db", self.db, "--port", "0", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.addCleanup(server.cleanup)
+        server.lines = queue.Queue()
+        server.reader = threading.Thread(target=server._read, daemon=True)
+        server.reader.start()
+        line = server.lines.get(timeout=TIMEOUT)
+        match = re.fullmatch(r"taskstore: listening on http://(127\.0\.0\.1):(\d+)", line.strip())
+        self.assertTrue(match, line)
+        server.client = Client(match.group(1), int(match.group(2)))
+        return server
+
+    def test_500_concurrent_connections_are_all_answered_and_the_server_stays_healthy(self):
+        server = self.server_process("--demo-delay", "0", "--workers", "2")
+        client = server.client
+        task = client.create(create_body("target"))
+        count = 500
+        barrier = threading.Barrier(count + 1)
+        results = queue.Queue()
+        requests = [("GET", "/healthz", None), ("GET", f"/lmsp/v1/tasks/{task['id']}", None),
+                    ("GET", "/lmsp/v1/tasks?limit=5", None), ("GET", "/lmsp/v1/capabilities", None),
+                    ("POST", "/lmsp/v1/tasks", create_body("many at once")),
+                    ("GET", "/lmsp/v1/nowhere", None)]
+
+        def one(i):
+            method, path, body = requests[i % len(requests)]
+            conn = http.client.HTTPConnection(client.host, client.port, timeout=3 * TIMEOUT)
+            try:
+                try:
+                    conn.connect()
+                except OSError as exc:
+                    results.put(("refused", i, repr(exc)))
+                    barrier.wait(3 * TIMEOUT)
+                    return
+                barrier.wait(3 * TIMEOUT)        # every connection is open at once
+                data = None if body is None else json.dumps(body).encode()
+                conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                payload = resp.read()
+                results.put(("answered", i, resp.status, payload))
+            except Exception as exc:             # noqa: BLE001 -- reported below
+                results.put(("error", i, repr(exc)))
+            finally:
+                conn.close()
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        barrier.wait(3 * TIMEOUT)
+        for thread in threads:
+            thread.join(3 * TIMEOUT)
+        got = [results.get(timeout=TIMEOUT) for _ in range(count)]
+        errors = [r for r in got if r[0] == "error"]
+        self.assertEqual(errors, [], "a connection the server accepted got no clean answer")
+        answered = [r for r in got if r[0] == "answered"]
+        expected = {0: 200, 1: 200, 2: 200, 3: 200, 4: 202, 5: 404}
+        for _, i, status, payload in answered:
+            self.assertEqual(status, expected[i % len(requests)], payload[:300])
+        self.assertGreaterEqual(len(answered), count * 9 // 10, "most connections are served")
+        self.assertIsNone(server.proc.poll())
+        self.assertEqual(client.request("GET", "/healthz")[2], {"status": "ok"})
+        created = client.create(create_body("after the storm"))
+        self.assertEqual(deltas(client.events(created["id"])), "after the storm")
+        listed = client.request("GET", "/lmsp/v1/tasks?limit=100")[2]["data"]
+        creates = sum(1 for r in answered if r[1] % len(requests) == 4)
+        self.assertEqual(len(listed), min(100, creates + 2))
+
+    def test_100_streams_on_one_task_all_get_the_same_whole_stream(self):
+        chunks = tuple(f"w{i} " for i in range(20))
+        backend = StepBackend(chunks)
+        client = self.start_server(backend, workers=1)
+        task = client.create(create_body("hundred"))
+        backend.calls.get(timeout=TIMEOUT)           # the handler started: the task is loading
+        ready, results = queue.Queue(), queue.Queue()
+
+        def watch():
+            try:
+                with client.stream(task["id"]) as reader:
+                    first = reader.next_event()
+                    ready.put(first["event"])
+                    results.put([first] + reader.all())
+            except Exception as exc:                 # noqa: BLE001 -- reported below
+                ready.put(repr(exc))
+                results.put(repr(exc))
+
+        threads = [threading.Thread(target=watch, daemon=True) for _ in range(100)]
+        for thread in threads:
+            thread.start()
+        self.assertEqual([ready.get(timeout=TIMEOUT) for _ in threads],
+                         ["response.created"] * 100)   # all 100 are live before any output
+        for _ in range(len(chunks) + 1):
+            backend.allow.release()
+        streams = [results.get(timeout=3 * TIMEOUT) for _ in threads]
+        for thread in threads:
+            thread.join(TIMEOUT)
+        first = streams[0]
+        self.assertIsInstance(first, list, first)
+        for stream in streams:
+            self.assertEqual(stream, first)
+        self.assertEqual([int(e["id"]) for e in first], list(range(len(first))))
+        names = [e["event"] for e in first]
+        self.assertEqual(sum(n in FINAL_EVENTS for n in names), 1)
+        self.assertEqual(names[-1], "response.completed")
+        self.assertEqual(deltas(first), "".join(chunks))
+
+    def test_slow_clients_are_cut_at_the_request_timeout_and_others_are_served(self):
+        timeout = 2.0
+        server = self.server_process("--demo-delay", "0", "--request-timeout", str(timeout))
+        client = server.client
+        kinds = ["headers"] * 15 + ["body"] * 10 + ["idle"] * 5
+        slow = []
+        for kind in kinds:
+            sock = socket.create_connection((client.host, client.port), timeout=TIMEOUT)
+            self.addCleanup(sock.close)
+            if kind == "headers":
+                data = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 2000
+            elif kind == "body":
+                sock.sendall(b"POST /lmsp/v1/tasks HTTP/1.1\r\nHost: x\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: 2000\r\n\r\n")
+                data = b" " * 2000
+            else:
+                data = b""
+            slow.append({"sock": sock, "data": data, "start": time.monotonic(), "closed": None,
+                         "answer": b""})
+        served, stop = queue.Queue(), threading.Event()
+
+        def normal_traffic():
+            while not stop.is_set():
+                started = time.monotonic()
+                status, _, body = client.request("GET", "/healthz")
+                task = client.create(create_body("meanwhile"))
+                served.put((status, task["status"], time.monotonic() - started))
+
+        traffic = threading.Thread(target=normal_traffic, daemon=True)
+        traffic.start()
+        self.addCleanup(traffic.join, TIMEOUT)
+        self.addCleanup(stop.set)
+        deadline = time.monotonic() + timeout + TIMEOUT
+        while any(s["closed"] is None for s in slow):
+            self.assertLess(time.monotonic(), deadline, "a slow client was never cut")
+            open_socks = [s for s in slow if s["closed"] is None]
+            # The select timeout paces the trickle: about one byte per socket per 50 ms.
+            readable = select.select([s["sock"] for s in open_socks], [], [], 0.05)[0]
+            now = time.monotonic()
+            for s in open_socks:
+                if s["sock"] in readable:
+                    try:
+                        chunk = s["sock"].recv(4096)
+                    except OSError:
+                        chunk = b""
+                    s["answer"] += chunk
+                    if not chunk:
+                        s["closed"] = now
+                        continue
+                if s["data"]:
+                    try:
+                        s["sock"].send(s["data"][:1])
+                        s["data"] = s["data"][1:]
+                    except OSError:
+                        s["closed"] = now
+        stop.set()
+        traffic.join(TIMEOUT)
+        for s in slow:
+            held = s["closed"] - s["start"]
+            self.assertLess(held, timeout + 2.0, "a slow client held a thread past the timeout")
+            self.assertNotIn(b" 20", s["answer"][:12], "a slow request was served")
+        times = []
+        while not served.empty():
+            status, task_status, took = served.get_nowait()
+            self.assertEqual((status, task_status), (200, "queued"))
+            times.append(took)
+        self.assertGreaterEqual(len(times), 3, "normal clients were not served meanwhile")
+        self.assertLess(max(times), timeout * 0.75, "a normal client waited behind the slow ones")
+        self.assertIsNone(server.proc.poll())
+
+    def test_a_handler_that_ignores_cancel_is_cancelled_when_it_returns(self):
+        backend = StepBackend(("one ", "two ", "three"), ignore_cancel=True)
+        client = self.start_server(backend, workers=1)
+        task = client.create(create_body("deaf"))
+        backend.calls.get(timeout=TIMEOUT)
+        backend.allow.release()                          # out.start(): running
+        with client.stream(task["id"]) as reader:
+            reader.until(lambda e: e["event"] == "response.content_part.added")
+            started = time.monotonic()
+            status, _, obj = client.request("POST", f"/lmsp/v1/tasks/{task['id']}/cancel")
+            self.assertLess(time.monotonic() - started, 2.0, "cancel waited for the handler")
+            self.assertEqual((status, obj["status"]), (200, "cancelling"))
+            reader.until(lambda e: e["event"] == "response.cancelling")
+            self.assertEqual(client.task(task["id"])["status"], "cancelling")
+            for _ in range(3):
+                backend.allow.release()                  # the handler goes on, then returns
+            rest = reader.all()
+        self.assertEqual(self.wait_terminal(task["id"]).status, CANCELLED)
+        events = client.events(task["id"])
+        names = [e["event"] for e in events]
+        self.assertEqual([int(e["id"]) for e in events], list(range(len(events))))
+        self.assertEqual(sum(n in FINAL_EVENTS for n in names), 1)
+        self.assertEqual(names[-1], "response.cancelled")
+        self.assertEqual(rest[-1]["event"], "response.cancelled")
+        self.assertEqual(client.task(task["id"])["status"], "cancelled")
+
+    def test_sigterm_is_not_blocked_by_a_handler_that_never_returns(self):
+        server = self.server_process("--workers", "2", script=DEAF_SERVER_SCRIPT)
+        client = server.client
+        doomed = client.create(create_body("fail me", on_restart="fail"))
+        again = client.create(create_body("retry me", on_restart="retry"))
+        for task in (doomed, again):
+            with client.stream(task["id"]) as reader:
+                reader.until(lambda e: e["event"] == "response.output_text.delta")
+        started = time.monotonic()
+        status, _, obj = client.request("POST", f"/lmsp/v1/tasks/{doomed['id']}/cancel")
+        self.assertLess(time.monotonic() - started, 2.0, "cancel waited for the handler")
+        self.assertEqual((status, obj["status"]), (200, "cancelling"))
+        server.proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        # README: backends get 3 s to stop, then every task gets its policy; the exit follows.
+        self.assertEqual(server.proc.wait(timeout=3.0 + TIMEOUT), 0)
+        self.assertLess(time.monotonic() - started, 3.0 + 3.0, "shutdown waited too long")
+        store = TaskStore(self.db, recover_on_open=False)
+        self.addCleanup(store.close)
+        self.assertEqual(store.get(doomed["id"]).status, CANCELLED)
+        retried = store.get(again["id"])
+        self.assertEqual((retried.status, retried.attempt), (QUEUED, 2))
+        for task in (doomed, again):
+            seqs = [e.seq for e in store.events(task["id"])]
+            self.assertEqual(seqs, list(range(len(seqs))))
+
+    def test_a_full_store_gives_503_corrupts_nothing_and_works_again_with_room(self):
+        server = self.server_process("--demo-delay", "0", "--workers", "1",
+                                     "--max-db-bytes", str(192 * 1024))
+        client = server.client
+        acked, answer = [], None
+        for i in range(300):
+            text = f"fill{i} " + "x" * 6000
+            status, _, obj = client.request("POST", "/lmsp/v1/tasks", create_body(text))
+            if status != 202:
+                answer = (status, obj)
+                break
+            acked.append(obj["id"])
+        self.assertIsNotNone(answer, "the cap was never reached")
+        status, problem = answer
+        self.assertEqual((status, problem["code"]), (503, "service_unavailable"), problem)
+        self.assertIn("full", problem["detail"])
+        for marker in LEAK_MARKERS:
+            self.assertNotIn(marker.decode(), json.dumps(problem).lower())
+        self.assertGreater(len(acked), 2)
+        seen = {}
+        for task_id in acked:                        # reads still work, nothing lost
+            status, _, obj = client.request("GET", f"/lmsp/v1/tasks/{task_id}")
+            self.assertEqual(status, 200, obj)
+            seen[task_id] = obj
+        self.assertEqual(client.request("GET", "/healthz")[0], 200)
+        self.assertEqual(client.request("GET", "/lmsp/v1/tasks?limit=100")[0], 200)
+        server.proc.kill()
+        server.proc.wait(timeout=TIMEOUT)
+        conn = sqlite3.connect(self.db, timeout=TIMEOUT)
+        try:
+            self.assertEqual(conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
+            at_kill = dict(conn.execute("SELECT id, status FROM tasks"))
+        finally:
+            conn.close()
+        self.assertLessEqual(set(acked), set(at_kill))
+        # Room again: the same file with a larger cap.
+        client = self.server_process("--demo-delay", "0", "--max-db-bytes", str(8 << 20)).client
+        fresh = client.create(create_body("room again"))
+        self.assertEqual(deltas(client.events(fresh["id"])), "room again")
+        self.assertEqual(client.task(fresh["id"])["status"], "succeeded")
+        for task_id in acked:
+            events = client.events(task_id)          # every task ends now
+            self.assertEqual([int(e["id"]) for e in events], list(range(len(events))))
+            self.assertEqual(sum(e["event"] in FINAL_EVENTS for e in events), 1)
+            obj = client.task(task_id)
+            if seen[task_id]["status"] in ("succeeded", "failed", "cancelled"):
+                self.assertEqual(obj, seen[task_id], "a finished task changed")
+            elif at_kill[task_id] == QUEUED:
+                self.assertEqual(obj["status"], "succeeded")
+            elif at_kill[task_id] in (LOADING, RUNNING):  # stuck by the full disk: policy fail
+                self.assertEqual(obj["error"]["code"], "server_restarted")
+
+
+
+# ---------------------------------------------------------------------------
+# 4. Isolation and secrets
+# ---------------------------------------------------------------------------
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+class LmspIsolationTests(unittest.TestCase):
+    """Two principals on one server: nothing of one reaches the other; tokens never leak."""
+
+    ALICE, BOB = "alice-token-5b1e2d9c", "bob-token-0c7a4f13"
+
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.db = os.path.join(tmp.name, "isolation.db")
+        self.server = ServerProcess(self, self.db, "--demo-delay", "0", "--verbose",
+                                    "--token", f"alice={self.ALICE}", "--token", f"bob={self.BOB}")
+        base = self.server.client
+        self.alice = Client(base.host, base.port, token=self.ALICE)
+        self.bob = Client(base.host, base.port, token=self.BOB)
+        self.bodies = []          # every answer body, to search for tokens
+
+    def call(self, client, method, path, body=None, headers=None):
+        status, resp, payload = client.request(method, path, body, headers)
+        raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.bodies.append(raw + str(resp.getheaders()).encode())
+        return status, resp, payload
+
+    def assertNotFound(self, reply, task_id):
+        status, resp, body = reply
+        self.assertEqual((status, body["code"]), (404, "task_not_found"), body)
+        # Exactly what an id that never existed gets: existence is not revealed.
+        self.assertEqual(body["detail"], f"no task with id {task_id}")
+
+    def test_one_principal_never_reaches_anothers_task(self):
+        body = create_body("alice's secret work", on_restart="retry")
+        status, _, task = self.call(self.alice, "POST", "/lmsp/v1/tasks", body,
+                                    {"Idempotency-Key": "shared-key"})
+        self.assertEqual(status, 202)
+        slow = create_body(" ".join(f"w{i}" for i in range(5)))
+        alice_ids = [task["id"]] + [self.call(self.alice, "POST", "/lmsp/v1/tasks", slow)[2]["id"]
+                                    for _ in range(3)]
+        self.alice.events(task["id"])
+        task = self.alice.task(task["id"])
+        for task_id in alice_ids:
+            path = f"/lmsp/v1/tasks/{task_id}"
+            self.assertNotFound(self.call(self.bob, "GET", path), task_id)
+            self.assertEqual(self.call(self.bob, "HEAD", path)[0], 404)
+            self.assertNotFound(self.call(self.bob, "POST", path + "/cancel"), task_id)
+            self.assertNotFound(self.call(self.bob, "GET", path + "/events"), task_id)
+            self.assertNotFound(self.call(self.bob, "GET", path + "/events",
+                                          headers={"Last-Event-ID": "0"}), task_id)
+            self.assertNotFound(self.call(self.bob, "GET", path + "/events?after=0"), task_id)
+        for query in ("", "?limit=100", "?status=succeeded", "?status=queued", "?status=running"):
+            status, _, page = self.call(self.bob, "GET", "/lmsp/v1/tasks" + query)
+            self.assertEqual((status, page["data"]), (200, []), query)
+        # Bob's key space is his own: the same key makes Bob a new task, never a replay...
+        status, resp, mine = self.call(self.bob, "POST", "/lmsp/v1/tasks", body,
+                                       {"Idempotency-Key": "shared-key"})
+        self.assertEqual(status, 202)
+        self.assertNotEqual(mine["id"], task["id"])
+        self.assertIsNone(resp.getheader("Idempotent-Replayed"))
+        # ...and another body under that key is not a 422 that would reveal Alice's use of it.
+        self.assertEqual(self.call(self.alice, "POST", "/lmsp/v1/tasks", body,
+                                   {"Idempotency-Key": "another-of-alices"})[0], 202)
+        status, resp, theirs = self.call(self.bob, "POST", "/lmsp/v1/tasks",
+                                         create_body("something else"),
+                                         {"Idempotency-Key": "another-of-alices"})
+        self.assertEqual((status, resp.getheader("Idempotent-Replayed")), (202, None), theirs)
+        self.assertNotIn(theirs["id"], alice_ids)
+        # Alice still sees exactly her tasks, unchanged by Bob's attempts.
+        status, resp, again = self.call(self.alice, "POST", "/lmsp/v1/tasks", body,
+                                        {"Idempotency-Key": "shared-key"})
+        self.assertEqual((status, again["id"], resp.getheader("Idempotent-Replayed")),
+                         (202, task["id"], "true"))
+        self.assertEqual(self.alice.task(task["id"]), task)
+        listed = {t["id"] for t in self.call(self.alice, "GET", "/lmsp/v1/tasks?limit=100")[2]["data"]}
+        self.assertIn(task["id"], listed)
+        self.assertNotIn(mine["id"], listed)
+        self.assertNotFound(self.call(self.alice, "GET", f"/lmsp/v1/tasks/{mine['id']}"), mine["id"])
+        self.check_no_token_anywhere()
+
+    def test_wrong_tokens_are_401_on_every_route_and_never_echoed(self):
+        task = self.alice.create(create_body("guarded"))
+        near_misses = [self.ALICE + "x", self.ALICE[:-1], self.ALICE.upper(), "Basic " + self.ALICE,
+                       self.ALICE, "", "Bearer", f"Bearer {self.ALICE} {self.BOB}"]
+        routes = [("GET", "/lmsp/v1/tasks"), ("POST", "/lmsp/v1/tasks"),
+                  ("GET", f"/lmsp/v1/tasks/{task['id']}"),
+                  ("POST", f"/lmsp/v1/tasks/{task['id']}/cancel"),
+                  ("GET", f"/lmsp/v1/tasks/{task['id']}/events"), ("GET", "/lmsp/v1/capabilities"),
+                  ("GET", "/lmsp/v1/unknown")]
+        anonymous = Client(self.alice.host, self.alice.port)
+        for value in near_misses:
+            for method, path in routes:
+                header = value if value.startswith(("Basic", "Bearer")) or not value else \
+                    f"Bearer {value}"
+                if value == self.ALICE:
+                    header = f"Token {value}"          # right token, wrong scheme
+                body = create_body("x") if method == "POST" else None
+                status, resp, problem = self.call(anonymous, method, path, body,
+                                                  {"Authorization": header})
+                self.assertEqual((status, problem["code"]), (401, "unauthorized"), (header, path))
+                self.assertEqual(resp.getheader("WWW-Authenticate"), 'Bearer realm="lmsp"')
+        self.assertEqual(self.call(anonymous, "GET", "/healthz")[0], 200)
+        self.assertEqual(self.alice.task(task["id"])["id"], task["id"])
+        self.check_no_token_anywhere(extra=[self.ALICE + "x", self.ALICE[:-1], self.ALICE.upper()])
+
+    def test_wire_ids_carry_130_random_bits(self):
+        tasks = [self.alice.create(create_body("id")) for _ in range(64)]
+        randoms = set()
+        for task in tasks:
+            self.assertRegex(task["id"], WIRE_ID_RE)
+            self.assertTrue(task["id"].startswith("task_"))
+            self.assertRegex(task["response_id"], WIRE_ID_RE)
+            self.assertTrue(task["response_id"].startswith("resp_"))
+            # 10 characters of time, then 26 random Crockford characters = 130 bits.
+            randoms.add(task["id"][-26:])
+        self.assertEqual(len(randoms), len(tasks))
+        # The random part is not a counter: consecutive ids differ in many characters.
+        diffs = [sum(a != b for a, b in zip(x, y)) for x, y in zip(sorted(randoms), sorted(randoms)[1:])]
+        self.assertGreater(min(diffs), 10)
+        self.check_no_token_anywhere()
+
+    def check_no_token_anywhere(self, extra=()):
+        self.server.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(self.server.proc.wait(timeout=TIMEOUT), 0)
+        self.server.reader.join(TIMEOUT)
+        log = "".join(_drain(self.server.lines))
+        self.assertIn('"POST /lmsp/v1/tasks HTTP/1.1" 202', log, "--verbose logs request lines")
+        for secret in (self.ALICE, self.BOB, *extra):
+            self.assertNotIn(secret, log, "a token reached the log")
+            for body in self.bodies:
+                self.assertNotIn(secret.encode(), body, "a token reached an answer")
+
+
+def _drain(lines):
+    """Every line now in a queue (ServerProcess.lines), without blocking."""
+    out = []
+    while True:
+        try:
+            out.append(lines.get_nowait())
+        except queue.Empty:
+            return out
+
+
 if __name__ == "__main__":
     unittest.main()
 
