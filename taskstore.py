@@ -233,7 +233,11 @@ def transition_table_markdown():
 # into them.
 
 class TaskStoreError(Exception):
-    """Base class of every error this module raises on purpose."""
+    """Base class of every error this module raises on purpose.
+
+    An instance may set ``jsonrpc_data`` (a dict): its keys are added to the
+    JSON-RPC error's ``data`` (MCP's -32021 and -32022 need that).
+    """
 
     code = "internal_error"
     http_status = 500
@@ -385,6 +389,7 @@ def to_jsonrpc_error(exc):
     data = {"type": info.code}
     if info.param is not None:
         data["param"] = info.param
+    data.update(getattr(info, "jsonrpc_data", None) or {})
     return {"code": info.jsonrpc_code, "message": message, "data": data}
 
 
@@ -521,6 +526,8 @@ def _storable(text, param):
 def _json_param(value, param):
     try:
         return _storable(dumps(value), param)
+    except RecursionError:
+        raise InvalidParams(f"{param} is nested too deeply", param=param) from None
     except (TypeError, ValueError) as exc:
         if isinstance(exc, InvalidParams):
             raise
@@ -594,11 +601,12 @@ def _decode_cursor(cursor):
     return before
 
 
-def _check_int(value, param, minimum=0, allow_none=True):
+def _check_int(value, param, minimum=0, allow_none=True, maximum=2**63 - 1):
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidParams(f"{param} must be an integer >= {minimum}", param=param)
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise InvalidParams(f"{param} must be an integer from {minimum} to {maximum}",
+                            param=param)
     return value
 
 
@@ -960,6 +968,8 @@ class TaskStore:
     def _get_locked(self, task_id, principal=None):
         if not isinstance(task_id, str):
             raise InvalidParams("task id must be a string", param="task_id")
+        if not task_id.isascii():
+            raise TaskNotFound(task_id.encode("utf-8", "backslashreplace").decode("ascii"))
         task = self._read_locked(task_id)
         if task is None or (principal is not None and task.principal != principal):
             if task is None and self._conn.execute(
@@ -1067,7 +1077,8 @@ class TaskStore:
     # -- creating and reading --------------------------------------------------
 
     def create(self, kind, payload=None, *, ttl_ms=None, retention_ms=None, policy="fail",
-               principal=None, meta=None, idempotency=None, prefix="task", status_message=None):
+               principal=None, meta=None, idempotency=None, prefix="task", status_message=None,
+               owner=None):
         """Create a queued task, persisted with its first event before this returns.
 
         Args:
@@ -1082,6 +1093,11 @@ class TaskStore:
             meta: a JSON object kept for the adapters (never shown raw).
             idempotency: ``(scope, key, fingerprint, expires_in_ms)``: the
                 same scope and key return the first task (``replayed=True``).
+            owner: a runner registration (``Runner.process_id``) that answers
+                for the task while it is still queued: if that process dies
+                first, recovery applies the policy (``fail``: failed with
+                ``CRASH_RECOVERY``) instead of leaving the task for anyone.
+                MCP uses it; by default a queued task belongs to no one.
 
         Raises:
             InvalidParams: a bad argument (``param`` names it).
@@ -1090,6 +1106,13 @@ class TaskStore:
         """
         _check_str(kind, "kind", allow_none=False, max_len=200)
         payload_json = _json_param(payload, "payload")
+        try:
+            # The Task we return carries its own copy, parsed here, at the
+            # caller's depth (a payload nested near the limit parses now or never).
+            payload = json.loads(payload_json)
+        except RecursionError:
+            raise InvalidParams("payload is nested too deeply", param="payload") from None
+        _check_str(owner, "owner", max_len=200)
         ttl_ms = _check_int(ttl_ms, "ttl_ms")
         retention_ms = _check_int(retention_ms, "retention_ms")
         if ttl_ms is not None and retention_ms is not None:
@@ -1116,10 +1139,10 @@ class TaskStore:
             _check_int(expires_in_ms, "idempotency expires_in_ms")
         return self._group_write(lambda notices: self._create_locked(
             notices, kind, payload, payload_json, ttl_ms, retention_ms, policy, principal, meta,
-            meta_json, idempotency, prefix, status_message))
+            meta_json, idempotency, prefix, status_message, owner))
 
     def _create_locked(self, notices, kind, payload, payload_json, ttl_ms, retention_ms, policy,
-                       principal, meta, meta_json, idempotency, prefix, status_message):
+                       principal, meta, meta_json, idempotency, prefix, status_message, owner):
         now = self._now_ms()
         if idempotency is not None:
             scope, key, fprint, expires_in_ms = idempotency
@@ -1136,10 +1159,10 @@ class TaskStore:
         task_id = self._next_id_locked(prefix, now)
         self._conn.execute(
             "INSERT INTO tasks (id, kind, status, payload, status_message, principal, policy, "
-            "ttl_ms, retention_ms, created_at, updated_at, meta) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "ttl_ms, retention_ms, created_at, updated_at, meta, owner) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (task_id, kind, QUEUED, payload_json, status_message, principal, policy,
-             ttl_ms, retention_ms, now, now, meta_json))
+             ttl_ms, retention_ms, now, now, meta_json, owner))
         self._conn.execute(
             "INSERT INTO events (task_id, seq, type, data, created_at) VALUES (?, 0, ?, ?, ?)",
             (task_id, "created", dumps({"kind": kind}), now))
@@ -1154,9 +1177,9 @@ class TaskStore:
         self._work.notify_all()
         notices.append((task_id, "created"))
         # Built here rather than read back: the row is exactly this.
-        return Task(task_id, kind, QUEUED, json.loads(payload_json), None, None, status_message,
+        return Task(task_id, kind, QUEUED, payload, None, None, status_message,
                     None, None, principal, policy, 1, ttl_ms, retention_ms, now, now, None, None,
-                    None, 0, 0, 0, {} if meta is None else json.loads(meta_json), None, None)
+                    owner, 0, 0, 0, {} if meta is None else json.loads(meta_json), None, None)
 
     def _group_write(self, body):
         """Run ``body(notices)`` in a transaction shared with other threads' writes.
@@ -1218,8 +1241,11 @@ class TaskStore:
         task_id = new_id(prefix, now)
         last = self._last_id
         if last is not None and last[0] == now and last[1].startswith(prefix + "_"):
-            number = int(last[1][-26:].translate(_FROM_CROCKFORD), 32) + 1
-            task_id = last[1][:-26] + _base32(number, 26)
+            # Count up by a random step of 64 bits or more, never by 1: one id
+            # must not give away its neighbours (MCP: ids are bearer tokens).
+            number = int(last[1][-26:].translate(_FROM_CROCKFORD), 32) + 2**64 + secrets.randbits(64)
+            if number < 2**130:
+                task_id = last[1][:-26] + _base32(number, 26)
         self._last_id = (now, task_id)
         return task_id
 
@@ -1555,14 +1581,15 @@ class TaskStore:
         ``RELEASE_BATCH`` tasks.  Returns how many tasks it moved.
         """
         _LIVE_PROCESS_IDS.discard(proc_id)
-        marks = ", ".join("?" * len(ACTIVE_STATES))
+        owned = (QUEUED, *ACTIVE_STATES)
+        marks = ", ".join("?" * len(owned))
         pick = (f"SELECT id FROM tasks WHERE owner = ? AND status IN ({marks}) "
                 f"LIMIT {RELEASE_BATCH}")
         moved = 0
         while True:
             now = self._now_ms()
             with self._writing() as notices:
-                ids = [r[0] for r in self._conn.execute(pick, (proc_id, *ACTIVE_STATES))]
+                ids = [r[0] for r in self._conn.execute(pick, (proc_id, *owned))]
                 if ids:
                     self._fill_batch_locked(ids)
                     moved += self._restart_batch_locked(notices, now, reason)
@@ -1600,6 +1627,17 @@ class TaskStore:
             moved += self._transition_set_locked(
                 notices, REQUEUE, now, active, (policy,), fields=fields,
                 message=f"requeued ({policy}): {reason}")
+        # Queued tasks whose creator vouched for them (create(owner=...)): a
+        # `fail` task fails now, as a started one would; the others simply
+        # stay queued for any runner.
+        queued = f"{in_batch} AND status = '{QUEUED}' AND policy = ?"
+        message = f"CRASH_RECOVERY: {reason} before it started"
+        error = {"code": "server_restarted", "message": message}
+        moved += self._transition_set_locked(
+            notices, FAIL, now, queued, ("fail",), error=error, message=message,
+            fields={"error": dumps(error), "status_message": message})
+        self._conn.execute(f"UPDATE tasks SET owner = NULL WHERE {in_batch} AND status = ?",
+                           (QUEUED,))
         return moved
 
     def _owner_dead(self, proc, now):
@@ -1631,9 +1669,10 @@ class TaskStore:
             try:
                 procs = {r[0]: r for r in conn.execute(
                     "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
+                owned = (QUEUED, *ACTIVE_STATES)
                 owners = {r[0] for r in conn.execute(
                     "SELECT DISTINCT owner FROM tasks WHERE owner IS NOT NULL AND status IN "
-                    f"({', '.join('?' * len(ACTIVE_STATES))})", ACTIVE_STATES)}
+                    f"({', '.join('?' * len(owned))})", owned)}
             finally:
                 conn.execute("COMMIT")
         moved = 0

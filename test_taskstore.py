@@ -231,6 +231,14 @@ class LifecycleTests(StoreTestCase):
         self.assertEqual(len(randoms), 2000)
         self.assertFalse(taskstore.is_task_id("task_../../etc/passwd"))
 
+    def test_ids_of_one_millisecond_do_not_give_each_other_away(self):
+        ids = [self.store.create("k").id for _ in range(50)]     # the fake clock stands still
+        self.assertEqual(ids, sorted(ids))
+        numbers = [int(i[-26:].translate(taskstore._FROM_CROCKFORD), 32) for i in ids]
+        steps = [b - a for a, b in zip(numbers, numbers[1:])]
+        self.assertTrue(all(step >= 2**64 for step in steps), min(steps))
+        self.assertEqual(len(set(steps)), len(steps))
+
     def test_get_of_unknown_id_raises_task_not_found(self):
         with self.assertRaises(taskstore.TaskNotFound) as cm:
             self.store.get("task_nope")
@@ -890,6 +898,29 @@ class RecoveryTests(OwnedTaskTestCase):
         with self.assertRaises(taskstore.InvalidTransition):
             self.store.emit(task_id, "x", attempt=1)
 
+    def test_a_dead_creators_queued_tasks_get_their_policy(self):
+        owner = self.dead_owner()
+        failing = self.store.create("nobody-runs-this", owner=owner)
+        retrying = self.store.create("nobody-runs-this", policy="retry", owner=owner)
+        ownerless = self.store.create("nobody-runs-this")
+        self.assertEqual(self.store.recover(), 1)
+        task = self.store.get(failing.id)
+        self.assertEqual((task.status, task.error["code"]), (FAILED, "server_restarted"))
+        self.assertTrue(task.status_message.startswith("CRASH_RECOVERY"))
+        self.assertIn("before it started", task.status_message)
+        task = self.store.get(retrying.id)
+        self.assertEqual((task.status, task.owner, task.attempt), (QUEUED, None, 1))
+        self.assertEqual(self.store.get(ownerless.id).status, QUEUED)
+        self.assertContiguous(failing.id)
+
+    def test_a_live_creators_queued_tasks_are_left_alone(self):
+        owner = self.store.register_process()
+        task = self.store.create("nobody-runs-this", owner=owner)
+        self.assertEqual(self.store.recover(), 0)
+        self.assertEqual(self.store.get(task.id).status, QUEUED)
+        self.store.release(owner, "the process running this task shut down")
+        self.assertEqual(self.store.get(task.id).status, FAILED)
+
     def test_a_retried_task_runs_again_with_a_new_attempt(self):
         owner = self.dead_owner()
         task_id = self.claimed("retry", owner)
@@ -1161,6 +1192,10 @@ class BadInputTests(StoreTestCase):
             (lambda: self.store.create("k", idempotency=("s", "k")), "idempotency"),
             (lambda: self.store.create("k", idempotency=("s", "", "f", None)), "idempotency key"),
             (lambda: self.store.get(5), "task_id"),
+            (lambda: self.store.create("k", ttl_ms=2**63), "ttl_ms"),
+            (lambda: self.store.list(limit=10**20), "limit"),
+            (lambda: self.store.create("k", owner=""), "owner"),
+            (lambda: self.store.create("k", status_message=7), "status_message"),
             (lambda: self.store.list(limit=0), "limit"),
             (lambda: self.store.list(status="done"), "status"),
             (lambda: self.store.events(task.id, after="1"), "after"),
@@ -1174,6 +1209,17 @@ class BadInputTests(StoreTestCase):
             with self.subTest(param=param), self.assertRaises(taskstore.InvalidParams) as cm:
                 call()
             self.assertEqual(cm.exception.param, param)
+
+    def test_values_sqlite_cannot_hold_are_client_errors(self):
+        with self.assertRaises(taskstore.TaskNotFound):
+            self.store.get("task_\ud800")
+        with self.assertRaises(taskstore.InvalidParams):
+            self.store.create("k\udc00")
+        deep = []
+        for _ in range(sys.getrecursionlimit() * 2):
+            deep = [deep]
+        with self.assertRaises(taskstore.InvalidParams):
+            self.store.create("k", deep)
 
     def test_sql_text_in_values_is_only_data(self):
         evil = "x'); DROP TABLE tasks; --"
