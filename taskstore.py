@@ -69,6 +69,8 @@ __all__ = [
     "McpServer", "McpTool", "ToolContext", "McpError", "ParseError", "InvalidRequest",
     "MethodNotFound", "add_demo_tools", "text_result", "mcp_task_to_wire", "check_arguments", "add_mcp_parser",
     "run_mcp", "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
+    "mcp_task_to_modern_wire", "mcp_jsonrpc_error", "MissingClientCapability",
+    "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
     # LMSP HTTP server (section 10)
     "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
@@ -2077,8 +2079,14 @@ class Runner:
             thread.join(max(0.0, deadline - time.monotonic()))
         self._stopped.set()
         self._maintenance.join(timeout)
-        with contextlib.suppress(StoreClosed):
+        try:
             self.store.release(self.process_id, "the process running this task shut down")
+        except StoreClosed:
+            pass
+        except StoreUnavailable as exc:
+            # A full disk: the registration stays, so the next process to
+            # open the file sees this one dead and applies the policies then.
+            logger.error("could not release this runner's tasks at shutdown: %s", exc)
 
     def __enter__(self):
         return self.start()
@@ -2240,13 +2248,21 @@ class Runner:
 # =============================================================================
 # 9. MCP server (stdio JSON-RPC)
 # =============================================================================
-# The MCP adapter: the 2025-11-25 tasks vocabulary and wire shapes, nothing
-# else.  Rules: no SQL and no store locking here; one function builds each
-# wire shape (mcp_task_to_wire, _create_task_result, _task_payload); errors
-# reach the client only through to_jsonrpc_error (or, for tasks/result, as
-# the error that to_jsonrpc_error produced when the task failed); the reader
-# thread never blocks on the store (every request runs on its own thread);
-# McpServer._send is the only writer of the output stream.
+# The MCP adapter, for both eras of MCP tasks over one store:
+#   2025-11-25 ("legacy"): the initialize handshake and the core tasks methods;
+#   2026-07-28 ("modern"): no handshake, every request carries its version and
+#     capabilities in params._meta, tasks are the io.modelcontextprotocol/tasks
+#     extension (SEP-2663).
+# The first request of a process picks its era (MCP-TASKS-EXTENSION.md section
+# 10, E1-E4) and the era is then locked.  One lifecycle, two wire projections:
+# mcp_task_to_wire (legacy Task) and mcp_task_to_modern_wire (modern
+# CreateTaskResult / DetailedTask) are the only producers of a task's wire
+# shape.  Rules: no SQL and no store locking here; errors reach the client only
+# through mcp_jsonrpc_error, i.e. to_jsonrpc_error plus the class's extra data
+# (or, for tasks/result, as the error stored when the task failed); the
+# reader thread never blocks on the store (every request runs on its own
+# thread); McpServer._send is the only writer of the output stream, and in the
+# modern era it never writes a request.
 
 MCP_PROTOCOL_VERSION = "2025-11-25"
 # Older revisions are served the way the 1.x SDK serves them: same
@@ -2260,10 +2276,22 @@ DEFAULT_MCP_TTL_MS = 3600 * 1000
 DEFAULT_MCP_POLL_INTERVAL_MS = 500
 DEFAULT_MCP_PAGE_SIZE = 50
 DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
+MAX_SAFE_INTEGER = 2**53 - 1            # the largest ttl granted when there is no cap
+MAX_JSON_DEPTH = 64                     # deeper messages are -32600: no recursion limit is near
 SHUTDOWN_GRACE_S = 1.0                  # running work gets this long at EOF/SIGTERM
 _MCP_TERMINAL = frozenset(("completed", "failed", "cancelled"))
 _UNSET = object()
 _NO_RESPONSE = object()                 # an inline call cancelled by the client gets no answer
+# The 2026-07-28 era (MCP-TASKS-EXTENSION.md).  The era is named by its version.
+MCP_MODERN_VERSION = "2026-07-28"
+MCP_MODERN_VERSIONS = (MCP_MODERN_VERSION,)      # versions served through the _meta envelope
+MCP_SUPPORTED_VERSIONS = (MCP_MODERN_VERSION, MCP_PROTOCOL_VERSION)   # server/discover, -32022
+TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
+META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+_LEGACY = MCP_PROTOCOL_VERSION          # era names: the version each era is named after
+_MODERN = MCP_MODERN_VERSION
 
 
 class ParseError(TaskStoreError):
@@ -2306,6 +2334,47 @@ class McpError(TaskStoreError):
         self.jsonrpc_code = jsonrpc_code
 
 
+class MissingClientCapability(TaskStoreError):
+    """2026-07-28: the request needs a client capability it did not declare (-32021).
+
+    ``jsonrpc_data`` (``requiredCapabilities``) goes into the error's ``data``.
+    """
+
+    code = "missing_required_client_capability"
+    http_status = 400
+    jsonrpc_code = -32021
+
+    def __init__(self, message="Missing required client capability", required=None):
+        super().__init__(message)
+        self.jsonrpc_data = {"requiredCapabilities":
+                             required or {"extensions": {TASKS_EXTENSION: {}}}}
+
+
+class UnsupportedProtocolVersion(TaskStoreError):
+    """A protocol version this server does not serve (-32022), naming those it does."""
+
+    code = "unsupported_protocol_version"
+    http_status = 400
+    jsonrpc_code = -32022
+
+    def __init__(self, requested, supported):
+        super().__init__(f"Unsupported protocol version: {requested!r}; "
+                         f"supported: {', '.join(supported)}")
+        self.jsonrpc_data = {"supported": list(supported), "requested": requested}
+
+
+def mcp_jsonrpc_error(exc):
+    """``to_jsonrpc_error`` plus the class's extra ``jsonrpc_data`` (-32021, -32022).
+
+    A shim until the core's mapping merges ``jsonrpc_data`` itself (CORE_REQUESTS.md).
+    """
+    error = to_jsonrpc_error(exc)
+    extra = getattr(exc, "jsonrpc_data", None) if isinstance(exc, TaskStoreError) else None
+    if extra:
+        error["data"] = {**error.get("data", {}), **extra}
+    return error
+
+
 class _StoredError(Exception):
     """Carries a JSON-RPC error object stored with a failed task, replayed as is."""
 
@@ -2331,6 +2400,51 @@ def mcp_task_to_wire(task, poll_interval_ms):
     message = task.status_message or (task.error or {}).get("message")
     if message:
         wire["statusMessage"] = message
+    return wire
+
+
+def mcp_task_to_modern_wire(task, poll_interval_ms, *, created=False):
+    """Return the 2026-07-28 projection of a stored task (tasks extension).
+
+    The only producer of the modern task shapes: the flat ``CreateTaskResult``
+    (*created*: ``resultType "task"``, no outcome) and the ``DetailedTask`` of
+    tasks/get (``resultType "complete"``, with ``result`` when completed,
+    ``error`` when failed, ``inputRequests`` when input_required).  Statuses
+    follow the extension, not 2025-11-25: a tool result (``isError`` included)
+    is ``completed``; only a JSON-RPC error (or a crash) is ``failed``.
+    """
+    status = mcp_status(task)
+    error = task.error or {}
+    if status == "failed" and isinstance(task.result, dict):
+        status = "completed"                # stored failed: the tool's own isError result
+    wire = {"resultType": "task" if created else "complete", "taskId": task.id,
+            "status": status, "createdAt": iso_time(task.created_at),
+            "lastUpdatedAt": iso_time(task.updated_at), "ttlMs": task.ttl_ms,
+            "pollIntervalMs": poll_interval_ms}
+    message = task.status_message or error.get("message")
+    if message:
+        wire["statusMessage"] = message
+    if created:
+        return wire
+    if status == "completed":
+        wire["result"] = dict(task.result)
+    elif status == "failed":
+        code = error.get("code")
+        if isinstance(code, int) and not isinstance(code, bool):
+            wire["error"] = dict(error)     # the JSON-RPC error the tool raised
+        else:                               # CRASH_RECOVERY and other store failures
+            wire["error"] = {"code": -32603, "message": message or "task failed"}
+    elif status == "input_required":
+        wire["inputRequests"] = {}
+        request = task.input_request
+        if isinstance(request, dict) and isinstance(request.get("method"), str):
+            params = dict(request.get("params") or {})
+            if request["method"] == "elicitation/create":
+                params.setdefault("mode", "form")
+            # Keys are minted when the question is stored (ToolContext.elicit);
+            # a row written before keys existed gets a fixed one.
+            wire["inputRequests"][request.get("key") or "input"] = {
+                "method": request["method"], "params": params}
     return wire
 
 
@@ -2437,6 +2551,32 @@ def _task_request(params):
     return None
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _json_problem(value, limit):
+    """Say what makes a decoded message unusable, or return None (walks it without recursion).
+
+    Deeper than *limit* levels, later code could hit the recursion limit; an
+    unpaired surrogate (``"\\ud800"``) cannot be encoded, stored or echoed.
+    """
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return "a string holds an unpaired surrogate"
+        elif isinstance(value, (dict, list)) and value:
+            if depth > limit:
+                return f"message nested deeper than {limit} levels"
+            if isinstance(value, dict):
+                stack.extend((key, depth) for key in value)
+                stack.extend((item, depth + 1) for item in value.values())
+            else:
+                stack.extend((item, depth + 1) for item in value)
+    return None
+
+
 def _message_kind(message):
     """Classify a decoded message as "request", "notification" or "response".
 
@@ -2513,11 +2653,13 @@ class McpTool(typing.NamedTuple):
     input_schema: dict
     task_support: str
 
-    def to_wire(self):
-        """Return the ``tools/list`` entry."""
-        return {"name": self.name, "description": self.description,
-                "inputSchema": self.input_schema,
-                "execution": {"taskSupport": self.task_support}}
+    def to_wire(self, era=_LEGACY):
+        """Return the ``tools/list`` entry (2026-07-28 has no ``execution``)."""
+        wire = {"name": self.name, "description": self.description,
+                "inputSchema": self.input_schema}
+        if era == _LEGACY:
+            wire["execution"] = {"taskSupport": self.task_support}
+        return wire
 
 
 class ToolContext:
@@ -2526,15 +2668,23 @@ class ToolContext:
     ``task_id`` is the task's id when the call runs as a task, None inline.
     ``cancelled`` is a ``threading.Event`` set when the task is cancelled (or
     the inline request is cancelled by ``notifications/cancelled``); long work
-    waits on it instead of sleeping, so it stops at once.
+    waits on it instead of sleeping, so it stops at once.  ``era`` is the MCP
+    version whose client made the call (``"2025-11-25"`` or ``"2026-07-28"``);
+    tools rarely need it: the same handler serves both eras.
     """
 
-    def __init__(self, server, *, task_ctx=None, progress_token=None):
+    def __init__(self, server, *, task_ctx=None, progress_token=None, era=_LEGACY,
+                 capabilities=None):
         self._server = server
         self._task_ctx = task_ctx
         self._progress_token = progress_token
         self.task_id = task_ctx.task_id if task_ctx is not None else None
         self.cancelled = task_ctx.cancelled if task_ctx is not None else threading.Event()
+        if task_ctx is not None:            # a task: what its creating request said
+            era = task_ctx.task.meta.get("era", _LEGACY)
+            capabilities = task_ctx.task.meta.get("capabilities")
+        self.era = era
+        self._capabilities = capabilities   # modern: the request's clientCapabilities
 
     def is_cancelled(self):
         """True once the work should stop."""
@@ -2561,36 +2711,63 @@ class ToolContext:
         "content": {...}}``.  As a task, the task is ``input_required`` until
         the answer arrives, then ``working`` again.
 
+        In the 2026-07-28 era the question is not sent: it waits in the store
+        and the client reads it from tasks/get ``inputRequests`` and answers
+        with tasks/update.  An inline call there cannot ask (no server-to-client
+        requests in that era).
+
         Raises:
             McpError: the client did not declare elicitation, or answered with an error.
             Cancelled: the task (or inline request) was cancelled while waiting.
         """
+        params = {"message": message, "requestedSchema": requested_schema}
+        if self.era == _MODERN:
+            if self._task_ctx is None:
+                raise McpError(-32601, "elicitation needs a task in MCP 2026-07-28: "
+                                       "declare the io.modelcontextprotocol/tasks extension")
+            if "elicitation" not in (self._capabilities or {}):
+                raise McpError(-32601, "the client does not support elicitation")
+            # The key is unique for the task's life: never reused after an answer.
+            answer = self._task_ctx.ask({"method": "elicitation/create", "params": params,
+                                         "key": f"elicit-{secrets.token_hex(8)}"})
+            return self._elicit_result(answer)
         if "elicitation" not in self._server.client_capabilities:
             raise McpError(-32601, "the client does not support elicitation")
         if self._task_ctx is not None and \
                 self._task_ctx.task.meta.get("session") != self._server._session:
             # Claimed from a file shared with another server: its client is not ours.
             raise McpError(-32603, "the client that created this task is not connected here")
-        params = {"message": message, "requestedSchema": requested_schema}
         if self._task_ctx is not None:
             answer = self._task_ctx.ask({"method": "elicitation/create", "params": params})
         else:
             answer = self._server._request("elicitation/create", params, self.cancelled)
+        return self._elicit_result(answer)
+
+    @staticmethod
+    def _elicit_result(answer):
+        if not isinstance(answer, dict):
+            raise McpError(-32603, "elicitation failed: no answer")
         if "error" in answer:
             error = answer["error"] if isinstance(answer["error"], dict) else {}
             raise McpError(error.get("code", -32603),
                            f"elicitation failed: {error.get('message', 'error')}")
-        return answer.get("result") or {}
+        result = answer.get("result")
+        return result if isinstance(result, dict) else {}
 
 
 class McpServer:
-    """An MCP server (revision 2025-11-25, with tasks) over a TaskStore.
+    """An MCP server over a TaskStore, for both eras of MCP tasks.
 
     Register tools with ``add_tool`` or the ``tool`` decorator, then call
     ``serve()``: it reads one JSON-RPC message per line from *infile* and
-    writes one per line to *outfile* until EOF or ``stop()``.  A task-augmented
-    ``tools/call`` becomes a store task (kind ``mcp.tools/call``) run by this
-    server's Runner; everything else is answered on a per-request thread.
+    writes one per line to *outfile* until EOF or ``stop()``.  The first
+    request picks the era for the whole process (``era``): ``initialize`` ->
+    2025-11-25 (core tasks: a task-augmented ``tools/call``); a request whose
+    ``params._meta`` names ``io.modelcontextprotocol/protocolVersion`` ->
+    2026-07-28 (the ``io.modelcontextprotocol/tasks`` extension: the server
+    makes a task of every non-forbidden tool call of a client that declares
+    it).  Either way a task is a store task (kind ``mcp.tools/call``) run by
+    this server's Runner; everything else is answered on a per-request thread.
 
     Example::
 
@@ -2623,6 +2800,7 @@ class McpServer:
         self.server_info = {"name": name, "version": version}
         self.shutdown_grace_s = shutdown_grace_s
         self.client_capabilities = {}
+        self.era = None                     # "2025-11-25" or "2026-07-28" once chosen
         self.tools = {}
         self.runner = Runner(store, {MCP_TASK_KIND: self._run_task}, workers=workers)
         # Tasks created by this server carry this id in their meta, so that
@@ -2637,7 +2815,6 @@ class McpServer:
         self._inline = {}                   # client request id -> ToolContext of an inline call
         self._sent = {}                     # task id -> (version, MCP status, progress) notified
         self._threads = set()
-        self._unfinished = set()            # ids of this session's tasks not yet terminal
         self._ids = itertools.count(1)
         # method -> fn(params, request_id) -> result
         self._methods = {
@@ -2653,6 +2830,19 @@ class McpServer:
         }
         if list_tasks:
             self._methods["tasks/list"] = self._tasks_list
+        # 2026-07-28: method -> fn(params, request_id, client_capabilities) -> result.
+        # Absent on purpose (-32601): tasks/result, tasks/list, tasks/status, ping.
+        self._modern_methods = {
+            "server/discover": self._discover,
+            "initialize": self._initialize_modern,
+            "tools/list": lambda params, _, caps: {
+                "tools": [t.to_wire(_MODERN) for t in self.tools.values()],
+                "ttlMs": 0, "cacheScope": "private"},
+            "tools/call": self._tools_call_modern,
+            "tasks/get": self._tasks_get_modern,
+            "tasks/update": self._tasks_update_modern,
+            "tasks/cancel": self._tasks_cancel_modern,
+        }
 
     # -- tool registration ---------------------------------------------------
 
@@ -2711,8 +2901,10 @@ class McpServer:
                 inline = list(self._inline.values())
             for ctx in inline:              # inline calls stop with the tasks
                 ctx.cancelled.set()
+            # Runner.stop releases this runner's tasks: started ones and the
+            # session's still-queued ones (created with owner=) get their
+            # policy, so none shows as working with nobody to run it.
             self.runner.stop(timeout=self.shutdown_grace_s)
-            self._fail_unstarted()
             deadline = time.monotonic() + 0.5
             with self._lock:
                 threads = list(self._threads)
@@ -2730,21 +2922,6 @@ class McpServer:
         thread may hold); ``serve()`` notices it within 0.1 s.
         """
         self._stop_requested = True
-
-    def _fail_unstarted(self):
-        # Runner.stop released what it had claimed; a task of this session
-        # still queued would otherwise show as working with nobody to run it
-        # for this client.  It fails the way a crash does.
-        with self._lock:
-            task_ids = sorted(self._unfinished)
-        for task_id in task_ids:
-            try:
-                if self.store.get(task_id).status == QUEUED:
-                    self.store.fail(task_id, {"code": "server_restarted", "message":
-                                              "CRASH_RECOVERY: the server shut down before "
-                                              "the task started"})
-            except TaskStoreError as exc:   # claimed or closed meanwhile
-                logger.debug("task %s left as it is: %s", task_id, exc)
 
     def _read_loop(self, infile):
         lines = _LineReader(infile, self.max_line_bytes)
@@ -2766,8 +2943,12 @@ class McpServer:
     def _dispatch_line(self, line):
         try:
             message = json.loads(line)
-        except ValueError:                  # includes bad UTF-8
+        except (ValueError, RecursionError):    # bad UTF-8; RecursionError: a nesting bomb
             self._reply(None, error=to_jsonrpc_error(ParseError("parse error: not JSON")))
+            return
+        problem = _json_problem(message, MAX_JSON_DEPTH)
+        if problem is not None:             # the id itself may be unusable: answer id null
+            self._reply(None, error=to_jsonrpc_error(InvalidRequest(problem)))
             return
         try:
             kind = _message_kind(message)
@@ -2787,15 +2968,20 @@ class McpServer:
         elif kind == "notification":
             self._notification(message)
         else:
-            thread = threading.Thread(target=self._run_request, args=(message,),
+            # The era is decided here, in arrival order, not on the request's thread.
+            try:
+                era = self._select_era(message)
+            except TaskStoreError as exc:
+                era = exc
+            thread = threading.Thread(target=self._run_request, args=(message, era),
                                       name="taskstore-mcp-request", daemon=True)
             with self._lock:
                 self._threads.add(thread)
             thread.start()
 
-    def _run_request(self, message):
+    def _run_request(self, message, era=_UNSET):
         try:
-            response = self.handle_request(message)
+            response = self.handle_request(message, era)
             if response is not None:
                 self._send(response)
         finally:
@@ -2856,13 +3042,24 @@ class McpServer:
 
     # -- dispatch (sans-IO) --------------------------------------------------
 
-    def handle_request(self, message):
+    def handle_request(self, message, era=_UNSET):
         """Answer one decoded JSON-RPC request; return the response (None: no answer).
 
         Blocks while the method does (``tasks/result``, inline tool calls).
+        *era* is what ``_select_era`` said for this message (computed here when
+        not given).
         """
         msg_id = message.get("id")
         try:
+            if era is _UNSET:
+                era = self._select_era(message)
+            if isinstance(era, Exception):
+                raise era
+            if era == _MODERN:
+                result = self._handle_modern(message)
+                if result is _NO_RESPONSE:
+                    return None
+                return {"jsonrpc": "2.0", "id": msg_id, "result": result}
             method = self._methods.get(message.get("method"))
             if method is None:
                 raise MethodNotFound(f"method not found: {message.get('method')}")
@@ -2877,17 +3074,185 @@ class McpServer:
         except Exception as exc:
             if not isinstance(exc, TaskStoreError):
                 logger.exception("internal error in %s", message.get("method"))
-            return {"jsonrpc": "2.0", "id": msg_id, "error": to_jsonrpc_error(exc)}
+            return {"jsonrpc": "2.0", "id": msg_id, "error": mcp_jsonrpc_error(exc)}
         if result is _NO_RESPONSE:
             return None
         return {"jsonrpc": "2.0", "id": msg_id, "result": result}
+
+    def _select_era(self, message):
+        """Return the era that serves *message*, locking the process's era (E1-E4).
+
+        ``initialize`` locks 2025-11-25; a request carrying the 2026-07-28
+        envelope (``params._meta`` with a served protocolVersion) locks
+        2026-07-28.  Anything else before either is served as 2025-11-25 was
+        before this server knew two eras, without locking.  An envelope naming
+        a version not served is -32022 and locks nothing, so the client may
+        still retry or fall back to ``initialize``.
+
+        Raises:
+            UnsupportedProtocolVersion: -32022 (also ``initialize`` once modern).
+            InvalidRequest: -32600, an envelope after ``initialize`` or a
+                request without one once modern.
+        """
+        params = message.get("params")
+        meta = params.get("_meta") if isinstance(params, dict) else None
+        enveloped = isinstance(meta, dict) and META_PROTOCOL_VERSION in meta
+        with self._lock:
+            if enveloped:
+                if self.era == _LEGACY:
+                    raise InvalidRequest("this connection began with initialize (MCP "
+                                         "2025-11-25): params._meta must not carry "
+                                         f"{META_PROTOCOL_VERSION}")
+                version = meta[META_PROTOCOL_VERSION]
+                if version not in MCP_MODERN_VERSIONS:
+                    raise UnsupportedProtocolVersion(
+                        version, MCP_MODERN_VERSIONS if self.era == _MODERN
+                        else MCP_SUPPORTED_VERSIONS)
+                if self.era is None:
+                    logger.info("mcp era %s, chosen by %s", _MODERN, message.get("method"))
+                self.era = _MODERN
+                return _MODERN
+            if self.era == _MODERN:
+                if message.get("method") == "initialize":
+                    raise UnsupportedProtocolVersion(
+                        params.get("protocolVersion") if isinstance(params, dict) else None,
+                        MCP_MODERN_VERSIONS)
+                raise InvalidRequest("this connection speaks MCP 2026-07-28: every request "
+                                     f"carries params._meta[{META_PROTOCOL_VERSION!r}]")
+            if message.get("method") == "initialize":
+                if self.era is None:
+                    logger.info("mcp era %s, chosen by initialize", _LEGACY)
+                self.era = _LEGACY
+            return _LEGACY
+
+    # -- the 2026-07-28 era (MCP-TASKS-EXTENSION.md section 10, M1-M10) --------
+
+    def _handle_modern(self, message):
+        """Answer one 2026-07-28 request; return its result (``resultType`` always set)."""
+        params = message["params"]
+        capabilities = params["_meta"].get(META_CLIENT_CAPABILITIES)
+        if not isinstance(capabilities, dict):
+            raise InvalidParams(f"params._meta[{META_CLIENT_CAPABILITIES!r}] must be an object",
+                                param=META_CLIENT_CAPABILITIES)
+        method = self._modern_methods.get(message.get("method"))
+        if method is None:
+            raise MethodNotFound(f"method not found: {message.get('method')}")
+        result = method(params, message.get("id"), capabilities)
+        if result is _NO_RESPONSE:
+            return result
+        result = dict(result)
+        result.setdefault("resultType", "complete")
+        result["_meta"] = {**(result.get("_meta") or {}), META_SERVER_INFO: self.server_info}
+        return result
+
+    @staticmethod
+    def _declares_tasks(capabilities):
+        """M2: the tasks extension, declared on this very request (never remembered)."""
+        extensions = capabilities.get("extensions")
+        return isinstance(extensions, dict) and TASKS_EXTENSION in extensions
+
+    def _discover(self, params, _, capabilities):
+        # M1: everything a modern client checks, at once (a hang costs a 10 s probe).
+        return {"supportedVersions": list(MCP_SUPPORTED_VERSIONS),
+                "capabilities": {"tools": {"listChanged": False},
+                                 "extensions": {TASKS_EXTENSION: {}}},
+                "ttlMs": 0, "cacheScope": "private"}
+
+    def _initialize_modern(self, params, _, capabilities):
+        raise UnsupportedProtocolVersion(params.get("protocolVersion"), MCP_MODERN_VERSIONS)
+
+    def _lookup_tool(self, params):
+        """Return ``(tool, arguments)`` of a tools/call, checked (-32602 naming the field)."""
+        name = params.get("name")
+        tool = self.tools.get(name) if isinstance(name, str) else None
+        if tool is None:
+            raise InvalidParams(f"Unknown tool: {name}", param="name")
+        arguments = params.get("arguments")
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise InvalidParams("arguments must be an object", param="arguments")
+        return tool, arguments
+
+    def _tools_call_modern(self, params, msg_id, capabilities):
+        # M3: params.task is never read; the server decides.  A client declaring the
+        # extension gets a task for every tool that is not "forbidden".
+        tool, arguments = self._lookup_tool(params)
+        declared = self._declares_tasks(capabilities)
+        if not declared and tool.task_support == "required":
+            raise MissingClientCapability(
+                f"Tool {tool.name} runs only as a task: declare the {TASKS_EXTENSION} extension")
+        check_arguments(tool, arguments)
+        if not declared or tool.task_support == "forbidden":
+            token = params["_meta"].get("progressToken")
+            return self._call_inline(tool, arguments, token, msg_id, era=_MODERN,
+                                     capabilities=capabilities)
+        task = self.store.create(MCP_TASK_KIND, {"name": tool.name, "arguments": arguments},
+                                 ttl_ms=self._grant_ttl(_UNSET),
+                                 meta={"session": self._session, "progressToken": None,
+                                       "legacy": False, "era": _MODERN,
+                                       "capabilities": capabilities},
+                                 owner=self.runner.process_id)
+        # Committed above: a tasks/get for this id resolves from now on.
+        return mcp_task_to_modern_wire(task, self.poll_interval_ms, created=True)
+
+    def _modern_task(self, params, capabilities, legacy_ok):
+        """Return the task a modern tasks/* request names, after the -32021 gate.
+
+        M9: a request that does not declare the extension but declares the
+        legacy ``tasks`` capability may read or cancel (``legacy_ok``) a task
+        created in the 2025-11-25 era; anything else undeclared is -32021.
+        """
+        if self._declares_tasks(capabilities):
+            return self._get_task(params)
+        if legacy_ok and isinstance(capabilities.get("tasks"), dict):
+            with contextlib.suppress(TaskStoreError):
+                task = self._get_task(params)
+                if task.meta.get("era", _LEGACY) == _LEGACY:
+                    return task
+        raise MissingClientCapability()
+
+    def _tasks_get_modern(self, params, _, capabilities):
+        task = self._modern_task(params, capabilities, legacy_ok=True)
+        return mcp_task_to_modern_wire(task, self.poll_interval_ms)
+
+    def _tasks_update_modern(self, params, _, capabilities):
+        # M5: answers for outstanding keys are stored -- and so retired -- before
+        # the ack; unknown, stale or repeated keys are ignored.
+        task = self._modern_task(params, capabilities, legacy_ok=False)
+        responses = params.get("inputResponses")
+        if not isinstance(responses, dict):
+            raise InvalidParams("inputResponses must be an object", param="inputResponses")
+        pending = mcp_task_to_modern_wire(task, self.poll_interval_ms).get("inputRequests", {})
+        for key, response in responses.items():
+            if key not in pending:
+                continue
+            if not isinstance(response, dict):
+                raise InvalidParams(f"inputResponses[{key!r}] must be an object",
+                                    param="inputResponses")
+            try:
+                self.store.provide_input(task.id, {"result": response})
+            except InvalidTransition:       # answered, cancelled or ended meanwhile
+                logger.debug("input for %s dropped: it is no longer waiting", task.id)
+        return {}
+
+    def _tasks_cancel_modern(self, params, _, capabilities):
+        # M6: a plain ack; a terminal task stays as it is and is no error.
+        task = self._modern_task(params, capabilities, legacy_ok=True)
+        if not task.terminal:
+            with contextlib.suppress(NotCancelable):
+                self.store.cancel(task.id)
+        return {}
 
     def _notification(self, message):
         params = message.get("params") if isinstance(message.get("params"), dict) else {}
         if message["method"] == "notifications/cancelled":
             # Only inline calls: MCP forbids notifications/cancelled for tasks.
+            request_id = params.get("requestId")
+            if not isinstance(request_id, (str, int)):      # e.g. a list: unhashable
+                return
             with self._lock:
-                ctx = self._inline.get(params.get("requestId"))
+                ctx = self._inline.get(request_id)
             if ctx is not None:
                 ctx.cancelled.set()
         # notifications/initialized and anything unknown need nothing.
@@ -2915,20 +3280,17 @@ class McpServer:
         if requested is None:
             return None if self.allow_unlimited_ttl else capped(cap or self.default_ttl_ms)
         if isinstance(requested, bool) or not isinstance(requested, (int, float)) \
-                or not math.isfinite(requested) or requested < 0:
+                or (isinstance(requested, float) and not math.isfinite(requested)) \
+                or requested < 0:
             raise InvalidParams("task.ttl must be a non-negative number or null", param="ttl")
-        return capped(int(requested))
+        granted = capped(int(requested))
+        if granted > MAX_SAFE_INTEGER:      # a huge int fits neither JSON clients nor SQLite
+            raise InvalidParams(f"task.ttl must be at most {MAX_SAFE_INTEGER}", param="ttl")
+        return granted
 
     def _tools_call(self, params, msg_id):
-        name = params.get("name")
-        tool = self.tools.get(name) if isinstance(name, str) else None
-        if tool is None:
-            raise InvalidParams(f"Unknown tool: {name}", param="name")
-        arguments = params.get("arguments")
-        if arguments is None:
-            arguments = {}
-        if not isinstance(arguments, dict):
-            raise InvalidParams("arguments must be an object", param="arguments")
+        tool, arguments = self._lookup_tool(params)
+        name = tool.name
         task_request = _task_request(params)
         # MCP-TASKS.md section 6: taskSupport violations are -32601, never a tool result.
         if task_request is not None and tool.task_support == "forbidden":
@@ -2944,13 +3306,12 @@ class McpServer:
         task = self.store.create(MCP_TASK_KIND, {"name": name, "arguments": arguments},
                                  ttl_ms=ttl_ms,
                                  meta={"session": self._session, "progressToken": token,
-                                       "legacy": legacy})
-        with self._lock:        # a stale entry is harmless: _fail_unstarted re-reads
-            self._unfinished.add(task.id)
+                                       "legacy": legacy, "era": _LEGACY},
+                                 owner=self.runner.process_id)
         return _create_task_result(task, self.poll_interval_ms, legacy)
 
-    def _call_inline(self, tool, arguments, token, msg_id):
-        ctx = ToolContext(self, progress_token=token)
+    def _call_inline(self, tool, arguments, token, msg_id, era=_LEGACY, capabilities=None):
+        ctx = ToolContext(self, progress_token=token, era=era, capabilities=capabilities)
         with self._lock:
             self._inline[msg_id] = ctx
         try:
@@ -3041,6 +3402,10 @@ class McpServer:
         if (task.kind != MCP_TASK_KIND or task.meta.get("session") != self._session
                 or self._out is None):
             return
+        if task.meta.get("era", _LEGACY) != _LEGACY:
+            # M8: a 2026-07-28 task is polled; nothing about it is pushed (no
+            # status notifications, no progress, never a request).
+            return
         status = mcp_status(task)
         token = task.meta.get("progressToken")
         with self._lock:
@@ -3055,7 +3420,6 @@ class McpServer:
                 self._sent[task.id] = (task.version, status,
                                        task.progress if new_progress else progress)
             if status in _MCP_TERMINAL:     # a pending input request can never be used
-                self._unfinished.discard(task.id)
                 for request_id in [k for k, v in self._pending.items() if v[0] == task.id]:
                     del self._pending[request_id]
         if not fresh:
@@ -3181,8 +3545,10 @@ def add_mcp_parser(subparsers):
     """Add the ``mcp`` subcommand (an MCP server on stdin/stdout) to *subparsers*."""
     p = subparsers.add_parser(
         "mcp", help="run the MCP server (with the demo tools) on stdin/stdout",
-        description="MCP 2025-11-25 server with tasks, one JSON-RPC message per line on "
-                    "stdin/stdout; logs go to stderr.")
+        description="MCP server with tasks for both eras (2025-11-25 after initialize; "
+                    "2026-07-28 with the io.modelcontextprotocol/tasks extension when the "
+                    "first request carries the _meta envelope), one JSON-RPC message per "
+                    "line on stdin/stdout; logs go to stderr.")
     _add_db_option(p)                   # --db PATH (./taskstore.db), --sync
     p.add_argument("--default-ttl", metavar="MS", type=_at_least(0), default=DEFAULT_MCP_TTL_MS,
                    help="ttl granted to a task request that names none (default: %(default)s)")

@@ -8,14 +8,18 @@ blocking call has a timeout.
 """
 
 import asyncio
+import collections
 import contextlib
 import http.client
 import http.server
 import io
 import json
+import logging
 import os
 import queue
+import random
 import re
+import select
 import signal
 import socket
 import sqlite3
@@ -25,6 +29,7 @@ import tempfile
 import threading
 import time
 import unittest
+import unittest.mock
 
 import taskstore
 from taskstore import *  # noqa: F401,F403  (the protocol sections' public names)
@@ -4386,10 +4391,6 @@ class SurrogateTests(StoreTestCase):
 # environment variable that replays it.  TASKSTORE_SOAK=SECONDS makes the
 # torture and the fuzzing run for about that many seconds each.
 
-import random as _random      # noqa: E402  (the draft file imports below the shared prelude)
-import collections  # noqa: E402
-import select  # noqa: E402
-
 SOAK_S = float(os.environ.get("TASKSTORE_SOAK", "0") or 0)
 TORTURE_CYCLES = int(os.environ.get("TASKSTORE_TEST_TORTURE_CYCLES", "50"))
 FUZZ_INPUTS = int(os.environ.get("TASKSTORE_TEST_FUZZ_INPUTS", "10000"))
@@ -4403,7 +4404,7 @@ def fault_seed(variable, default):
     value = os.environ.get(variable)
     if value:
         return int(value)
-    return _random.SystemRandom().randrange(2**31) if SOAK_S else default
+    return random.SystemRandom().randrange(2**31) if SOAK_S else default
 
 
 @contextlib.contextmanager
@@ -4915,7 +4916,7 @@ class LmspCrashTortureTests(unittest.TestCase):
 
     def test_kill_9_at_random_moments_loses_nothing_and_applies_every_policy(self):
         seed = fault_seed("TASKSTORE_TORTURE_SEED", 20261129)
-        rng = _random.Random(seed)
+        rng = random.Random(seed)
         state = TortureState()
         cycle = 0
         deadline = time.monotonic() + SOAK_S
@@ -5372,7 +5373,7 @@ class LmspFuzzTests(unittest.TestCase):
 
     def test_ten_thousand_malformed_requests_never_hurt_the_server(self):
         seed = fault_seed("TASKSTORE_FUZZ_SEED", 5)
-        rng = _random.Random(seed)
+        rng = random.Random(seed)
         server = ServerProcess(self, self.db, "--demo-delay", "0", "--workers", "2",
                                "--token", f"fuzz={self.TOKEN}", "--max-body", str(self.MAX_BODY))
         client = server.client
@@ -5863,6 +5864,1686 @@ def _drain(lines):
             out.append(lines.get_nowait())
         except queue.Empty:
             return out
+
+
+
+# == MCP 2026-07-28: the tasks extension beside the 2025-11-25 flow ==========
+
+ERA2_VERSION = "2026-07-28"
+ERA2_TASKS = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+ERA2_ELICIT = {"extensions": {"io.modelcontextprotocol/tasks": {}}, "elicitation": {"form": {}}}
+ERA2_REQUIRED = {"requiredCapabilities": {"extensions": {"io.modelcontextprotocol/tasks": {}}}}
+
+
+def era2_meta(capabilities=None, version=ERA2_VERSION, **extra):
+    """The 2026-07-28 request envelope (``params._meta``)."""
+    meta = {"io.modelcontextprotocol/protocolVersion": version,
+            "io.modelcontextprotocol/clientInfo": {"name": "test", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities":
+                ERA2_TASKS if capabilities is None else capabilities}
+    meta.update(extra)
+    return meta
+
+
+def era2_text(result):
+    return result["content"][0]["text"]
+
+
+class Era2TestBase(McpTestBase):
+    """Servers that are *not* initialized: the first request picks the era."""
+
+    def start_fresh(self, tools=(), demo=True, clock=None, db=None, **options):
+        """Serve a store with no request sent yet; return (client, server, store)."""
+        db = db or self.db
+        if self.COMMAND:
+            if tools or not demo or clock:
+                self.skipTest("needs the server object in this process")
+            args = ["--db", db]
+            for name, value in options.items():
+                args += [self.FLAGS[name], str(value)]
+            client, _ = self.start_process(*args)
+            store = taskstore.TaskStore(db)
+            self.addCleanup(store.close)
+            return client, None, store
+        store = taskstore.TaskStore(db, **({"clock": clock} if clock else {}))
+        self.addCleanup(store.close)
+        server = taskstore.McpServer(store, **options)
+        if demo:
+            taskstore.add_demo_tools(server)
+        for name, handler, kwargs in tools:
+            server.add_tool(name, handler, **kwargs)
+        c2s_r, c2s_w = os.pipe()
+        s2c_r, s2c_w = os.pipe()
+        infile, outfile = os.fdopen(c2s_r, "rb"), os.fdopen(s2c_w, "wb")
+
+        def serve():
+            try:
+                server.serve(infile, outfile)
+            finally:
+                infile.close()
+                outfile.close()
+        thread = threading.Thread(target=serve, name="test-mcp-serve", daemon=True)
+        thread.start()
+        client = McpTestClient(os.fdopen(c2s_w, "wb"), os.fdopen(s2c_r, "rb"))
+
+        def stop():
+            client.close()
+            thread.join(TIMEOUT)
+            self.assertFalse(thread.is_alive(), "serve() did not return after EOF")
+            self.assertEqual(client.bad_lines, [])
+        self.addCleanup(stop)
+        return client, server, store
+
+    def start_modern(self, **kwargs):
+        """A server whose era is 2026-07-28 (locked by a server/discover)."""
+        client, server, store = self.start_fresh(**kwargs)
+        self.discover(client)
+        return client, server, store
+
+    def discover(self, client, capabilities=None):
+        return client.result("server/discover", {"_meta": era2_meta(capabilities)})
+
+    def mcall(self, client, method, params=None, capabilities=None, **meta):
+        """A 2026-07-28 request (declaring the tasks extension unless told otherwise)."""
+        params = dict(params or {})
+        params["_meta"] = era2_meta(capabilities, **meta)
+        return client.call(method, params)
+
+    def mresult(self, client, method, params=None, capabilities=None, **meta):
+        response = self.mcall(client, method, params, capabilities, **meta)
+        if "result" not in response:
+            raise AssertionError(f"{method} failed: {response}")
+        result = response["result"]
+        self.assertIn("resultType", result, "M10: every result carries resultType")
+        return result
+
+    def mcreate(self, client, name, arguments, capabilities=None, **params):
+        created = self.mresult(client, "tools/call", {"name": name, "arguments": arguments,
+                                                      **params}, capabilities)
+        self.assertEqual(created["resultType"], "task", created)
+        return created
+
+    def mget(self, client, task_id, capabilities=None):
+        got = self.mresult(client, "tasks/get", {"taskId": task_id}, capabilities)
+        self.assertEqual(got["resultType"], "complete", "tasks/get is always complete")
+        return got
+
+    def wait_store(self, store, task_id, predicate):
+        """Wait (on the store, never on time) until *predicate(task)*; return the task."""
+        deadline = time.monotonic() + TIMEOUT
+        task = store.get(task_id)
+        while not predicate(task):
+            remaining = deadline - time.monotonic()
+            self.assertGreater(remaining, 0, f"task {task_id} stayed {task.status}")
+            task = store.wait(task_id, timeout=remaining, since_version=task.version)
+        return task
+
+    def wait_done(self, client, store, task_id):
+        """Wait until the task is terminal in the store; return its DetailedTask."""
+        store.wait(task_id, timeout=TIMEOUT, terminal=True)
+        return self.mget(client, task_id)
+
+    def assertNoServerRequests(self, client):
+        """M8: nothing the server wrote is a JSON-RPC request."""
+        self.discover(client)              # everything written before it is read
+        requests = [m for m in client.log + client.unread() if "method" in m and "id" in m]
+        self.assertEqual(requests, [])
+
+
+class Era2ProtocolTests(Era2TestBase):
+    """Rules E1-E4 and M1-M10 over raw pipes, in-process."""
+
+    def test_discover_answers_every_field_the_new_era_requires(self):
+        client, _, _ = self.start_fresh()
+        started = time.monotonic()
+        result = self.discover(client)
+        self.assertLess(time.monotonic() - started, 2.0, "server/discover answered at once")
+        self.assertEqual(result["resultType"], "complete")
+        self.assertEqual(result["supportedVersions"], ["2026-07-28", "2025-11-25"])
+        self.assertEqual(result["capabilities"]["extensions"],
+                         {"io.modelcontextprotocol/tasks": {}})
+        self.assertIn("tools", result["capabilities"])
+        self.assertNotIn("tasks", result["capabilities"], "M1: never capabilities.tasks")
+        self.assertEqual((result["ttlMs"], result["cacheScope"]), (0, "private"))
+        self.assertEqual(result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"],
+                         "taskstore")
+
+    def test_tools_list_is_cacheable_and_has_no_execution(self):
+        client, _, _ = self.start_modern()
+        result = self.mresult(client, "tools/list")
+        self.assertEqual((result["resultType"], result["ttlMs"], result["cacheScope"]),
+                         ("complete", 0, "private"))
+        tools = {t["name"]: t for t in result["tools"]}
+        self.assertEqual(set(tools), {"sleep_then_echo", "generate_report", "fail_with_error",
+                                      "echo", "ask_user"})
+        for tool in tools.values():
+            self.assertNotIn("execution", tool)
+            self.assertEqual(tool["inputSchema"]["type"], "object")
+
+    def test_unsupported_version_is_32022_and_locks_no_era(self):
+        client, _, _ = self.start_fresh()
+        for version in ("2099-01-01", "2025-11-25"):
+            with self.subTest(version=version):
+                response = client.call("server/discover", {"_meta": era2_meta(version=version)})
+                self.assertError(response, -32022)
+                self.assertEqual(response["error"]["data"]["supported"],
+                                 ["2026-07-28", "2025-11-25"])
+                self.assertEqual(response["error"]["data"]["requested"], version)
+        # Nothing was locked: the client may still fall back to the handshake (E1).
+        self.assertEqual(client.initialize()["protocolVersion"], "2025-11-25")
+
+    def test_missing_client_capabilities_is_32602(self):
+        client, _, _ = self.start_fresh()
+        meta = era2_meta()
+        del meta["io.modelcontextprotocol/clientCapabilities"]
+        self.assertError(client.call("server/discover", {"_meta": meta}), -32602,
+                         "clientCapabilities")
+        meta["io.modelcontextprotocol/clientCapabilities"] = []
+        self.assertError(client.call("tools/list", {"_meta": meta}), -32602)
+
+    def test_modern_era_is_locked(self):
+        client, _, _ = self.start_modern()
+        response = client.call("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                                              "clientInfo": {"name": "c", "version": "1"}})
+        self.assertError(response, -32022)
+        self.assertEqual(response["error"]["data"],
+                         {"type": "unsupported_protocol_version", "supported": ["2026-07-28"],
+                          "requested": "2025-11-25"})
+        self.assertError(client.call("tools/list"), -32600)     # no envelope
+        self.assertError(client.call("ping"), -32600)
+        response = self.mcall(client, "server/discover", version="2099-01-01")
+        self.assertEqual(response["error"]["data"]["supported"], ["2026-07-28"])
+        # M7: the legacy-only methods do not exist in this era.
+        for method in ("tasks/result", "tasks/list", "tasks/status", "ping"):
+            with self.subTest(method=method):
+                self.assertError(self.mcall(client, method, {"taskId": "task_x"}), -32601)
+        self.assertEqual(self.discover(client)["resultType"], "complete", "still serving")
+
+    def test_legacy_era_is_locked(self):
+        client, _, _ = self.start_fresh()
+        client.initialize()
+        self.assertError(client.call("server/discover", {"_meta": era2_meta()}), -32600)
+        self.assertError(client.call("tools/list", {"_meta": era2_meta()}), -32600)
+        self.assertError(client.call("server/discover"), -32601)
+        task = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "old"})
+        self.assertEqual(era2_text(client.result("tasks/result", {"taskId": task["taskId"]})),
+                         "old")
+        self.assertNotIn("resultType", client.result("tools/list"), "2025-11-25 shapes unchanged")
+
+    def test_unenveloped_first_request_is_answered_promptly_and_locks_nothing(self):
+        client, _, _ = self.start_fresh()
+        self.assertError(client.call("server/discover"), -32601)    # E3, at once
+        self.assertEqual(client.result("ping"), {})
+        self.assertEqual(self.discover(client)["resultType"], "complete")
+
+    def test_declared_call_becomes_a_durable_task_and_params_task_is_ignored(self):
+        client, _, store = self.start_modern(default_ttl_ms=120000, poll_interval_ms=250)
+        created = self.mcreate(client, "sleep_then_echo", {"seconds": 0, "text": "hi"},
+                               task={"ttl": 5})
+        task_id = created["taskId"]
+        self.assertEqual(store.get(task_id).kind, taskstore.MCP_TASK_KIND,
+                         "persisted before the answer")
+        self.assertEqual(created["status"], "working")
+        self.assertEqual((created["ttlMs"], created["pollIntervalMs"]), (120000, 250),
+                         "params.task (ttl 5) is never read")
+        self.assertRegex(created["createdAt"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+        for key in ("task", "result", "error", "inputRequests", "ttl", "pollInterval"):
+            self.assertNotIn(key, created)
+        got = self.wait_done(client, store, task_id)
+        self.assertEqual(got["status"], "completed")
+        self.assertEqual(got["result"], {"content": [{"type": "text", "text": "hi"}],
+                                         "isError": False})
+        self.assertEqual(set(got) - {"statusMessage"},
+                         {"resultType", "taskId", "status", "createdAt", "lastUpdatedAt",
+                          "ttlMs", "pollIntervalMs", "result", "_meta"})
+        self.assertNoServerRequests(client)
+        self.assertEqual([m for m in client.log if "method" in m], [],
+                         "M8: no notifications about a task either")
+
+    def test_undeclared_call_runs_inline_and_task_only_tools_are_32021(self):
+        client, _, store = self.start_modern()
+        result = self.mresult(client, "tools/call", {"name": "sleep_then_echo", "task": {},
+                                                     "arguments": {"seconds": 0, "text": "a"}},
+                              capabilities={})
+        self.assertEqual((result["resultType"], era2_text(result)), ("complete", "a"))
+        result = self.mresult(client, "tools/call",          # forbidden: inline even if declared
+                              {"name": "echo", "arguments": {"text": "b"}})
+        self.assertEqual((result["resultType"], era2_text(result)), ("complete", "b"))
+        # Only the legacy capability: treated as not declaring (section 7).
+        response = self.mcall(client, "tools/call", {"name": "generate_report",
+                                                     "arguments": {"topic": "t", "seconds": 1}},
+                              capabilities={"tasks": {"requests": {"tools": {"call": {}}}}})
+        self.assertError(response, -32021)
+        self.assertEqual(response["error"]["data"]["requiredCapabilities"],
+                         ERA2_REQUIRED["requiredCapabilities"])
+        self.assertEqual(store.list()[0], [], "no task was created")
+        self.assertError(self.mcall(client, "tools/call", {"name": "nope"}), -32602, "nope")
+        self.assertError(self.mcall(client, "tools/call", {"name": "sleep_then_echo",
+                                                           "arguments": {"seconds": 1}}),
+                         -32602, "'text'")
+
+    def test_task_methods_need_the_extension_on_each_request(self):
+        client, _, store = self.start_modern()
+        task_id = self.mcreate(client, "sleep_then_echo", {"seconds": 0, "text": "x"})["taskId"]
+        for method, params in (("tasks/get", {"taskId": task_id}),
+                               ("tasks/update", {"taskId": task_id, "inputResponses": {}}),
+                               ("tasks/cancel", {"taskId": task_id})):
+            for capabilities in ({}, {"extensions": {}}, {"tasks": {}}):
+                with self.subTest(method=method, capabilities=capabilities):
+                    response = self.mcall(client, method, params, capabilities=capabilities)
+                    self.assertError(response, -32021)
+                    self.assertEqual(response["error"]["data"]["requiredCapabilities"],
+                                     ERA2_REQUIRED["requiredCapabilities"])
+            with self.subTest(method=method, unknown=True):
+                self.assertError(self.mcall(client, method, {**params, "taskId": "task_nope"}),
+                                 -32602)
+        self.assertError(self.mcall(client, "tasks/get", {}), -32602, "taskId")
+        other = store.create("lmsp.response", {})        # another adapter's task
+        self.assertError(self.mcall(client, "tasks/get", {"taskId": other.id}), -32602)
+        self.assertError(self.mcall(client, "tasks/update", {"taskId": task_id,
+                                                             "inputResponses": [1]}), -32602)
+
+    def test_is_error_is_completed_here_and_failed_to_a_legacy_client(self):
+        client, _, store = self.start_modern()
+        task_id = self.mcreate(client, "fail_with_error", {"message": "disk full"})["taskId"]
+        got = self.wait_done(client, store, task_id)
+        self.assertEqual(got["status"], "completed")
+        self.assertEqual(got["result"], {"content": [{"type": "text", "text": "disk full"}],
+                                         "isError": True})
+        self.assertNotIn("error", got)
+        self.assertEqual(store.get(task_id).status, FAILED, "one stored outcome")
+        # The same stored outcome through the 2025-11-25 projection (another process
+        # on the same file).
+        legacy, _, _ = self.start_fresh(db=self.db)
+        legacy.initialize()
+        old = legacy.result("tasks/get", {"taskId": task_id})
+        self.assertEqual((old["status"], old["statusMessage"]), ("failed", "disk full"))
+        result = legacy.result("tasks/result", {"taskId": task_id})
+        self.assertEqual((result["isError"], era2_text(result)), (True, "disk full"))
+        self.assertIn(task_id, [t["taskId"] for t in legacy.result("tasks/list")["tasks"]])
+        self.assertError(legacy.call("tasks/cancel", {"taskId": task_id}), -32602, "failed")
+
+    def test_jsonrpc_error_from_a_tool_is_failed_with_the_error(self):
+        def refuse(ctx, args):
+            raise taskstore.McpError(-32042, "quota exceeded")
+        client, _, store = self.start_modern(
+            tools=[("refuse", refuse, {"task_support": "optional"})])
+        self.assertError(self.mcall(client, "tools/call", {"name": "refuse"}, capabilities={}),
+                         -32042, "quota exceeded")
+        task_id = self.mcreate(client, "refuse", {})["taskId"]
+        got = self.wait_done(client, store, task_id)
+        self.assertEqual((got["status"], got["statusMessage"]), ("failed", "quota exceeded"))
+        self.assertEqual((got["error"]["code"], got["error"]["message"]),
+                         (-32042, "quota exceeded"))
+        self.assertNotIn("result", got)
+
+    def test_input_requests_are_polled_and_answered_with_tasks_update(self):
+        client, _, store = self.start_modern()
+        task_id = self.mcreate(client, "ask_user", {"question": "Colour?"},
+                               capabilities=ERA2_ELICIT)["taskId"]
+        self.wait_store(store, task_id, lambda t: t.status == INPUT_REQUIRED)
+        got = self.mget(client, task_id)
+        self.assertEqual(got["status"], "input_required")
+        (key, request), = got["inputRequests"].items()
+        self.assertEqual(request["method"], "elicitation/create")
+        self.assertEqual(request["params"]["mode"], "form")
+        self.assertEqual(request["params"]["message"], "Colour?")
+        self.assertEqual(request["params"]["requestedSchema"]["required"], ["answer"])
+        self.assertNotIn("id", request)
+        self.assertEqual(self.mget(client, task_id)["inputRequests"], {key: request},
+                         "the same key on every poll until answered")
+        ack = self.mresult(client, "tasks/update", {"taskId": task_id, "inputResponses": {
+            "unknown-key": {"action": "accept", "content": {"answer": "red"}},
+            key: {"action": "accept", "content": {"answer": "teal"}}}})
+        self.assertEqual(set(ack), {"resultType", "_meta"})
+        # Retired before the ack: no poll after it may ask the same question again.
+        after = self.mget(client, task_id)
+        self.assertNotIn(key, after.get("inputRequests", {}))
+        again = self.mresult(client, "tasks/update", {"taskId": task_id, "inputResponses": {
+            key: {"action": "accept", "content": {"answer": "late"}}}})
+        self.assertEqual(again["resultType"], "complete", "a repeated answer is ignored")
+        got = self.wait_done(client, store, task_id)
+        self.assertEqual((got["status"], era2_text(got["result"])), ("completed", "teal"))
+        self.assertNoServerRequests(client)
+
+    def test_declined_or_impossible_elicitation(self):
+        client, _, store = self.start_modern()
+        task_id = self.mcreate(client, "ask_user", {"question": "?"},
+                               capabilities=ERA2_ELICIT)["taskId"]
+        self.wait_store(store, task_id, lambda t: t.status == INPUT_REQUIRED)
+        (key,) = self.mget(client, task_id)["inputRequests"]
+        self.mresult(client, "tasks/update", {"taskId": task_id,
+                                              "inputResponses": {key: {"action": "decline"}}})
+        got = self.wait_done(client, store, task_id)
+        self.assertEqual((got["status"], got["result"]["isError"]), ("completed", True))
+        # A client that did not declare elicitation is never asked.
+        task_id = self.mcreate(client, "ask_user", {"question": "?"})["taskId"]
+        got = self.wait_done(client, store, task_id)
+        self.assertTrue(got["result"]["isError"])
+        self.assertIn("elicitation", era2_text(got["result"]))
+        # Inline there is no way to ask in this era (no server-to-client requests).
+        result = self.mresult(client, "tools/call", {"name": "ask_user",
+                                                     "arguments": {"question": "?"}},
+                              capabilities={"elicitation": {}})
+        self.assertTrue(result["isError"])
+        self.assertIn("needs a task", era2_text(result))
+        self.assertNoServerRequests(client)
+
+    def test_cancel_is_a_plain_ack_and_never_an_error_on_terminal_tasks(self):
+        client, _, store = self.start_modern()
+        task_id = self.mcreate(client, "generate_report", {"topic": "q3", "seconds": 600},
+                               progressToken="tok")["taskId"]
+        self.wait_store(store, task_id, lambda t: t.status_message == "step 1/600")
+        got = self.mget(client, task_id)
+        self.assertEqual((got["status"], got["statusMessage"]), ("working", "step 1/600"))
+        ack = self.mresult(client, "tasks/cancel", {"taskId": task_id})
+        self.assertEqual(set(ack), {"resultType", "_meta"})
+        self.assertEqual(self.mget(client, task_id)["status"], "cancelled")
+        self.assertEqual(store.wait(task_id, timeout=TIMEOUT, terminal=True).status, CANCELLED)
+        got = self.mget(client, task_id)
+        self.assertEqual(set(got) - {"statusMessage"},
+                         {"resultType", "taskId", "status", "createdAt", "lastUpdatedAt",
+                          "ttlMs", "pollIntervalMs", "_meta"})
+        self.assertEqual(self.mresult(client, "tasks/cancel", {"taskId": task_id})["resultType"],
+                         "complete")
+        done = self.mcreate(client, "sleep_then_echo", {"seconds": 0, "text": "x"})["taskId"]
+        self.wait_done(client, store, done)
+        self.mresult(client, "tasks/cancel", {"taskId": done})
+        self.assertEqual(self.mget(client, done)["status"], "completed", "terminal stays")
+        self.assertNoServerRequests(client)
+        self.assertEqual([m for m in client.log if "method" in m], [],
+                         "no progress or status notification for a task")
+
+    def test_legacy_created_task_read_and_cancelled_with_the_legacy_capability(self):
+        client, _, store = self.start_modern()
+        # As if created by a 2025-11-25 server on the same file (M9).
+        legacy = store.create(taskstore.MCP_TASK_KIND, {"name": "sleep_then_echo", "arguments": {
+            "seconds": 600, "text": "x"}}, ttl_ms=60000, meta={"session": "s", "era": "2025-11-25"})
+        modern = self.mcreate(client, "sleep_then_echo", {"seconds": 600, "text": "y"})["taskId"]
+        old_caps = {"tasks": {"cancel": {}, "requests": {"tools": {"call": {}}}}}
+        got = self.mget(client, legacy.id, capabilities=old_caps)
+        self.assertEqual((got["status"], got["ttlMs"]), ("working", 60000))
+        self.assertError(self.mcall(client, "tasks/update", {"taskId": legacy.id,
+                                                             "inputResponses": {}},
+                                    capabilities=old_caps), -32021)
+        self.assertError(self.mcall(client, "tasks/get", {"taskId": modern},
+                                    capabilities=old_caps), -32021)
+        self.assertError(self.mcall(client, "tasks/get", {"taskId": legacy.id},
+                                    capabilities={}), -32021)
+        self.mresult(client, "tasks/cancel", {"taskId": legacy.id}, capabilities=old_caps)
+        self.assertEqual(self.mget(client, legacy.id, capabilities=old_caps)["status"],
+                         "cancelled")
+        self.mresult(client, "tasks/cancel", {"taskId": modern})
+        for task_id in (legacy.id, modern):
+            self.assertEqual(store.wait(task_id, timeout=TIMEOUT, terminal=True).status,
+                             CANCELLED)
+
+    def test_own_tools_work_unchanged(self):
+        client, server, store = self.start_modern(demo=False)
+        seen = []
+
+        @server.tool(input_schema={"type": "object", "required": ["n"],
+                                   "properties": {"n": {"type": "integer"}}},
+                     task_support="optional")
+        def square(ctx, args):
+            """Square n."""
+            seen.append(ctx.era)
+            ctx.progress(1, 1, "squared")
+            return {"square": args["n"] ** 2, "task": ctx.task_id is not None}
+        tools = self.mresult(client, "tools/list")["tools"]
+        self.assertEqual([(t["name"], t["description"]) for t in tools], [("square", "Square n.")])
+        inline = self.mresult(client, "tools/call", {"name": "square", "arguments": {"n": 3}},
+                              capabilities={}, progressToken="p")
+        self.assertEqual(inline["structuredContent"], {"square": 9, "task": False})
+        progress = client.wait_for(lambda m: m.get("method") == "notifications/progress")
+        self.assertEqual(progress["params"]["progressToken"], "p", "tied to the open request")
+        task_id = self.mcreate(client, "square", {"n": 4})["taskId"]
+        got = self.wait_done(client, store, task_id)
+        self.assertEqual(got["result"]["structuredContent"], {"square": 16, "task": True})
+        self.assertEqual(got["statusMessage"], "squared")
+        self.assertEqual(seen, ["2026-07-28", "2026-07-28"])
+        self.assertError(self.mcall(client, "tools/call", {"name": "square",
+                                                           "arguments": {"n": 1.5}}),
+                         -32602, "'n' must be of type integer")
+
+    def test_expired_task_is_32602(self):
+        clock = FakeClock()
+        client, _, store = self.start_modern(clock=clock, default_ttl_ms=1000)
+        task_id = self.mcreate(client, "sleep_then_echo", {"seconds": 0, "text": "x"})["taskId"]
+        self.assertEqual(self.wait_done(client, store, task_id)["ttlMs"], 1000)
+        clock.advance(5)
+        store.reap()
+        for method in ("tasks/get", "tasks/cancel"):
+            with self.subTest(method=method):
+                self.assertError(self.mcall(client, method, {"taskId": task_id}), -32602,
+                                 "has expired")
+
+    def test_handle_request_is_sans_io(self):
+        store = taskstore.TaskStore(self.db)
+        self.addCleanup(store.close)
+        server = taskstore.McpServer(store)
+        taskstore.add_demo_tools(server)
+        answer = server.handle_request({"jsonrpc": "2.0", "id": 1, "method": "tools/list",
+                                        "params": {"_meta": era2_meta()}})
+        self.assertEqual(answer["result"]["resultType"], "complete")
+        self.assertEqual(server.era, "2026-07-28")
+        answer = server.handle_request({"jsonrpc": "2.0", "id": 2, "method": "initialize",
+                                        "params": {"protocolVersion": "2025-11-25"}})
+        self.assertEqual(answer["error"]["code"], -32022)
+
+
+class Era2ProtocolCommandTests(Era2ProtocolTests):
+    """The same tests over real pipes to ``taskstore.py mcp``."""
+
+    COMMAND = True
+
+
+class Era2CommandTests(Era2TestBase):
+    """The command: restarts in the 2026-07-28 era, and two eras on one store file."""
+
+    COMMAND = True
+
+    def test_restart_in_the_modern_era(self):
+        client, proc = self.start_process("--db", self.db)
+        self.discover(client)
+        ids = {}
+        with taskstore.TaskStore(self.db) as side:
+            for name, tool, args in (("done", "sleep_then_echo", {"seconds": 0, "text": "kept"}),
+                                     ("tool_error", "fail_with_error", {"message": "bad"}),
+                                     ("cancelled", "generate_report", {"topic": "t",
+                                                                       "seconds": 600})):
+                ids[name] = self.mcreate(client, tool, args)["taskId"]
+            self.mresult(client, "tasks/cancel", {"taskId": ids["cancelled"]})
+            for task_id in ids.values():
+                side.wait(task_id, timeout=TIMEOUT, terminal=True)
+            ids["running"] = self.mcreate(client, "generate_report",
+                                          {"topic": "t", "seconds": 600})["taskId"]
+            self.wait_store(side, ids["running"], lambda t: t.status_message is not None)
+        before = {name: self.mget(client, task_id) for name, task_id in ids.items()
+                  if name != "running"}
+        self.assertEqual({n: g["status"] for n, g in before.items()},
+                         {"done": "completed", "tool_error": "completed",
+                          "cancelled": "cancelled"})
+        proc.kill()
+        self.assertEqual(proc.wait(TIMEOUT), -signal.SIGKILL)
+
+        client, _ = self.start_process("--db", self.db)
+        self.discover(client)
+        for name, got in before.items():
+            with self.subTest(name=name):
+                self.assertEqual(self.mget(client, ids[name]), got)
+        got = self.mget(client, ids["running"])
+        self.assertEqual(got["status"], "failed")
+        self.assertEqual(got["error"]["code"], -32603)
+        self.assertTrue(got["error"]["message"].startswith("CRASH_RECOVERY"), got)
+        self.assertTrue(got["statusMessage"].startswith("CRASH_RECOVERY"), got)
+
+    def test_two_eras_share_one_store(self):
+        modern, _ = self.start_process("--db", self.db)
+        self.discover(modern)
+        legacy, _ = self.start_process("--db", self.db)
+        legacy.initialize()
+        side = taskstore.TaskStore(self.db)
+        self.addCleanup(side.close)
+        # Created by the modern client, read and cancelled by the legacy one.
+        report = self.mcreate(modern, "generate_report", {"topic": "t", "seconds": 600})["taskId"]
+        task = legacy.result("tasks/get", {"taskId": report})
+        self.assertEqual((task["status"], task["pollInterval"]), ("working", 500))
+        self.assertEqual(legacy.result("tasks/cancel", {"taskId": report})["status"],
+                         "cancelled")
+        self.assertEqual(self.mget(modern, report)["status"], "cancelled")
+        self.assertEqual(side.wait(report, timeout=TIMEOUT, terminal=True).status, CANCELLED)
+        # Created by the legacy client, read and cancelled by the modern one (M9).
+        old = self.create_task(legacy, "sleep_then_echo", {"seconds": 600, "text": "x"})["taskId"]
+        old_caps = {"tasks": {"cancel": {}}}
+        self.assertEqual(self.mget(modern, old, capabilities=old_caps)["status"], "working")
+        self.mresult(modern, "tasks/cancel", {"taskId": old}, capabilities=old_caps)
+        self.assertEqual(legacy.result("tasks/get", {"taskId": old})["status"], "cancelled")
+        self.assertEqual(side.wait(old, timeout=TIMEOUT, terminal=True).status, CANCELLED)
+        # One stored isError outcome, two projections.
+        failed = self.mcreate(modern, "fail_with_error", {"message": "no"})["taskId"]
+        side.wait(failed, timeout=TIMEOUT, terminal=True)
+        self.assertEqual(self.mget(modern, failed)["status"], "completed")
+        self.assertEqual(legacy.result("tasks/get", {"taskId": failed})["status"], "failed")
+        result = legacy.result("tasks/result", {"taskId": failed})
+        self.assertEqual((result["isError"], era2_text(result)), (True, "no"))
+
+
+def era2_server_log(path):
+    """The era lines the server command logged to *path* (its stderr)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return [line.strip() for line in f if "mcp era" in line]
+
+
+try:
+    import pathlib
+    import fastmcp as _era2_fastmcp         # FastMCP 4 with its tasks client (fastmcp[tasks])
+    import fastmcp_tasks as _era2_fastmcp_tasks  # noqa: F401  (registers the tasks client)
+    from fastmcp.client.transports import StdioTransport as _Era2StdioTransport
+    from fastmcp.exceptions import ToolError as _Era2ToolError
+    from fastmcp_tasks.client import call_tool_task as _era2_call_tool_task
+except ImportError:
+    _era2_fastmcp = None
+
+
+@unittest.skipUnless(_era2_fastmcp is not None, "FastMCP 4 (fastmcp[tasks]) is not installed")
+class FastMcpInteropTests(Era2TestBase):
+    """FastMCP 4's client (2026-07-28 only) against the command (.ci/run installs it)."""
+
+    def run_client(self, body, elicit=None):
+        errlog = os.path.join(self.dir, "fastmcp-server.log")
+        command = mcp_server_command("--db", self.db)
+        transport = _Era2StdioTransport(command=command[0], args=command[1:], cwd=self.dir,
+                                        log_file=pathlib.Path(errlog))
+
+        async def main():
+            client = _era2_fastmcp.Client(transport, elicitation_handler=elicit)
+            async with client:
+                return await asyncio.wait_for(body(client), TIMEOUT)
+        value = asyncio.run(asyncio.wait_for(main(), 3 * TIMEOUT))
+        self.assertEqual(era2_server_log(errlog)[:1],
+                         ["taskstore: INFO mcp era 2026-07-28, chosen by server/discover"])
+        return value
+
+    def test_create_poll_result_and_errors(self):
+        async def body(client):
+            tools = {t.name for t in await client.list_tools()}
+            self.assertIn("generate_report", tools)
+            result = await client.call_tool("sleep_then_echo", {"seconds": 0.1, "text": "hello"})
+            self.assertEqual(result.content[0].text, "hello")
+            task = await _era2_call_tool_task(client, "sleep_then_echo",
+                                              {"seconds": 0.1, "text": "polled"})
+            self.assertRegex(task.task_id, r"^task_[0-9A-Z]{36}$")
+            status = await task.status()
+            self.assertIn(status.status, ("working", "completed"))
+            self.assertEqual(status.ttl_ms, 3600000)
+            done = await task.wait(timeout=TIMEOUT)
+            self.assertEqual(done.status, "completed")
+            self.assertEqual((await task.result()).content[0].text, "polled")
+            failed = await client.call_tool("fail_with_error", {"message": "nope"},
+                                            raise_on_error=False)
+            self.assertTrue(failed.is_error)
+            self.assertEqual(failed.content[0].text, "nope")
+            with self.assertRaises(_Era2ToolError):
+                await client.call_tool("fail_with_error", {"message": "nope"})
+            return task.task_id
+        task_id = self.run_client(body)
+        with taskstore.TaskStore(self.db) as store:
+            self.assertEqual(store.get(task_id).meta["era"], "2026-07-28")
+
+    def test_elicitation_is_answered_once(self):
+        asked = []
+
+        async def elicit(message, response_type, params, context):
+            asked.append(message)
+            return {"answer": "teal"}
+
+        async def body(client):
+            result = await client.call_tool("ask_user", {"question": "Colour?"})
+            self.assertEqual(result.content[0].text, "teal")
+        self.run_client(body, elicit=elicit)
+        self.assertEqual(asked, ["Colour?"], "asked exactly once")
+
+    def test_cancel_generate_report(self):
+        async def body(client):
+            task = await _era2_call_tool_task(client, "generate_report",
+                                              {"topic": "q3", "seconds": 600})
+            working = await task.wait(state="working", timeout=TIMEOUT)
+            self.assertEqual(working.status, "working")
+            await task.cancel()
+            final = await task.wait(timeout=TIMEOUT)
+            self.assertEqual(final.status, "cancelled")
+            with self.assertRaises(_Era2ToolError):
+                await task.result()
+            await task.cancel()                 # a terminal task: still just an ack
+            return task.task_id
+        task_id = self.run_client(body)
+        with taskstore.TaskStore(self.db) as store:
+            self.assertEqual(store.wait(task_id, timeout=TIMEOUT, terminal=True).status,
+                             CANCELLED)
+
+
+def _era2_sdk_major():
+    try:
+        import importlib.metadata
+        return int(importlib.metadata.version("mcp").split(".")[0])
+    except (ImportError, ValueError, LookupError):
+        return None
+
+
+if _era2_sdk_major() == 2:
+    try:
+        from mcp import Client as _Era2SdkClient, StdioServerParameters as _Era2SdkParams
+        from mcp.client.stdio import stdio_client as _era2_sdk_stdio
+        from mcp.shared.exceptions import MCPError as _Era2SdkError
+    except ImportError:
+        _Era2SdkClient = None
+else:
+    _Era2SdkClient = None
+
+ERA2_SDK_PROBE_TIMEOUT_S = 10.0                # mcp 2.x DISCOVER_TIMEOUT_SECONDS
+
+
+@unittest.skipUnless(_Era2SdkClient is not None, "the official MCP SDK 2.x (mcp>=2,<3) is not "
+                                                 "installed")
+class Sdk2DualEraTests(Era2TestBase):
+    """The official Python SDK 2.x negotiates the era itself (.ci/run installs it)."""
+
+    def run_client(self, body, mode="auto"):
+        """Run ``await body(client)`` against the command; return (seconds to connect, value)."""
+        command = mcp_server_command("--db", self.db)
+        params = _Era2SdkParams(command=command[0], args=command[1:], cwd=self.dir)
+
+        async def main():
+            with open(self.errlog, "a") as errlog:
+                started = time.monotonic()
+                async with _Era2SdkClient(_era2_sdk_stdio(params, errlog=errlog),
+                                          mode=mode) as client:
+                    elapsed = time.monotonic() - started
+                    return elapsed, await asyncio.wait_for(body(client), TIMEOUT)
+        return asyncio.run(asyncio.wait_for(main(), 3 * TIMEOUT))
+
+    def setUp(self):
+        super().setUp()
+        self.errlog = os.path.join(self.dir, "sdk2-server.log")
+
+    def test_auto_negotiates_the_new_era_without_a_timeout(self):
+        async def body(client):
+            self.assertEqual(client.protocol_version, "2026-07-28")
+            self.assertIsNotNone(client.session.discover_result)
+            self.assertEqual(client.server_capabilities.extensions,
+                             {"io.modelcontextprotocol/tasks": {}})
+            self.assertEqual((await client.call_tool("echo", {"text": "x"})).content[0].text, "x")
+            # This client does not declare the tasks extension: inline, or -32021.
+            result = await client.call_tool("sleep_then_echo", {"seconds": 0, "text": "y"})
+            self.assertEqual(result.content[0].text, "y")
+            with self.assertRaises(_Era2SdkError) as caught:
+                await client.call_tool("generate_report", {"topic": "t", "seconds": 1})
+            self.assertEqual(caught.exception.code, -32021)
+        elapsed, _ = self.run_client(body)
+        self.assertLess(elapsed, ERA2_SDK_PROBE_TIMEOUT_S / 4,
+                        "the session came up well under the SDK's 10 s probe timeout")
+        # The server's own log names the request that chose its era.
+        self.assertEqual(era2_server_log(self.errlog),
+                         ["taskstore: INFO mcp era 2026-07-28, chosen by server/discover"])
+        with taskstore.TaskStore(self.db) as store:
+            self.assertEqual(store.list()[0], [], "nothing ran as a task")
+
+    def test_legacy_mode_gets_the_2025_11_25_era_from_the_same_command(self):
+        async def body(client):
+            self.assertEqual(client.protocol_version, "2025-11-25")
+            return (await client.call_tool("echo", {"text": "old"})).content[0].text
+        _, text = self.run_client(body, mode="legacy")
+        self.assertEqual(text, "old")
+        self.assertEqual(era2_server_log(self.errlog),
+                         ["taskstore: INFO mcp era 2025-11-25, chosen by initialize"])
+
+
+# ---------------------------------------------------------------------------
+# Issue 5 (MCP): crash torture, fuzzing, resource limits and isolation
+# ---------------------------------------------------------------------------
+
+FAULT_SOAK_S = float(os.environ.get("TASKSTORE_SOAK") or 0)
+FAULT_SEED = int(os.environ.get("TASKSTORE_FAULT_SEED")
+                 or (int.from_bytes(os.urandom(4), "big") if FAULT_SOAK_S else 20261129))
+TORTURE_CYCLES = 50                  # per default run; soak mode: as many as fit
+FUZZ_INPUTS = 10_000                 # per default run; soak mode: as many as fit
+FUZZ_LINE_LIMIT = 4096               # --max-line-bytes of the fuzzed server
+FORBIDDEN_IN_OUTPUT = ("Traceback", 'File "', "sqlite", "SQLITE", "SELECT", "INSERT INTO")
+
+
+def fault_context(cycle=None):
+    """The words a failure message needs to be replayed."""
+    where = f" cycle {cycle}" if cycle is not None else ""
+    return f"[replay: TASKSTORE_FAULT_SEED={FAULT_SEED}{where}]"
+
+
+def read_store_file(path):
+    """Read a store file with a plain read-only connection, in one snapshot.
+
+    Returns ``(tasks, events, processes, integrity)``: ``tasks`` maps an id to
+    a dict of its row, ``events`` an id to its ``[(seq, type, data, created)]``.
+    """
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=TIMEOUT)
+    try:
+        conn.execute("BEGIN")
+        cols = ("id", "kind", "status", "policy", "attempt", "result", "error",
+                "status_message", "owner", "last_seq", "first_seq", "updated_at",
+                "finished_at", "payload")
+        tasks = {row[0]: dict(zip(cols, row)) for row in conn.execute(
+            f"SELECT {', '.join(cols)} FROM tasks")}
+        events = {}
+        for task_id, seq, etype, data, created in conn.execute(
+                "SELECT task_id, seq, type, data, created_at FROM events ORDER BY task_id, seq"):
+            events.setdefault(task_id, []).append((seq, etype, data, created))
+        procs = conn.execute("SELECT id, pid FROM processes").fetchall()
+        conn.execute("COMMIT")
+        integrity = conn.execute("PRAGMA integrity_check").fetchall()
+    finally:
+        conn.close()
+    return tasks, events, procs, integrity
+
+
+def drain_client(client, timeout=TIMEOUT):
+    """After the server's end of output: move every unread message into ``client.log``."""
+    if not client.wait_eof(timeout):
+        raise AssertionError("the server's output did not end")
+    while True:
+        message = client._inbox.get(timeout=timeout)
+        if message is None:
+            client._inbox.put(None)
+            return
+        client.log.append(message)
+
+
+class McpCrashTortureTests(unittest.TestCase):
+    """kill -9 the ``mcp`` command at random moments on one file, restart, check everything.
+
+    Each cycle starts ``taskstore.py mcp`` on the same file (its open recovers
+    what the previous cycle's kill left), checks every invariant against the
+    file and over MCP, drives a seeded random mix of task-augmented
+    ``tools/call``, ``tasks/get|list|result|cancel`` and, through the store
+    API, tasks with ``retry``/``resume`` policies and idempotency keys (the MCP
+    adapter exposes neither), then SIGKILLs it after a random number of
+    requests or answers, while tasks run and writes are in flight.
+    """
+
+    WAITING = {"tasks/get", "tasks/list", "tasks/cancel", "tools/call"}
+
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.dir = tmp.name
+        self.db = os.path.join(self.dir, "torture.db")
+        self.rng = random.Random(FAULT_SEED)
+        self.acked = {}           # task id -> cycle it was acknowledged in
+        self.final = {}           # task id -> (row, events) once terminal: must never change
+        self.observed = {}        # task id -> MCP status a client saw as terminal
+        self.results = {}         # task id -> what tasks/result answered (terminal tasks)
+        self.keys = {}            # idempotency key -> (task id, payload, policy)
+        self.coverage = collections.Counter()   # what the kills hit, asserted at the end
+        self.side = taskstore.TaskStore(self.db, recover_on_open=False)
+        self.addCleanup(self.side.close)
+
+    # -- one server process --------------------------------------------------
+
+    def start(self):
+        stderr = open(os.path.join(self.dir, "stderr.log"), "ab")
+        self.addCleanup(stderr.close)
+        proc = subprocess.Popen(
+            mcp_server_command("--db", self.db, "--workers", "8", "--reap-interval", "1e6",
+                               "--allow-unlimited-ttl", "--max-ttl", str(10**12)),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, cwd=self.dir)
+        client = McpTestClient(proc.stdin, proc.stdout)
+
+        def reap():
+            client.close()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(TIMEOUT)
+            client.wait_eof()
+        self.addCleanup(reap)
+        client.initialize()             # answered after the open, so after recovery
+        return client, proc
+
+    def kill(self, client, proc):
+        proc.kill()
+        self.assertEqual(proc.wait(TIMEOUT), -signal.SIGKILL)
+        drain_client(client)
+        client.close()
+        self.assertEqual(client.bad_lines, [], "stdout carried a line that is not JSON")
+
+    # -- the random client ---------------------------------------------------
+
+    def known(self):
+        return list(self.acked) or ["task_0000000000000000000000000000000000"]
+
+    def op(self, client, pending, cycle):
+        """Send one random request (or create a store task); return its id or None."""
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.40:
+            tool = rng.choice(["sleep_then_echo", "sleep_then_echo", "generate_report",
+                               "fail_with_error"])
+            if tool == "sleep_then_echo":
+                args = {"seconds": rng.choice([0, 0, 0.01, 0.05, 0.3, 30]),
+                        "text": f"echo {cycle} {rng.randrange(10**6)}"}
+            elif tool == "generate_report":
+                args = {"topic": f"t{cycle}", "seconds": rng.choice([0, 0.2, 1.5, 30])}
+            else:
+                args = {"message": f"bad {cycle}"}
+            task = rng.choice([{}, {"ttl": None}, {"ttl": 10**11}])
+            params = {"name": tool, "arguments": args, "task": task}
+            if rng.random() < 0.3:
+                params["_meta"] = {"progressToken": f"p{cycle}-{rng.randrange(1000)}"}
+            method = "tools/call"
+        elif roll < 0.52:
+            self.store_create(cycle)
+            return None
+        elif roll < 0.67:
+            method, params = "tasks/cancel", {"taskId": rng.choice(self.known())}
+        elif roll < 0.85:
+            method, params = "tasks/get", {"taskId": rng.choice(self.known())}
+        elif roll < 0.93:
+            method, params = "tasks/list", {}
+        else:
+            method, params = "tasks/result", {"taskId": rng.choice(self.known())}
+        msg_id = client.request(method, params)
+        pending[msg_id] = (method, params)
+        return msg_id
+
+    def store_create(self, cycle):
+        rng = self.rng
+        policy = rng.choice(["retry", "resume", "fail"])
+        payload = {"name": "sleep_then_echo",
+                   "arguments": {"seconds": rng.choice([0, 0.05, 0.5, 2]),
+                                 "text": f"store {cycle} {rng.randrange(10**6)}"}}
+        idem = None
+        if rng.random() < 0.6:
+            key = f"k{cycle}-{rng.randrange(10**9)}"
+            idem = ("torture", key, taskstore.fingerprint([policy, payload]), None)
+        task = self.side.create(taskstore.MCP_TASK_KIND, payload, policy=policy,
+                                idempotency=idem)
+        self.acked.setdefault(task.id, cycle)
+        if idem is not None:
+            self.keys[idem[1]] = (task.id, payload, policy)
+
+    def observe(self, client, pending):
+        """Record what the answers and notifications read so far say."""
+        for message in client.log:
+            if message.get("method") == "notifications/tasks/status":
+                self.see(message["params"])
+            msg_id = message.get("id")
+            if msg_id not in pending or "method" in message:
+                continue
+            method, params = pending.pop(msg_id)
+            result = message.get("result")
+            if result is None:
+                self.assertIn("error", message)
+                self.assertNotEqual(message["error"]["code"], -32603, message)
+                continue
+            if method == "tools/call":
+                self.acked.setdefault(result["task"]["taskId"], self.cycle)
+                self.see(result["task"])
+            elif method in ("tasks/get", "tasks/cancel"):
+                self.see(result)
+            elif method == "tasks/list":
+                for wire in result["tasks"]:
+                    self.see(wire)
+            elif method == "tasks/result":
+                self.results[params["taskId"]] = result
+        client.log.clear()
+
+    def see(self, wire):
+        if wire["status"] in ("completed", "failed", "cancelled"):
+            self.observed.setdefault(wire["taskId"], wire["status"])
+
+    # -- the cycle -----------------------------------------------------------
+
+    def drive(self, client, cycle):
+        """Send requests; SIGKILL happens when this returns."""
+        rng = self.rng
+        pending = {}
+        n_ops = rng.randint(0, 14)
+        for i in range(n_ops):
+            msg_id = self.op(client, pending, cycle)
+            if msg_id is not None and pending[msg_id][0] in self.WAITING \
+                    and rng.random() < 0.55:
+                client.response(msg_id)
+            self.observe(client, pending)
+        mode = rng.random()
+        if mode < 0.25 and pending:
+            # Kill after a random number of the answers still owed have arrived.
+            owed = [m for m, (method, _) in pending.items() if method in self.WAITING]
+            for msg_id in owed[:rng.randint(0, len(owed))]:
+                client.response(msg_id)
+        elif mode < 0.40:
+            # Kill while a task is running: after its first progress notification.
+            token = f"run{cycle}"
+            task = client.result("tools/call", {"name": "generate_report",
+                                                "arguments": {"topic": "run", "seconds": 30},
+                                                "task": {}, "_meta": {"progressToken": token}})
+            self.wait_running(client, task["task"]["taskId"], token)
+        elif mode < 0.50:
+            # Kill right after a cancel of running work (a cancel under way).
+            token = f"cancel{cycle}"
+            task = client.result("tools/call", {"name": "generate_report",
+                                                "arguments": {"topic": "c", "seconds": 30},
+                                                "task": {}, "_meta": {"progressToken": token}})
+            self.wait_running(client, task["task"]["taskId"], token)
+            client.request("tasks/cancel", {"taskId": task["task"]["taskId"]})
+        elif mode < 0.65:
+            # Kill in the middle of a burst of creates (writes in flight).
+            for _ in range(rng.randint(1, 8)):
+                client.request("tools/call", {"name": "sleep_then_echo", "task": {},
+                                              "arguments": {"seconds": 0, "text": "burst"}})
+        return pending
+
+    def wait_running(self, client, task_id, token):
+        """Wait for the task's first progress; when every worker is busy it stays queued."""
+        try:
+            client.wait_for(lambda m: m.get("method") == "notifications/progress"
+                            and m["params"]["progressToken"] == token, timeout=3.0)
+        except queue.Empty:
+            self.assertEqual(self.side.get(task_id).status, QUEUED, "no progress, not queued")
+            self.coverage["no free worker"] += 1
+
+    def test_kill_9_at_random_moments_loses_nothing(self):
+        deadline = time.monotonic() + FAULT_SOAK_S
+        cycle = 0
+        before = None
+        while True:
+            self.cycle = cycle
+            client, proc = self.start()
+            try:
+                if before is not None:
+                    self.check_after_restart(client, proc, before, cycle)
+                if cycle >= TORTURE_CYCLES and time.monotonic() >= deadline:
+                    break
+                pending = self.drive(client, cycle)
+                self.kill(client, proc)
+                self.observe(client, pending)
+                before = self.check_after_kill(cycle)
+            except BaseException as exc:
+                raise AssertionError(f"{fault_context(cycle)} {exc}") from exc
+            cycle += 1
+        # The last server leaves at EOF: everything it ran is settled, nothing is working.
+        client.close()
+        self.assertEqual(proc.wait(TIMEOUT), 0)
+        tasks, events, procs, integrity = read_store_file(self.db)
+        self.assertEqual(integrity, [("ok",)])
+        self.assertEqual(procs, [])
+        for task_id, row in tasks.items():
+            self.check_events(task_id, row, events.get(task_id, []))
+            if row["policy"] == "fail":
+                self.assertNotIn(row["status"], taskstore.ACTIVE_STATES, row)
+        self.assertGreaterEqual(cycle, TORTURE_CYCLES)
+        # The seed must have hit every restart policy and a cancel under way.
+        hit = {key.split("/")[1] for key in self.coverage
+               if "/" in key and not key.startswith(CANCELLING)}
+        self.assertEqual(hit, set(taskstore.POLICIES), self.coverage)
+        self.assertTrue(self.keys)
+        if os.environ.get("TASKSTORE_FAULT_VERBOSE"):
+            print(f"\n{cycle} cycles, {len(self.acked)} tasks, recovered: "
+                  f"{dict(self.coverage)}", file=sys.stderr)
+
+    # -- invariants ----------------------------------------------------------
+
+    def check_events(self, task_id, row, events):
+        seqs = [e[0] for e in events]
+        self.assertEqual(seqs, list(range(row["last_seq"] + 1)), f"{task_id} events")
+        self.assertEqual(events[0][1], "created", task_id)
+        finals = [e for e in events if e[1] == "status"
+                  and json.loads(e[2])["status"] in taskstore.TERMINAL_STATES]
+        terminal = row["status"] in taskstore.TERMINAL_STATES
+        self.assertEqual(len(finals), 1 if terminal else 0, f"{task_id} final events")
+        moves = [json.loads(e[2])["status"] for e in events if e[1] == "status"]
+        self.assertEqual(moves[-1] if moves else QUEUED, row["status"], f"{task_id} last move")
+
+    def check_after_kill(self, cycle):
+        """The file as the kill left it: complete, consistent, nothing terminal changed."""
+        tasks, events, procs, integrity = read_store_file(self.db)
+        self.assertEqual(integrity, [("ok",)])
+        for task_id in self.acked:
+            self.assertIn(task_id, tasks, f"acknowledged task {task_id} is missing")
+        for task_id, row in tasks.items():
+            self.check_events(task_id, row, events.get(task_id, []))
+        for task_id, (row, evs) in self.final.items():
+            self.assertEqual((tasks[task_id], events[task_id]), (row, evs),
+                             f"terminal task {task_id} changed")
+        for task_id, status in self.observed.items():
+            self.assertEqual(taskstore.mcp_status(tasks[task_id]["status"]), status, task_id)
+        for task_id, result in self.results.items():
+            row = tasks[task_id]
+            self.assertIn(row["status"], (SUCCEEDED, FAILED, CANCELLED, CANCELLING), task_id)
+            if row["status"] == SUCCEEDED:
+                expected = dict(json.loads(row["result"]))
+                got = {k: v for k, v in result.items() if k != "_meta"}
+                self.assertEqual(got, expected, task_id)
+        for task_id, row in tasks.items():
+            if row["status"] in taskstore.TERMINAL_STATES:
+                self.final[task_id] = (row, events[task_id])
+        return tasks, events, procs
+
+    def check_after_restart(self, client, proc, before, cycle):
+        """The next process recovered exactly what its dead owner left unfinished."""
+        old_tasks, old_events, old_procs = before
+        tasks, events, procs, integrity = read_store_file(self.db)
+        self.assertEqual(integrity, [("ok",)])
+        # The dead registration is gone; only the new server is registered.
+        self.assertEqual([pid for _, pid in procs], [proc.pid])
+        for task_id, old in old_tasks.items():
+            row, evs = tasks[task_id], events[task_id]
+            self.assertEqual(evs[:len(old_events[task_id])], old_events[task_id],
+                             f"{task_id}: committed events lost or rewritten")
+            self.check_events(task_id, row, evs)
+            if old["status"] == QUEUED:
+                self.coverage["queued"] += 1
+            if old["status"] not in taskstore.ACTIVE_STATES:
+                continue
+            # Recovery's move is the first event after the crash, per policy.
+            self.coverage[f"{old['status']}/{old['policy']}"] += 1
+            moved = evs[len(old_events[task_id])]
+            data = json.loads(moved[2])
+            self.assertEqual((moved[1], data["from"]), ("status", old["status"]), task_id)
+            if old["status"] == CANCELLING:
+                self.assertEqual(data["status"], CANCELLED, task_id)
+            elif old["policy"] == "fail":
+                self.assertEqual((data["status"], row["status"]), (FAILED, FAILED), task_id)
+                self.assertTrue(row["status_message"].startswith("CRASH_RECOVERY"), row)
+                self.assertEqual(json.loads(row["error"])["code"], "server_restarted")
+                if row["kind"] == taskstore.MCP_TASK_KIND:
+                    got = client.result("tasks/get", {"taskId": task_id})
+                    self.assertEqual(got["status"], "failed")
+                    self.assertTrue(got["statusMessage"].startswith("CRASH_RECOVERY"), got)
+                    result = client.result("tasks/result", {"taskId": task_id})
+                    self.assertTrue(result["isError"])
+                    self.assertTrue(_text(result).startswith("CRASH_RECOVERY"), result)
+            else:
+                self.assertEqual(data["status"], QUEUED, task_id)
+                self.assertTrue(data["message"].startswith(f"requeued ({old['policy']})"), data)
+                self.assertGreaterEqual(row["attempt"], old["attempt"] + 1, task_id)
+        # Over MCP: finished tasks answer as before the crash.
+        sample = [t for t in self.results if t in tasks]
+        for task_id in self.rng.sample(sample, min(3, len(sample))):
+            result = client.result("tasks/result", {"taskId": task_id})
+            self.assertEqual(result, self.results[task_id], task_id)
+        for task_id in self.rng.sample(list(self.acked), min(5, len(self.acked))):
+            got = client.result("tasks/get", {"taskId": task_id})
+            self.assertEqual(got["taskId"], task_id)
+            if task_id in self.observed:
+                self.assertEqual(got["status"], self.observed[task_id], task_id)
+        # An idempotent replay after the restart returns the original task.
+        keys = [k for k, v in self.keys.items() if self.acked[v[0]] >= cycle - 1]
+        others = [k for k in self.keys if k not in keys]
+        for key in keys + self.rng.sample(others, min(3, len(others))):
+            task_id, payload, policy = self.keys[key]
+            again = self.side.create(taskstore.MCP_TASK_KIND, payload, policy=policy,
+                                     idempotency=("torture", key,
+                                                  taskstore.fingerprint([policy, payload]), None))
+            self.assertEqual((again.id, again.replayed), (task_id, True), key)
+
+
+class McpFuzzer:
+    """A seeded generator of malformed MCP input lines (bytes, newline included).
+
+    Every string it makes up avoids the words the server must never show, so
+    any of them in an answer came from the server, not from an echo.
+    """
+
+    METHODS = ("initialize", "ping", "tools/list", "tools/call", "tasks/get", "tasks/status",
+               "tasks/result", "tasks/cancel", "tasks/list", "notifications/initialized",
+               "notifications/cancelled")
+    FIELDS = ("id", "method", "jsonrpc", "params", "params.taskId", "params.id",
+              "params.cursor", "params.name", "params.arguments", "params.task",
+              "params.task.ttl", "params._meta", "params._meta.progressToken",
+              "params._meta.task", "params._meta.modelcontextprotocol.io/task",
+              "params.protocolVersion", "params.capabilities", "params.requestId",
+              "params.arguments.seconds", "params.arguments.text", "params.arguments.topic",
+              "params.arguments.message")
+
+    def __init__(self, rng, real_ids, limit):
+        self.rng = rng
+        self.real_ids = real_ids
+        self.limit = limit
+        self.kinds = [getattr(self, n) for n in sorted(dir(self)) if n.startswith("gen_")]
+
+    def line(self):
+        while True:
+            data = self.rng.choice(self.kinds)()
+            lowered = data.lower()
+            if not any(w.lower().encode() in lowered for w in FORBIDDEN_IN_OUTPUT):
+                return data if data.endswith(b"\n") else data + b"\n"
+
+    # -- building blocks -----------------------------------------------------
+
+    def text(self, n=None):
+        n = self.rng.randint(0, 12) if n is None else n
+        return "".join(self.rng.choice("abcxyz019 _-/.\u00e9\u4e2d\U0001f600\"\\\r\n\t\x00")
+                       for _ in range(n))
+
+    def wrong(self):
+        rng = self.rng
+        return rng.choice([
+            None, True, False, 0, -1, 1.5, -0.0, 10**20, -10**30, 2**63, 1e300, "", "x",
+            self.text(), [], [1, "a"], {}, {"a": 1}, {"taskId": "x"}, "2.0", 2.0,
+            rng.choice(self.real_ids), "task_" + "Z" * 36, "../../etc/passwd", "\r\n",
+            "a" * rng.randint(100, self.limit // 2), [[[[[]]]]], {"ttl": -5},
+            {"ttl": 10**400}, "task_\r\n" + "0" * 31])
+
+    def valid(self):
+        rng = self.rng
+        method = rng.choice(self.METHODS)
+        params = {}
+        if method == "tools/call":
+            name = rng.choice(["sleep_then_echo", "generate_report", "fail_with_error", "echo",
+                               "ask_user", "nope"])
+            params = {"name": name, "arguments": {"seconds": rng.choice([0, 0.01]),
+                                                  "text": self.text(), "topic": "t",
+                                                  "message": "m", "question": "q"}}
+            if rng.random() < 0.6:
+                params["task"] = {"ttl": rng.choice([1000, 60000])}
+        elif method in ("tasks/get", "tasks/status", "tasks/result", "tasks/cancel"):
+            params = {"taskId": rng.choice(self.real_ids + ["task_unknown"])}
+        elif method == "tasks/list":
+            params = {"cursor": rng.choice(["", "abc", "eyJ2IjoxfQ"])} if rng.random() < .5 else {}
+        elif method == "initialize":
+            params = {"protocolVersion": "2025-11-25", "capabilities": {},
+                      "clientInfo": {"name": "fuzz", "version": "1"}}
+        elif method == "notifications/cancelled":
+            params = {"requestId": rng.randint(0, 5)}
+        message = {"jsonrpc": "2.0", "method": method, "params": params}
+        if not method.startswith("notifications/"):
+            message["id"] = rng.choice([rng.randint(-5, 10**6), self.text(6) or "i"])
+        return message
+
+    def put(self, message, path, value):
+        parts = path.split(".", 2) if "modelcontextprotocol" not in path else \
+            ["params", "_meta", "modelcontextprotocol.io/task"]
+        target = message
+        for part in parts[:-1]:
+            if not isinstance(target.get(part), dict):
+                target[part] = {}
+            target = target[part]
+        target[parts[-1]] = value
+        return message
+
+    def encode(self, message):
+        return json.dumps(message, ensure_ascii=self.rng.random() < 0.5).encode(
+            "utf-8", "surrogatepass")
+
+    # -- the kinds of bad input ----------------------------------------------
+
+    def gen_wrong_type(self):
+        return self.encode(self.put(self.valid(), self.rng.choice(self.FIELDS), self.wrong()))
+
+    def gen_wrong_type_twice(self):
+        message = self.valid()
+        for _ in range(2):
+            self.put(message, self.rng.choice(self.FIELDS), self.wrong())
+        return self.encode(message)
+
+    def gen_missing_field(self):
+        message = self.valid()
+        key = self.rng.choice(list(message))
+        del message[key]
+        if isinstance(message.get("params"), dict) and message["params"] and self.rng.random() < .5:
+            del message["params"][self.rng.choice(list(message["params"]))]
+        return self.encode(message)
+
+    def gen_truncated(self):
+        data = self.encode(self.valid())
+        return data[:self.rng.randint(0, len(data) - 1)]
+
+    def gen_invalid_utf8(self):
+        data = bytearray(self.encode(self.valid()))
+        for _ in range(self.rng.randint(1, 3)):
+            bad = self.rng.choice([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80",
+                                   b"\x80", b"\xe2\x82", b"\xfe\xff"])
+            at = self.rng.randint(0, len(data))
+            data[at:at] = bad
+        return bytes(data)
+
+    def gen_not_json(self):
+        rng = self.rng
+        return rng.choice([b"hello", b"{", b"}", b"[", b"{'a': 1}", b"NaN", b"-", b"\x00\x01",
+                           b'{"jsonrpc": "2.0", "id": 1, "method": "ping",}', b"\xef\xbb\xbf{}",
+                           self.text(40).encode("utf-8", "surrogatepass"), b"null", b"1", b'"s"',
+                           b"true", b"[]", b"{}", b'{"jsonrpc":"2.0"}', b"   ", b"\t",
+                           b'{"jsonrpc":"2.0","id":1,"method":"ping"} trailing',
+                           b'{"jsonrpc":"2.0","id":1,"method":"ping"}{"jsonrpc":"2.0"}'])
+
+    def gen_recursion_bomb(self):
+        rng = self.rng
+        depth = rng.choice([150, 500, 990, 1000, 3000, self.limit // 2 - 200])
+        kind = rng.random()
+        if kind < 0.3:
+            return b"[" * depth
+        if kind < 0.5:
+            return b"[" * depth + b"]" * depth
+        nest = '{"a":' * depth + "1" + "}" * depth if rng.random() < .5 else \
+            "[" * depth + "]" * depth
+        message = self.valid()
+        path = rng.choice(["params.arguments.text", "params.arguments", "id", "params",
+                           "params.task", "params._meta", "params.taskId", "params.arguments.x"])
+        data = self.encode(self.put(message, path, "@@NEST@@"))
+        return data.replace(b'"@@NEST@@"', nest.encode())
+
+    def gen_huge_number(self):
+        rng = self.rng
+        number = rng.choice([b"1" * 5000, b"1e400", b"-1e400", b"1" * 300 + b".5e-999",
+                             b"123456789012345678901234567890", b"1E+2", b"-0", b"0.0000001",
+                             b"9" * 4299, b"1" * 4301])
+        message = self.valid()
+        path = rng.choice(["id", "params.task.ttl", "params.arguments.seconds", "params.taskId",
+                           "params.requestId", "params.cursor", "params._meta.progressToken"])
+        return self.encode(self.put(message, path, "@@N@@")).replace(b'"@@N@@"', number)
+
+    def gen_huge_string(self):
+        message = self.valid()
+        path = self.rng.choice(["method", "id", "params.name", "params.taskId", "params.cursor",
+                                "params.arguments.text", "params.protocolVersion"])
+        size = self.rng.randint(self.limit // 4, self.limit - 300)
+        return self.encode(self.put(message, path, "y" * size))
+
+    def gen_oversized(self):
+        size = self.rng.randint(self.limit + 1, self.limit * 4)
+        message = self.valid()
+        self.put(message, "params.arguments.text", "z" * size)
+        return self.encode(message)
+
+    def gen_unknown_method(self):
+        message = self.valid()
+        message["method"] = self.rng.choice(["", "tasks/delete", "rpc.discover", "TASKS/GET",
+                                             "tasks/get ", "tools/call/x", "notifications/x",
+                                             "resources/list", "prompts/get", self.text()])
+        return self.encode(message)
+
+    def gen_batch(self):
+        items = [self.valid() for _ in range(self.rng.randint(0, 3))]
+        if self.rng.random() < 0.3:
+            items.append(self.rng.choice([1, "x", None, []]))
+        return self.encode(items)
+
+    def gen_crlf(self):
+        rng = self.rng
+        data = self.encode(self.valid())
+        choice = rng.random()
+        if choice < 0.3:        # a raw CR or LF inside the message (LF splits the line)
+            at = rng.randint(1, len(data) - 1)
+            return data[:at] + rng.choice([b"\r", b"\n", b"\r\n"]) + data[at:]
+        if choice < 0.6:        # escaped CR/LF inside strings: valid JSON
+            message = self.valid()
+            self.put(message, rng.choice(["id", "method", "params.taskId", "params.cursor",
+                                          "params.name"]), "a\r\nb\rc\nd")
+            return self.encode(message)
+        return data + b"\r\n" if choice < 0.8 else b"\r" + data
+
+    def gen_response_shaped(self):
+        rng = self.rng
+        return self.encode(rng.choice([
+            {"jsonrpc": "2.0", "id": rng.randint(0, 9), "result": {}},
+            {"jsonrpc": "2.0", "id": rng.randint(0, 9), "error": self.wrong()},
+            {"jsonrpc": "2.0", "id": None, "result": self.wrong()},
+            {"jsonrpc": "2.0", "result": {}},
+            {"jsonrpc": "2.0", "id": "x", "result": 1, "error": 2}]))
+
+    def gen_jsonrpc_version(self):
+        message = self.valid()
+        message["jsonrpc"] = self.rng.choice(["1.0", "2", 2, 2.0, None, "", "2.0 "])
+        return self.encode(message)
+
+
+class McpFuzzTests(McpTestBase):
+    """At least 10,000 seeded malformed lines against one ``mcp`` process over pipes.
+
+    The process never dies; every answer is a well-formed JSON-RPC message with
+    a client-error code (never -32603), no traceback or SQL text; stdout
+    carries JSON-RPC lines only; a ping every 100 inputs and a real task's
+    ``tasks/get`` and ``tasks/result`` every 1,000 (and at the end) are
+    answered correctly.
+    """
+
+    CLIENT_ERRORS = (-32700, -32600, -32601, -32602)
+    SERVER_METHODS = ("notifications/tasks/status", "notifications/progress",
+                      "elicitation/create")
+
+    def check_message(self, message, where):
+        text = json.dumps(message, ensure_ascii=False)
+        for word in FORBIDDEN_IN_OUTPUT:
+            self.assertNotIn(word, text, f"{where}: {text[:500]}")
+        self.assertIsInstance(message, dict, where)
+        self.assertEqual(message.get("jsonrpc"), "2.0", f"{where}: {text[:300]}")
+        if "method" in message:
+            self.assertIn(message["method"], self.SERVER_METHODS, where)
+            self.assertIsInstance(message.get("params", {}), dict, where)
+            return
+        self.assertIn("id", message, f"{where}: {text[:300]}")
+        msg_id = message["id"]
+        self.assertTrue(msg_id is None or (isinstance(msg_id, (str, int))
+                                           and not isinstance(msg_id, bool)), where)
+        self.assertEqual(len({"result", "error"} & set(message)), 1, f"{where}: {text[:300]}")
+        self.assertEqual(set(message) - {"jsonrpc", "id", "result", "error"}, set(), where)
+        if "error" in message:
+            error = message["error"]
+            self.assertIsInstance(error.get("message"), str, where)
+            self.assertTrue(error["message"], where)
+            self.assertIn(error.get("code"), self.CLIENT_ERRORS, f"{where}: {text[:500]}")
+
+    def check_real_task(self, client, done, where):
+        got = client.result("tasks/get", {"taskId": done})
+        self.assertEqual((got["taskId"], got["status"]), (done, "completed"), where)
+        result = client.result("tasks/result", {"taskId": done})
+        self.assertEqual(_text(result), "hi", where)
+        self.assertEqual(result["_meta"][taskstore.RELATED_TASK], {"taskId": done}, where)
+
+    def test_malformed_input_never_breaks_the_server(self):
+        client, proc = self.start_process("--db", self.db, "--max-line-bytes",
+                                          str(FUZZ_LINE_LIMIT), "--workers", "2")
+        client.initialize()
+        done = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "hi"})["taskId"]
+        client.result("tasks/result", {"taskId": done})
+        running = self.create_task(client, "generate_report",
+                                   {"topic": "t", "seconds": 3600})["taskId"]
+        fuzzer = McpFuzzer(random.Random(FAULT_SEED), [done, running], FUZZ_LINE_LIMIT)
+        deadline = time.monotonic() + FAULT_SOAK_S
+        sent = 0
+        checked = 0
+        try:
+            while sent < FUZZ_INPUTS or time.monotonic() < deadline:
+                lines = [fuzzer.line() for _ in range(100)]
+                client.send(b"".join(lines))
+                sent += len(lines)
+                where = f"{fault_context()} after input {sent}"
+                probe = f"probe-{sent}"
+                self.assertEqual(client.response(client.request("ping", msg_id=probe)),
+                                 {"jsonrpc": "2.0", "id": probe, "result": {}}, where)
+                if sent % 1000 == 0:
+                    self.check_real_task(client, done, where)
+                for message in client.log[checked:]:
+                    self.check_message(message, where)
+                checked = len(client.log)
+                self.assertIsNone(proc.poll(), f"{where}: the server died")
+                self.assertEqual(client.bad_lines, [], where)
+            self.check_real_task(client, done, f"{fault_context()} at the end")
+            got = client.result("tasks/get", {"taskId": running})
+            self.assertEqual(got["taskId"], running)
+        except AssertionError as exc:
+            with open(os.path.join(self.dir, "stderr.log"), "rb") as f:
+                log = f.read()[-2500:].decode("utf-8", "replace")
+            raise AssertionError(f"{exc}\nlast inputs: {b''.join(lines)[-600:]!r}\n"
+                                 f"server log (tail):\n{log}") from None
+        client.close()
+        self.assertEqual(proc.wait(TIMEOUT), 0)
+        drain_client(client)
+        for message in client.log[checked:]:
+            if message.get("error", {}).get("message") == "the server is shutting down":
+                continue        # a tasks/result still blocked at EOF (documented)
+            self.check_message(message, f"{fault_context()} at EOF")
+        self.assertGreaterEqual(sent, FUZZ_INPUTS)
+
+
+class McpHostileInputTests(McpTestBase):
+    """One line each: the inputs the fuzzer found that stopped the server or gave -32603."""
+
+    def test_recursion_bomb_is_a_parse_error_and_the_server_goes_on(self):
+        client, _, _ = self.start_server(max_line_bytes=1 << 20)
+        client.send(b"[" * 100_000 + b"\n")
+        self.assertError(client.wait_for(lambda m: m.get("id") is None), -32700)
+        self.assertEqual(client.result("ping"), {})
+
+    def test_deep_but_parseable_nesting_is_invalid_request_not_internal_error(self):
+        client, _, store = self.start_server(max_line_bytes=1 << 20)
+        nest = "[" * 985 + "]" * 985
+        for line in (
+                '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":'
+                '"sleep_then_echo","arguments":{"seconds":0,"text":"x","n":%s},"task":{}}}' % nest,
+                '{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"echo",'
+                '"arguments":{"text":"x","n":%s}}}' % nest):
+            client.send(line.encode() + b"\n")
+            self.assertError(client.wait_for(lambda m: "error" in m), -32600, "nested deeper")
+        self.assertEqual(store.list(kind=taskstore.MCP_TASK_KIND)[0], [])
+        self.assertEqual(client.result("ping"), {})
+
+    def test_unpaired_surrogates_are_refused_not_internal_errors(self):
+        client, _, _ = self.start_server()
+        for line in (b'{"jsonrpc":"2.0","id":1,"method":"tasks/get","params":{"taskId":"\\ud800"}}',
+                     b'{"jsonrpc":"2.0","id":2,"method":"\\udc00x"}',
+                     b'{"jsonrpc":"2.0","id":"\\ud800","method":"ping"}'):
+            client.send(line + b"\n")
+            self.assertError(client.wait_for(lambda m: "error" in m), -32600, "surrogate")
+        self.assertEqual(client.result("ping"), {})
+
+    def test_cancelled_notification_with_an_unhashable_request_id_is_ignored(self):
+        client, _, _ = self.start_server()
+        client.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                     "params": {"requestId": [1]}})
+        client.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                     "params": {"requestId": {"a": 1}}})
+        self.assertEqual(client.result("ping"), {})
+
+    def test_huge_ttl_is_capped_or_refused_never_internal_error(self):
+        client, _, store = self.start_server()
+        task = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "x"},
+                                {"ttl": 10**400})
+        self.assertEqual(task["ttl"], store.max_ttl_ms)            # capped
+        uncapped = taskstore.TaskStore(os.path.join(self.dir, "nocap.db"), max_ttl_ms=None)
+        self.addCleanup(uncapped.close)
+        server = taskstore.McpServer(uncapped)
+        taskstore.add_demo_tools(server)
+        response = server.handle_request({
+            "jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "sleep_then_echo", "arguments": {"seconds": 0, "text": "x"},
+                       "task": {"ttl": 10**400}}})
+        self.assertError(response, -32602, "task.ttl")
+
+
+class McpResourceLimitTests(McpTestBase):
+    """A handler that ignores its cancel event, a full disk, and the entropy of task ids."""
+
+    def stubborn_tool(self):
+        """A tool whose handler never looks at ctx.cancelled; it returns when released."""
+        entered, release, saw_cancel = queue.Queue(), threading.Event(), []
+
+        def stubborn(ctx, args):
+            entered.put(ctx.task_id)
+            release.wait(TIMEOUT)
+            saw_cancel.append(ctx.cancelled.is_set())
+            return "late result"
+        self.addCleanup(release.set)
+        return ("stubborn", stubborn, {"task_support": "optional"}), entered, release, saw_cancel
+
+    def assert_log_sane(self, store, task_id):
+        events = store.events(task_id)
+        self.assertEqual([e.seq for e in events], list(range(store.get(task_id).last_seq + 1)))
+        finals = [e for e in events if e.type == "status"
+                  and e.data["status"] in taskstore.TERMINAL_STATES]
+        self.assertEqual(len(finals), 1)
+        return events
+
+    def test_cancel_of_a_handler_that_ignores_it_answers_at_once(self):
+        tool, entered, release, saw_cancel = self.stubborn_tool()
+        client, _, store = self.start_server(tools=[tool])
+        task_id = self.create_task(client, "stubborn", {})["taskId"]
+        self.assertEqual(entered.get(timeout=TIMEOUT), task_id)
+        started = time.monotonic()
+        got = client.result("tasks/cancel", {"taskId": task_id})
+        self.assertLess(time.monotonic() - started, 2.0, "tasks/cancel waited for the handler")
+        self.assertEqual(got["status"], "cancelled")
+        self.assertEqual(store.get(task_id).status, CANCELLING)
+        self.assertEqual(client.result("tasks/get", {"taskId": task_id})["status"], "cancelled")
+        release.set()
+        self.assertEqual(store.wait(task_id, timeout=TIMEOUT, terminal=True).status, CANCELLED)
+        self.assertEqual(saw_cancel, [True])          # it was told, it just did not listen
+        result = client.result("tasks/result", {"taskId": task_id})
+        self.assertTrue(result["isError"])
+        self.assertIn("cancelled", _text(result))
+        self.assert_log_sane(store, task_id)
+
+    def test_eof_is_not_blocked_by_a_handler_that_ignores_cancel(self):
+        tool, entered, release, _ = self.stubborn_tool()
+        client, server, store = self.start_server(tools=[tool])
+        task_id = self.create_task(client, "stubborn", {})["taskId"]
+        entered.get(timeout=TIMEOUT)
+        started = time.monotonic()
+        client.close()
+        self.assertTrue(client.wait_eof(TIMEOUT))
+        # README "What happens at EOF and SIGTERM": within 2 seconds, whatever the handlers do.
+        self.assertLess(time.monotonic() - started, server.shutdown_grace_s + 1.0)
+        task = store.get(task_id)
+        self.assertEqual(task.status, FAILED)
+        self.assertTrue(task.status_message.startswith("CRASH_RECOVERY"), task.status_message)
+        release.set()                                   # the late return changes nothing
+        for _ in range(3):
+            self.assertEqual(store.wait(task_id, timeout=0.05, since_version=task.version), task)
+        self.assert_log_sane(store, task_id)
+
+    def serve_on(self, store):
+        """Serve the demo tools over pipes on an existing store; return the client."""
+        server = taskstore.McpServer(store)
+        taskstore.add_demo_tools(server)
+        c2s_r, c2s_w = os.pipe()
+        s2c_r, s2c_w = os.pipe()
+        infile, outfile = os.fdopen(c2s_r, "rb"), os.fdopen(s2c_w, "wb")
+
+        raised = []
+
+        def serve():
+            try:
+                server.serve(infile, outfile)
+            except BaseException as exc:
+                raised.append(exc)
+            finally:
+                infile.close()
+                outfile.close()
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        client = McpTestClient(os.fdopen(c2s_w, "wb"), os.fdopen(s2c_r, "rb"))
+
+        def stop():
+            client.close()
+            thread.join(TIMEOUT)
+            self.assertFalse(thread.is_alive())
+            self.assertEqual(client.bad_lines, [])
+            self.assertEqual(raised, [], "serve() raised")
+        self.addCleanup(stop)
+        client.initialize()
+        return client, stop
+
+    def quiet_logs(self):
+        """Keep the store's full-disk log records (they go to stderr otherwise)."""
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logger = logging.getLogger(taskstore.__name__)
+        logger.addHandler(handler)
+        self.addCleanup(logger.removeHandler, handler)
+        return records
+
+    def fill(self, client):
+        """Create running tasks until the size cap refuses one; return (ids, error)."""
+        running = []
+        for i in range(200):
+            response = client.call("tools/call", {
+                "name": "generate_report", "task": {},
+                "arguments": {"topic": f"{i} " + "w" * 3000, "seconds": 3600}})
+            if "error" in response:
+                return running, response["error"]
+            running.append(response["result"]["task"]["taskId"])
+        self.fail("the size cap was never reached")
+
+    def test_eof_on_a_full_disk_still_shuts_down_and_the_next_open_recovers(self):
+        store = taskstore.TaskStore(self.db, max_bytes=128 * 1024)
+        self.addCleanup(store.close)
+        client, stop = self.serve_on(store)
+        self.quiet_logs()
+        running, error = self.fill(client)
+        self.assertEqual(error["code"], -32603)
+        claimed = [t for t in running if store.get(t).status == RUNNING]
+        self.assertTrue(claimed)
+        stop()                      # EOF while full: serve() returns, it does not raise
+        store.close()
+        with taskstore.TaskStore(self.db) as again:     # no cap: recovery can write
+            for task_id in claimed:
+                task = again.get(task_id)
+                self.assertEqual(task.status, FAILED)
+                self.assertTrue(task.status_message.startswith("CRASH_RECOVERY"))
+            # The ones still queued could not be failed at EOF (no space): BUGS.md 2.
+            for task_id in running:
+                self.assertNotIn(again.get(task_id).status, taskstore.ACTIVE_STATES)
+
+    def test_full_disk_gives_a_clear_error_corrupts_nothing_and_recovers(self):
+        store = taskstore.TaskStore(self.db, max_bytes=192 * 1024)
+        self.addCleanup(store.close)
+        client, _ = self.serve_on(store)
+        self.quiet_logs()
+        done = []
+        for i in range(6):          # finished tasks with a short ttl: what the reaper frees
+            task = self.create_task(client, "sleep_then_echo",
+                                    {"seconds": 0, "text": f"d{i} " + "d" * 6000},
+                                    {"ttl": 1000})
+            client.result("tasks/result", {"taskId": task["taskId"]})
+            done.append(task["taskId"])
+        before = {t: client.result("tasks/get", {"taskId": t}) for t in done}
+        running, error = self.fill(client)
+        self.assertEqual(error["code"], -32603, error)
+        self.assertIn("full", error["message"])
+        for word in FORBIDDEN_IN_OUTPUT:
+            self.assertNotIn(word, json.dumps(error))
+        # Reads still work, nothing committed is damaged.
+        self.assertEqual(client.result("ping"), {})
+        for task_id, wire in before.items():
+            self.assertEqual(client.result("tasks/get", {"taskId": task_id}), wire)
+        self.assertEqual(store._conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
+        self.assertGreaterEqual(len(client.result("tasks/list")["tasks"]), len(done))
+        # Free space (the finished tasks expire), and creating works again.
+        counts = store.reap(now=int(time.time() * 1000) + 3_600_000)
+        self.assertEqual(counts["tasks"], len(done))
+        for task_id in running:     # the workers are busy with them: cancel them
+            self.assertEqual(client.result("tasks/cancel", {"taskId": task_id})["status"],
+                             "cancelled")
+        for task_id in running:
+            self.assertEqual(store.wait(task_id, timeout=TIMEOUT, terminal=True).status,
+                             CANCELLED)
+            self.assert_log_sane(store, task_id)
+        task = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "again"})
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": task["taskId"]})),
+                         "again")
+        self.assertEqual(store._conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
+
+    def test_wire_task_ids_carry_at_least_128_bits_from_secrets(self):
+        drawn = []
+        real = taskstore.secrets.token_bytes
+
+        def token_bytes(n):
+            drawn.append(n)
+            return real(n)
+        with unittest.mock.patch.object(taskstore.secrets, "token_bytes", token_bytes):
+            client, _, _ = self.start_server()
+            ids = [self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "x"})
+                   ["taskId"] for _ in range(20)]
+        self.assertIn(17, drawn)            # new_id: 17 bytes drawn, 130 bits of them kept
+        for task_id in ids:
+            self.assertRegex(task_id, r"\Atask_[0-9A-HJKMNP-TV-Z]{36}\Z")   # 26 random chars
+        self.assertEqual(len(set(ids)), len(ids))
+
+    def test_ids_created_together_are_not_guessable_from_each_other(self):
+        client, _, _ = self.start_server()
+        calls = [client.request("tools/call", {"name": "sleep_then_echo", "task": {},
+                                               "arguments": {"seconds": 0, "text": "x"}})
+                 for _ in range(300)]
+        ids = sorted(client.response(c)["result"]["task"]["taskId"] for c in calls)
+        for a, b in zip(ids, ids[1:]):
+            if a[5:15] == b[5:15]:          # same millisecond
+                gap = (int(b[15:].translate(taskstore._FROM_CROCKFORD), 32)
+                       - int(a[15:].translate(taskstore._FROM_CROCKFORD), 32))
+                self.assertGreater(gap, 2**64, f"{b} is {gap} after {a}")
+
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+class McpKilledQueueTests(McpTestBase):
+    """A task still queued (MCP: working) when its server is killed."""
+
+    def test_queued_task_of_a_killed_server_ends_failed_crash_recovery(self):
+        client, proc = self.start_process("--db", self.db, "--workers", "1")
+        client.initialize()
+        busy = self.create_task(client, "generate_report", {"topic": "t", "seconds": 600},
+                                meta={"progressToken": "busy"})
+        client.wait_for(lambda m: m.get("method") == "notifications/progress")
+        queued = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "q"})
+        with taskstore.TaskStore(self.db, recover_on_open=False) as side:
+            self.assertEqual(side.get(queued["taskId"]).status, QUEUED)
+        proc.kill()
+        self.assertEqual(proc.wait(TIMEOUT), -signal.SIGKILL)
+        client, proc = self.start_process("--db", self.db)
+        client.initialize()
+        got = client.result("tasks/get", {"taskId": busy["taskId"]})
+        self.assertTrue(got["statusMessage"].startswith("CRASH_RECOVERY"), got)
+        got = client.result("tasks/get", {"taskId": queued["taskId"]})
+        # MCP-TASKS.md section 6: working when its process died -> failed, CRASH_RECOVERY;
+        # README: the same as at EOF, where _fail_unstarted fails it.
+        self.assertEqual(got["status"], "failed", got)
+        self.assertTrue(got.get("statusMessage", "").startswith("CRASH_RECOVERY"), got)
 
 
 if __name__ == "__main__":
