@@ -7546,6 +7546,53 @@ class McpKilledQueueTests(McpTestBase):
         self.assertTrue(got.get("statusMessage", "").startswith("CRASH_RECOVERY"), got)
 
 
+
+class BenchCommandTests(unittest.TestCase):
+    """``bench`` runs and reports well-formed figures; how fast they are is not tested."""
+
+    def test_bench_json_reports_every_workload(self):
+        out = subprocess.run([sys.executable, TASKSTORE_PY, "bench", "--n", "200", "--json"],
+                             capture_output=True, text=True, timeout=600)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        report = json.loads(out.stdout)                 # one JSON object, nothing else
+        self.assertEqual((report["n"], report["sync"], report["repeat"]), (200, "normal", 3))
+        workloads = report["workloads"]
+        self.assertEqual(set(workloads), set(taskstore.BENCH_WORKLOADS) | {"memory"})
+        number = (int, float)
+        for name in taskstore.BENCH_WORKLOADS:
+            figures = workloads[name]
+            with self.subTest(workload=name):
+                self.assertIsInstance(figures["target_ratio"], number)
+                self.assertNotIn("skipped", figures)     # both servers are in the module
+                for key in ("taskstore_ops_per_s", "raw_ops_per_s", "ratio"):
+                    self.assertIsInstance(figures[key], number)
+                    self.assertGreater(figures[key], 0)
+                self.assertIsInstance(figures["meets_target"], bool)
+        for name in ("reap", "recover"):
+            self.assertIsInstance(workloads[name]["longest_transaction_ms"], number)
+        memory = workloads["memory"]
+        self.assertEqual(memory["tasks"], 200 * 200)
+        self.assertEqual(memory["completed"], 200 * 200 + 1000)      # plus the warm-up
+        self.assertIsInstance(memory["rss_growth_mb"], number)
+        self.assertIsInstance(memory["meets_target"], bool)
+
+    def test_bench_table_has_a_row_per_workload(self):
+        report = {"workloads": {
+            "create": {"taskstore_ops_per_s": 10.0, "raw_ops_per_s": 20.0, "ratio": 0.5,
+                       "target_ratio": 0.6, "meets_target": False},
+            "reap": {"taskstore_ops_per_s": 30.0, "raw_ops_per_s": 60.0, "ratio": 0.5,
+                     "target_ratio": 0.333, "meets_target": True, "longest_transaction_ms": 4.0},
+            "mcp_roundtrip": {"skipped": "skipped: no mcp command", "target_ratio": 0.5},
+            "memory": {"tasks": 1000, "completed": 1000, "rss_growth_mb": 1.5, "target_mb": 50,
+                       "meets_target": True}}}
+        rows = taskstore.bench_table(report)
+        self.assertEqual([r[0] for r in rows], ["create", "reap", "mcp_roundtrip", "memory"])
+        self.assertEqual(rows[0][3:], ("0.50", ">= 0.60", "NO"))
+        self.assertIn("longest txn 4.0 ms", rows[1][4])
+        self.assertEqual(rows[2][5], "skipped: no mcp command")
+        self.assertEqual(rows[3][5], "yes")
+
+
 if __name__ == "__main__":
     unittest.main()
 
