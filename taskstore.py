@@ -2503,6 +2503,11 @@ DEFAULT_MCP_TTL_MS = 3600 * 1000
 DEFAULT_MCP_POLL_INTERVAL_MS = 500
 DEFAULT_MCP_PAGE_SIZE = 50
 DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
+# Requests that only read the store (never block, never wait for a task) run on
+# the reader thread; the others (tools/call, tasks/result, writes that may wait
+# for a busy file) get a thread each so they never hold up the reader.
+_QUICK_METHODS = frozenset(("ping", "tasks/get", "tasks/status", "tasks/list", "tools/list",
+                            "server/discover"))
 MAX_SAFE_INTEGER = 2**53 - 1            # the largest ttl granted when there is no cap
 MAX_JSON_DEPTH = 64                     # deeper messages are -32600: no recursion limit is near
 SHUTDOWN_GRACE_S = 1.0                  # running work gets this long at EOF/SIGTERM
@@ -3200,6 +3205,11 @@ class McpServer:
                 era = self._select_era(message)
             except TaskStoreError as exc:
                 era = exc
+            if message.get("method") in _QUICK_METHODS:
+                # A read that never waits: answered here, in order, without the
+                # cost of a thread (most of a tasks/get round trip otherwise).
+                self._run_request(message, era)
+                return
             thread = threading.Thread(target=self._run_request, args=(message, era),
                                       name="taskstore-mcp-request", daemon=True)
             with self._lock:
@@ -5217,12 +5227,17 @@ class Bench:
             assert store._conn.execute("SELECT count(*) FROM tasks").fetchone()[0] == 0
 
             def raw_run():
+                # The same rows, chosen by a condition as any purge chooses
+                # them (an unconditional DELETE would truncate whole tables,
+                # which no retention rule can do).
                 raw.execute("BEGIN IMMEDIATE")
-                raw.execute("DELETE FROM e")
-                raw.execute("DELETE FROM t")
+                raw.execute("DELETE FROM e WHERE task_id IN (SELECT id FROM t WHERE created_at <= ?)",
+                            (store._now_ms(),))
+                raw.execute("DELETE FROM t WHERE created_at <= ?", (store._now_ms(),))
                 raw.execute("COMMIT")
 
             theirs = self._rate(count, raw_run)
+            assert raw.execute("SELECT count(*) FROM t").fetchone()[0] == 0
         return ours, theirs
 
     def _timed_transactions(self, name, store, count, fn):
