@@ -3503,10 +3503,17 @@ class McpTestBase(unittest.TestCase):
 
     def start_server(self, tools=(), demo=True, capabilities=None, clock=None, **options):
         """Serve a fresh store; return (client, server, store) after ``initialize``."""
+        client, server, store = self.start_fresh(tools, demo, clock, **options)
+        client.initialize(capabilities)
+        return client, server, store
+
+    def start_fresh(self, tools=(), demo=True, clock=None, db=None, **options):
+        """Serve a store with no request sent yet; return (client, server, store)."""
+        db = db or self.db
         if self.COMMAND:
             if tools or not demo or clock:
                 self.skipTest("needs the server object in this process")
-            args = ["--db", self.db]
+            args = ["--db", db]
             for name, value in options.items():
                 if name == "list_tasks":
                     args += [] if value else ["--no-list"]
@@ -3515,11 +3522,10 @@ class McpTestBase(unittest.TestCase):
                 else:
                     args += [self.FLAGS[name], str(value)]
             client, _ = self.start_process(*args)
-            client.initialize(capabilities)
-            store = taskstore.TaskStore(self.db)
+            store = taskstore.TaskStore(db)
             self.addCleanup(store.close)
             return client, None, store
-        store = taskstore.TaskStore(self.db, **({"clock": clock} if clock else {}))
+        store = taskstore.TaskStore(db, **({"clock": clock} if clock else {}))
         self.addCleanup(store.close)
         server = taskstore.McpServer(store, **options)
         if demo:
@@ -3546,7 +3552,6 @@ class McpTestBase(unittest.TestCase):
             self.assertFalse(thread.is_alive(), "serve() did not return after EOF")
             self.assertEqual(client.bad_lines, [])
         self.addCleanup(stop)
-        client.initialize(capabilities)
         return client, server, store
 
     def start_process(self, *args, cwd=None):
@@ -5891,48 +5896,6 @@ def era2_text(result):
 
 class Era2TestBase(McpTestBase):
     """Servers that are *not* initialized: the first request picks the era."""
-
-    def start_fresh(self, tools=(), demo=True, clock=None, db=None, **options):
-        """Serve a store with no request sent yet; return (client, server, store)."""
-        db = db or self.db
-        if self.COMMAND:
-            if tools or not demo or clock:
-                self.skipTest("needs the server object in this process")
-            args = ["--db", db]
-            for name, value in options.items():
-                args += [self.FLAGS[name], str(value)]
-            client, _ = self.start_process(*args)
-            store = taskstore.TaskStore(db)
-            self.addCleanup(store.close)
-            return client, None, store
-        store = taskstore.TaskStore(db, **({"clock": clock} if clock else {}))
-        self.addCleanup(store.close)
-        server = taskstore.McpServer(store, **options)
-        if demo:
-            taskstore.add_demo_tools(server)
-        for name, handler, kwargs in tools:
-            server.add_tool(name, handler, **kwargs)
-        c2s_r, c2s_w = os.pipe()
-        s2c_r, s2c_w = os.pipe()
-        infile, outfile = os.fdopen(c2s_r, "rb"), os.fdopen(s2c_w, "wb")
-
-        def serve():
-            try:
-                server.serve(infile, outfile)
-            finally:
-                infile.close()
-                outfile.close()
-        thread = threading.Thread(target=serve, name="test-mcp-serve", daemon=True)
-        thread.start()
-        client = McpTestClient(os.fdopen(c2s_w, "wb"), os.fdopen(s2c_r, "rb"))
-
-        def stop():
-            client.close()
-            thread.join(TIMEOUT)
-            self.assertFalse(thread.is_alive(), "serve() did not return after EOF")
-            self.assertEqual(client.bad_lines, [])
-        self.addCleanup(stop)
-        return client, server, store
 
     def start_modern(self, **kwargs):
         """A server whose era is 2026-07-28 (locked by a server/discover)."""
