@@ -509,9 +509,14 @@ def _task_from_row(row, replayed=False):
     return Task(*values, replayed)
 
 
+# One encoder for the whole module: json.dumps() with options builds a new one
+# per call, and the hot paths serialise several values per operation.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def dumps(value):
     """Serialise a JSON value compactly; NaN and infinities are refused."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return _ENCODER.encode(value)
 
 
 def _storable(text, param):
