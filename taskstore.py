@@ -1884,7 +1884,7 @@ class TaskStore:
     # -- retention -------------------------------------------------------------
 
     def reap(self, now=None, *, batch_rows=REAP_BATCH_ROWS):
-        """Delete what retention says is over, a few hundred rows per transaction.
+        """Delete what retention says is over, at most *batch_rows* tasks per transaction.
 
         Terminal tasks past ``purge_at`` go with their events and leave a
         tombstone; events of finished tasks past ``event_retention_ms`` are
