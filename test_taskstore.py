@@ -3213,9 +3213,12 @@ class LmspOpenAIBackendTests(ServerTestCase):
 class ServerProcess:
     """``taskstore.py http`` in a child process; its ``listening on`` line gives the port."""
 
-    def __init__(self, test, db, *args):
-        self.proc = subprocess.Popen(http_command("--db", db, "--port", "0", *args),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    def __init__(self, test, db, *args, command=None):
+        """Start the server (or *command*, a program with the same contract) on *db*."""
+        argv = ["--db", db, "--port", "0", *args]
+        argv = http_command(*argv) if command is None else [*command, *argv]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True)
         test.addCleanup(self.cleanup)
         self.lines = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -5457,22 +5460,9 @@ class LmspResourceLimitTests(ServerTestCase):
     """Many connections, many streams, slow clients, deaf handlers, a full disk."""
 
     def server_process(self, *args, script=None):
-        if script is None:
-            return ServerProcess(self, self.db, *args)
-        # ServerProcess runs taskstore.py; this one runs a script with the same contract.
-        server = ServerProcess.__new__(ServerProcess)
-        server.proc = subprocess.Popen(
-            [sys.executable, "-c", script, TASKSTORE_DIR, "--db", self.db, "--port", "0", *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.addCleanup(server.cleanup)
-        server.lines = queue.Queue()
-        server.reader = threading.Thread(target=server._read, daemon=True)
-        server.reader.start()
-        line = server.lines.get(timeout=TIMEOUT)
-        match = re.fullmatch(r"taskstore: listening on http://(127\.0\.0\.1):(\d+)", line.strip())
-        self.assertTrue(match, line)
-        server.client = Client(match.group(1), int(match.group(2)))
-        return server
+        # With a script: a program with the same contract as taskstore.py http.
+        command = None if script is None else [sys.executable, "-c", script, TASKSTORE_DIR]
+        return ServerProcess(self, self.db, *args, command=command)
 
     def test_500_concurrent_connections_are_all_answered_and_the_server_stays_healthy(self):
         server = self.server_process("--demo-delay", "0", "--workers", "2")
