@@ -59,13 +59,18 @@ class FakeClock:
         return int(self.now * 1000)
 
 
+def temp_dir(test):
+    """A temporary directory removed when *test* ends; return its path."""
+    tmp = tempfile.TemporaryDirectory()
+    test.addCleanup(tmp.cleanup)
+    return tmp.name
+
+
 class StoreTestCase(unittest.TestCase):
     """A fresh store on a temporary file and a fake clock for every test."""
 
     def setUp(self):
-        tmp = tempfile.TemporaryDirectory()
-        self.addCleanup(tmp.cleanup)
-        self.dir = tmp.name
+        self.dir = temp_dir(self)
         self.path = os.path.join(self.dir, "tasks.db")
         self.clock = FakeClock()
         self.store = self.open_store()
@@ -1740,9 +1745,7 @@ class MultiProcessTestCase(unittest.TestCase):
     """A temporary directory with one database file that children share."""
 
     def setUp(self):
-        tmp = tempfile.TemporaryDirectory()
-        self.addCleanup(tmp.cleanup)
-        self.path = os.path.join(tmp.name, "tasks.db")
+        self.path = os.path.join(temp_dir(self), "tasks.db")
 
     def open_store(self, **kwargs):
         kwargs.setdefault("poll_interval", 0.02)
@@ -2407,9 +2410,7 @@ class ServerTestCase(unittest.TestCase):
     """Starts an in-process LMSP server (store, runner, app) on 127.0.0.1:0."""
 
     def setUp(self):
-        tmp = tempfile.TemporaryDirectory()
-        self.addCleanup(tmp.cleanup)
-        self.dir = tmp.name
+        self.dir = temp_dir(self)
         self.db = os.path.join(self.dir, "lmsp.db")
 
     def start_server(self, backend=None, *, workers=4, tokens=None, store_kwargs=None,
@@ -3249,9 +3250,7 @@ class LmspProcessTests(unittest.TestCase):
     TEXT = " ".join(f"w{i}" for i in range(40))
 
     def setUp(self):
-        tmp = tempfile.TemporaryDirectory()
-        self.addCleanup(tmp.cleanup)
-        self.db = os.path.join(tmp.name, "lmsp.db")
+        self.db = os.path.join(temp_dir(self), "lmsp.db")
 
     def start_mid_task(self, policy):
         """Start a slow server, create a task, read 2 deltas, kill -9; return task and events."""
@@ -3492,9 +3491,7 @@ class McpTestBase(unittest.TestCase):
     """Starts servers in-process on pipes or as subprocesses, and cleans up."""
 
     def setUp(self):
-        tmp = tempfile.TemporaryDirectory()
-        self.addCleanup(tmp.cleanup)
-        self.dir = tmp.name
+        self.dir = temp_dir(self)
         self.db = os.path.join(self.dir, "mcp.db")
 
     # True in the *CommandTests subclasses: the same tests run against the command in
@@ -4581,9 +4578,7 @@ class LmspCrashTortureTests(unittest.TestCase):
     ACTIVE = ("loading", "running", "input_required", "cancelling")
 
     def setUp(self):
-        tmp = tempfile.TemporaryDirectory()
-        self.addCleanup(tmp.cleanup)
-        self.db = os.path.join(tmp.name, "torture.db")
+        self.db = os.path.join(temp_dir(self), "torture.db")
 
     def start(self):
         server = ServerProcess(self, self.db, "--demo-delay", "0.004", "--workers", "2",
@@ -5356,9 +5351,7 @@ class LmspFuzzTests(unittest.TestCase):
     MAX_BODY = 256 * 1024
 
     def setUp(self):
-        tmp = tempfile.TemporaryDirectory()
-        self.addCleanup(tmp.cleanup)
-        self.db = os.path.join(tmp.name, "fuzz.db")
+        self.db = os.path.join(temp_dir(self), "fuzz.db")
 
     def check_healthy(self, server, client, count):
         self.assertIsNone(server.proc.poll(), f"the server died after {count} inputs")
@@ -5744,9 +5737,7 @@ class LmspIsolationTests(unittest.TestCase):
     ALICE, BOB = "alice-token-5b1e2d9c", "bob-token-0c7a4f13"
 
     def setUp(self):
-        tmp = tempfile.TemporaryDirectory()
-        self.addCleanup(tmp.cleanup)
-        self.db = os.path.join(tmp.name, "isolation.db")
+        self.db = os.path.join(temp_dir(self), "isolation.db")
         self.server = ServerProcess(self, self.db, "--demo-delay", "0", "--verbose",
                                     "--token", f"alice={self.ALICE}", "--token", f"bob={self.BOB}")
         base = self.server.client
@@ -6620,9 +6611,7 @@ class McpCrashTortureTests(unittest.TestCase):
     WAITING = {"tasks/get", "tasks/list", "tasks/cancel", "tools/call"}
 
     def setUp(self):
-        tmp = tempfile.TemporaryDirectory()
-        self.addCleanup(tmp.cleanup)
-        self.dir = tmp.name
+        self.dir = temp_dir(self)
         self.db = os.path.join(self.dir, "torture.db")
         self.rng = random.Random(FAULT_SEED)
         self.acked = {}           # task id -> cycle it was acknowledged in
