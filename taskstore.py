@@ -483,35 +483,69 @@ class Task(typing.NamedTuple):
 
 
 class Event(typing.NamedTuple):
-    """One row of a task's event log; ``seq`` counts from 0 without gaps."""
+    """One row of a task's event log; ``seq`` counts from 0 without gaps.
+
+    ``data_json`` is the event's data as stored (compact JSON text), and
+    ``data`` decodes it on each access into a fresh value the caller may
+    keep or change.  So reading a log costs what reading its rows costs, and
+    a stream can send ``data_json`` as it is.
+    """
 
     task_id: str
     seq: int
     type: str
-    data: dict
+    data_json: str
     created_at: int
+
+    @property
+    def data(self):
+        """The event's data, decoded (a dict for every event the store writes)."""
+        return _loads(self.data_json)
 
 
 _TASK_COLUMNS = Task._fields[:-1]
 _JSON_INDEXES = tuple(i for i, name in enumerate(_TASK_COLUMNS) if name in (
     "payload", "result", "error", "meta", "input_request", "input_answer"))
-_META_INDEX = _TASK_COLUMNS.index("meta")
 _SELECT_TASK = "SELECT " + ", ".join(_TASK_COLUMNS) + " FROM tasks"
 
 
 def _task_from_row(row, replayed=False):
-    values = list(row)
-    for i in _JSON_INDEXES:
-        if values[i] is not None:
-            values[i] = json.loads(values[i])
-    if values[_META_INDEX] is None:
-        values[_META_INDEX] = {}
-    return Task(*values, replayed)
+    # Unpacked by position (the order of _TASK_COLUMNS) and built with
+    # tuple.__new__: this runs on every read, and the generic loop over the
+    # JSON columns cost as much as the SELECT.
+    (task_id, kind, status, payload, result, error, status_message, progress, progress_total,
+     principal, policy, attempt, ttl_ms, retention_ms, created_at, updated_at, finished_at,
+     purge_at, owner, last_seq, first_seq, version, meta, input_request, input_answer) = row
+    return _new_tuple(Task, (
+        task_id, kind, status,
+        None if payload is None else _loads(payload),
+        None if result is None else _loads(result),
+        None if error is None else _loads(error),
+        status_message, progress, progress_total, principal, policy, attempt, ttl_ms,
+        retention_ms, created_at, updated_at, finished_at, purge_at, owner, last_seq,
+        first_seq, version,
+        {} if meta is None else _loads(meta),
+        None if input_request is None else _loads(input_request),
+        None if input_answer is None else _loads(input_answer),
+        replayed))
 
+
+_new_tuple = tuple.__new__
 
 # One encoder for the whole module: json.dumps() with options builds a new one
 # per call, and the hot paths serialise several values per operation.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_DECODER = json.JSONDecoder()
+
+
+def _loads(text):
+    """Decode JSON text this module stored (compact, from ``dumps``).
+
+    ``raw_decode`` skips what ``json.loads`` checks for arbitrary input
+    (type, leading and trailing whitespace): a third of the cost.  Never use
+    it on input from outside.
+    """
+    return _DECODER.raw_decode(text)[0]
 
 
 def dumps(value):
@@ -653,9 +687,14 @@ def _as_tuple(value, param, allowed=None):
 #   commit and outside the lock.
 # - ``now`` arguments are epoch milliseconds; the clock is a ``time.time``-like
 #   function in seconds, injectable for tests.
+# - Checkpoints (copying the WAL back into the database file) run on the
+#   store's own background thread (``_Checkpointer``), started by the first
+#   write; they change nothing about what a commit makes durable.
 
 # Tunables of the store's write path (section 2 holds the documented defaults).
-WAL_AUTOCHECKPOINT = 1000          # SQLite's default, restored after bulk jobs
+CHECKPOINT_ROWS = 500              # rows written between background checkpoints (~1,000 WAL pages)
+WAL_BACKSTOP_PAGES = 4000          # SQLite's own inline checkpoint, if the background one lags
+CHECKPOINT_TAIL_PAGES = 64         # at most this much is left for the checkpoint under the lock
 GROUP_ROUNDS = 8                   # transactions a group-commit leader runs before handing over
 GROUP_DELAY_S = 0.002              # longest a leader waits for company, only under contention
 
@@ -792,6 +831,94 @@ def _pid_alive(pid, proc_start):
     return proc_start is None or stat[1] == proc_start
 
 
+class _Checkpointer(threading.Thread):
+    """Copies the WAL back into the database file, off the writers' path.
+
+    SQLite's automatic checkpoint runs inside the COMMIT that crosses 1,000
+    WAL pages, and with ``synchronous=NORMAL`` it is where the WAL and the
+    database file are fsynced: the unlucky writer flushes about 4 MB, and
+    that was over a third of a lone create's average time.  This thread runs
+    the same checkpoint on its own connection while writers go on.  What a
+    commit makes durable, and when, does not change: a commit is in the WAL
+    before it returns, and the WAL is synced at each checkpoint as before.
+
+    A checkpoint that copied everything it saw is followed by a short second
+    pass under the store's lock, which copies what was committed meanwhile:
+    then the next writer restarts the WAL from its beginning and the file
+    stays small.  Should this thread lag, SQLite's own inline checkpoint at
+    ``WAL_BACKSTOP_PAGES`` still bounds the WAL.  Failures are logged, never
+    raised: a checkpoint can always be done later.
+    """
+
+    def __init__(self, store):
+        super().__init__(name="taskstore-checkpointer", daemon=True)
+        self.store = store
+        self._wake = threading.Event()
+        self._stopping = False
+        self.passes = 0                         # checkpoints finished (tests wait on it)
+        self._passed = threading.Condition()
+        self._conn = sqlite3.connect(store.path, isolation_level=None, check_same_thread=False)
+        self._conn.execute(f"PRAGMA synchronous={store.synchronous.upper()}")
+
+    def poke(self):
+        """Ask for a checkpoint soon (cheap; many pokes make one checkpoint)."""
+        self._wake.set()
+
+    def run(self):
+        store, conn = self.store, self._conn
+        try:
+            while True:
+                self._wake.wait()
+                self._wake.clear()
+                if self._stopping:
+                    return
+                try:
+                    if self._copy_all():
+                        with store._lock:
+                            if store._closed:
+                                return
+                            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                except sqlite3.Error as exc:
+                    logger.warning("background checkpoint of %s failed: %s", store.path, exc)
+                with self._passed:
+                    self.passes += 1
+                    self._passed.notify_all()
+        finally:
+            conn.close()
+
+    def wait_for_pass(self, count, timeout):
+        """Block until *count* checkpoints have finished; return whether they had."""
+        with self._passed:
+            return self._passed.wait_for(lambda: self.passes >= count, timeout)
+
+    def _copy_all(self, passes=4, small=CHECKPOINT_TAIL_PAGES):
+        """Checkpoint until what arrived during the last pass is *small*; True if it got there.
+
+        Each pass copies what was committed while the one before ran, so
+        they shrink quickly; the short pass under the lock then has little
+        left to sync.  False when a reader holds old pages (the WAL cannot
+        restart then anyway) or writers keep ahead.
+        """
+        seen = 0
+        for _ in range(passes):
+            busy, log, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            if busy or log <= 0 or copied != log:
+                return False
+            if log - seen <= small:
+                return True
+            seen = log
+        return False
+
+    def stop(self, timeout=10.0):
+        """Stop after the checkpoint in progress, if any; close the connection."""
+        self._stopping = True
+        self._wake.set()
+        if self.is_alive():
+            self.join(timeout)
+        else:
+            self._conn.close()
+
+
 class TaskStore:
     """A durable task store on one SQLite file.
 
@@ -868,6 +995,8 @@ class TaskStore:
         self._listeners = []
         self._cancel_events = {}
         self._reaper = None
+        self._checkpointer = None
+        self._checkpoint_mark = 0     # conn.total_changes at the last checkpoint request
         self._last_id = None
         self._bulk_depth = 0
         self._created_json = {}
@@ -932,6 +1061,7 @@ class TaskStore:
         conn.execute("PRAGMA foreign_keys=ON")
         # Speed without risk: these change neither what is on disk nor when.
         conn.execute("PRAGMA temp_store=MEMORY")          # GROUP BY / sort scratch space
+        conn.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")   # see _Checkpointer
         conn.create_function("taskstore_purge_at", 4, _purge_at, deterministic=True)
         if max_bytes is not None:
             page = conn.execute("PRAGMA page_size").fetchone()[0]
@@ -1001,6 +1131,8 @@ class TaskStore:
                     with contextlib.suppress(sqlite3.Error):
                         conn.execute("ROLLBACK")
                 raise self._unavailable(exc) from None
+            if conn.total_changes - self._checkpoint_mark >= CHECKPOINT_ROWS:
+                self._checkpoint_soon_locked()
             if self._changed_waiting:
                 self._changed.notify_all()
             if notices and self._listeners:
@@ -1015,6 +1147,20 @@ class TaskStore:
                     listener(task, change)
                 except Exception:
                     logger.exception("task listener %r failed", listener)
+
+    def _checkpoint_soon_locked(self):
+        self._checkpoint_mark = self._conn.total_changes
+        if self._bulk_depth:
+            return                   # a bulk job checkpoints once, at its end
+        if self._checkpointer is None:
+            try:
+                self._checkpointer = _Checkpointer(self)
+            except sqlite3.Error as exc:
+                logger.warning("no background checkpoints for %s: %s", self.path, exc)
+                self._checkpoint_mark = float("inf")      # SQLite's inline ones remain
+                return
+            self._checkpointer.start()
+        self._checkpointer.poke()
 
     @contextlib.contextmanager
     def _reading(self):
@@ -1072,7 +1218,7 @@ class TaskStore:
             sets.append(f"{name} = ?")
             values.append(value)
             if name != "snapshot":
-                changes[name] = json.loads(value) if (
+                changes[name] = _loads(value) if (
                     value is not None and name in _JSON_COLUMNS) else value
         if new in TERMINAL_STATES:
             purge_at = _purge_at(now, task.created_at, task.ttl_ms, task.retention_ms)
@@ -1272,7 +1418,7 @@ class TaskStore:
         # Built here rather than read back: the row is exactly this.
         return Task(task_id, kind, QUEUED, payload, None, None, status_message,
                     None, None, principal, policy, 1, ttl_ms, retention_ms, now, now, None, None,
-                    owner, 0, 0, 0, {} if meta is None else json.loads(meta_json), None, None)
+                    owner, 0, 0, 0, {} if meta is None else _loads(meta_json), None, None)
 
     def _created_data(self, kind):
         data = self._created_json.get(kind)
@@ -1486,13 +1632,8 @@ class TaskStore:
             rows = conn.execute(
                 "SELECT seq, type, data, created_at FROM events WHERE task_id = ? AND seq >= ? "
                 "ORDER BY seq LIMIT ?", (task_id, start, -1 if limit is None else limit)).fetchall()
-        if not rows:
-            return []
-        # Column-wise: one parse for the whole page (much cheaper than one
-        # json.loads per row), and the Events built by map, not a loop.
-        seqs, types, datas, created = zip(*rows)
-        return list(map(Event, [task_id] * len(rows), seqs, types,
-                        json.loads("[" + ",".join(datas) + "]"), created))
+        # The data stays JSON text until someone reads Event.data.
+        return [_new_tuple(Event, (task_id, *row)) for row in rows]
 
     def wait(self, task_id, *, timeout, since_version=None, terminal=False, principal=None):
         """Block until the task changes or ends, then return it.
@@ -1531,7 +1672,7 @@ class TaskStore:
             row = conn.execute("SELECT snapshot FROM tasks WHERE id = ?", (task_id,)).fetchone()
         if row is None:
             raise TaskNotFound(task_id)
-        return None if row[0] is None else json.loads(row[0])
+        return None if row[0] is None else _loads(row[0])
 
     # -- moving tasks ----------------------------------------------------------
 
@@ -1777,9 +1918,11 @@ class TaskStore:
             while True:
                 now = self._now_ms()
                 with self._writing() as notices:
+                    # The bound counts the owner's tasks, finished or not:
+                    # then it is a walk of the index alone, with no row read.
                     last = self._conn.execute(
-                        f"SELECT id FROM tasks WHERE {owned} ORDER BY id LIMIT 1 OFFSET ?",
-                        (proc_id, after, RELEASE_BATCH - 1)).fetchone()
+                        "SELECT id FROM tasks WHERE owner = ? AND id > ? ORDER BY id "
+                        "LIMIT 1 OFFSET ?", (proc_id, after, RELEASE_BATCH - 1)).fetchone()
                     if last is None:
                         moved += self._restart_batch_locked(notices, now, reason, owned,
                                                             (proc_id, after))
@@ -1914,11 +2057,12 @@ class TaskStore:
     def _bulk(self):
         """Checkpoint the WAL once after a bulk job instead of after every 1,000 pages.
 
-        Reap and recovery write many small transactions; SQLite's automatic
-        checkpoint would copy the same pages back to the database file again
+        Reap and recovery write many small transactions; checkpoints during
+        the job would copy the same pages back to the database file again
         and again.  Checkpoints move committed data between two durable
         files, so deferring them changes nothing a crash can lose; the WAL
-        just grows for the length of the job, and shrinks back at its end.
+        just grows for the length of the job, and the background checkpoint
+        at its end shrinks it back.
         """
         with self._lock:
             self._check_open()
@@ -1932,10 +2076,10 @@ class TaskStore:
                 self._bulk_depth -= 1
                 if self._bulk_depth == 0 and not self._closed:
                     try:
-                        self._conn.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT}")
-                        self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                        self._conn.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
                     except sqlite3.Error as exc:
-                        logger.warning("checkpoint after a bulk job failed: %s", exc)
+                        logger.warning("cannot restore automatic checkpoints: %s", exc)
+                    self._checkpoint_soon_locked()
 
     def _reap_tasks_once(self, now, budget, counts):
         """Delete one batch of expired tasks with their events; True when there may be more.
@@ -2005,6 +2149,26 @@ class TaskStore:
                     return True
             return len(rows) == budget
 
+    def checkpoint(self):
+        """Copy the whole WAL into the database file now, and empty the WAL.
+
+        Checkpoints normally happen in the background (``_Checkpointer``);
+        call this before copying the file, or to measure something on a
+        quiet disk.  It waits (up to the busy timeout) for a checkpoint or a
+        reader in progress.  Returns ``(wal_pages, copied_pages)`` as SQLite
+        reports them.
+        """
+        with self._lock:
+            self._check_open()
+            if self.readonly:
+                raise StoreUnavailable(f"{self.path}: opened read-only")
+            try:
+                _, log, copied = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            except sqlite3.Error as exc:
+                raise self._unavailable(exc) from None
+            self._checkpoint_mark = self._conn.total_changes
+        return log, copied
+
     def start_reaper(self, interval=DEFAULT_REAP_INTERVAL_S):
         """Start the opt-in reaper thread: ``reap()`` and ``recover()`` every *interval* s.
 
@@ -2031,8 +2195,11 @@ class TaskStore:
             self._changed.notify_all()
             self._work.notify_all()
             reaper, self._reaper = self._reaper, None
+            checkpointer, self._checkpointer = self._checkpointer, None
         if reaper is not None:
             reaper.stop()
+        if checkpointer is not None:
+            checkpointer.stop()
         with self._lock:
             self._conn.close()
 
@@ -5119,6 +5286,7 @@ class Bench:
                 contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
             ours = self._rate(self.n, lambda: [store.create("bench", {"i": i})
                                                for i in range(self.n)])
+            store.checkpoint()      # our background checkpoint must not slow the baseline
             theirs = self._rate(self.n, lambda: [_raw_insert(raw, i) for i in range(self.n)])
         return ours, theirs
 
@@ -5148,8 +5316,9 @@ class Bench:
 
         with self._files() as (spath, rpath), self._store(spath) as store, \
                 contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
-            return (self._rate(self.n, lambda: ours_run(store)),
-                    self._rate(self.n, lambda: raw_run(raw)))
+            ours = self._rate(self.n, lambda: ours_run(store))
+            store.checkpoint()
+            return ours, self._rate(self.n, lambda: raw_run(raw))
 
     def concurrent_create(self, threads=8):
         """Workload: 8 threads creating vs raw single-thread INSERTs."""
@@ -5168,6 +5337,7 @@ class Bench:
         with self._files() as (spath, rpath), self._store(spath) as store, \
                 contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
             ours = self._rate(per * threads, lambda: ours_run(store))
+            store.checkpoint()
             theirs = self._rate(self.n, lambda: [_raw_insert(raw, i) for i in range(self.n)])
         return ours, theirs
 
@@ -5182,6 +5352,7 @@ class Bench:
             raw_ids = [r[0] for r in raw.execute("SELECT id FROM t")]
             picks = [ids[i % len(ids)] for i in range(self.n)]
             raw_picks = [raw_ids[i % len(raw_ids)] for i in range(self.n)]
+            store.checkpoint()
             ours = self._rate(self.n, lambda: [store.get(i) for i in picks])
             theirs = self._rate(self.n, lambda: [
                 raw.execute("SELECT * FROM t WHERE id = ?", (i,)).fetchone() for i in raw_picks])
@@ -5203,6 +5374,7 @@ class Bench:
                             [(i, dumps({"i": i, "text": "word "})) for i in range(events)])
             raw.execute("COMMIT")
             assert len(store.events(task.id)) == events
+            store.checkpoint()
             ours = self._rate(reps, lambda: [store.events(task.id) for _ in range(reps)])
             theirs = self._rate(reps, lambda: [raw.execute(
                 "SELECT seq, type, data, created_at FROM e WHERE task_id = 't' AND seq >= 0 "
@@ -5240,7 +5412,9 @@ class Bench:
         with self._files() as (spath, rpath), self._store(spath) as store, \
                 contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
             self._fill(store, raw, count, finished=True)
+            store.checkpoint()
             ours = self._timed_transactions("reap", store, count, store.reap)
+            store.checkpoint()
             assert store._conn.execute("SELECT count(*) FROM tasks").fetchone()[0] == 0
 
             def raw_run():
@@ -5283,7 +5457,9 @@ class Bench:
                 self._store(spath, recover_on_open=False) as store, \
                 contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
             self._fill(store, raw, count, finished=False)
+            store.checkpoint()
             ours = self._timed_transactions("recover", store, count, store.recover)
+            store.checkpoint()
             assert store._conn.execute("SELECT count(*) FROM tasks WHERE status = ?",
                                        (FAILED,)).fetchone()[0] == count
 

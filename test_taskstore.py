@@ -20,6 +20,7 @@ import queue
 import random
 import re
 import select
+import shutil
 import signal
 import socket
 import sqlite3
@@ -379,6 +380,15 @@ class LifecycleTests(StoreTestCase):
         self.assertEqual(heard, [("created", QUEUED), ("status", RUNNING), ("progress", RUNNING),
                                  ("event", RUNNING), ("status", SUCCEEDED)])
 
+    def test_event_data_is_stored_text_decoded_afresh_on_each_access(self):
+        task = self.running_task()
+        self.store.emit(task.id, "delta", {"text": "hé", "n": [1, 2]})
+        event = self.store.events(task.id)[-1]
+        self.assertEqual(event.data_json, '{"text":"hé","n":[1,2]}')
+        event.data["n"].append(3)                   # the caller's copy, not the event's
+        self.assertEqual(event.data, {"text": "hé", "n": [1, 2]})
+        self.assertIsNot(event.data, event.data)
+
 
 # ---------------------------------------------------------------------------
 # Runner and handler context
@@ -679,6 +689,72 @@ class IdempotencyTests(StoreTestCase):
 # ---------------------------------------------------------------------------
 # Retention, TTL, tombstones (fake clock)
 # ---------------------------------------------------------------------------
+
+class CheckpointTests(StoreTestCase):
+    """The WAL is copied into the database file by the store's own thread, never lost."""
+
+    def rows_in_main_file(self):
+        """Count the tasks in a copy of the database file alone, without its WAL."""
+        copy = os.path.join(self.dir, "main-only.db")
+        shutil.copyfile(self.path, copy)
+        with contextlib.closing(sqlite3.connect(copy)) as conn:
+            return conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
+
+    def writes(self, count):
+        return [self.store.create("k", {"i": i}).id for i in range(count)]
+
+    def test_a_background_thread_checkpoints_after_enough_writes(self):
+        self.assertIsNone(self.store._checkpointer)          # a store that never wrote has none
+        rows_per_create = 2                                   # the task and its first event
+        self.writes(taskstore.CHECKPOINT_ROWS // rows_per_create + 1)
+        checkpointer = self.store._checkpointer
+        self.assertIsNotNone(checkpointer)
+        self.assertNotEqual(checkpointer.ident, threading.get_ident())
+        self.assertTrue(checkpointer.wait_for_pass(1, TIMEOUT))
+        self.assertGreaterEqual(self.rows_in_main_file(), taskstore.CHECKPOINT_ROWS // 2)
+
+    def test_writers_never_checkpoint_below_the_backstop(self):
+        pragma = self.store._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
+        self.assertEqual(pragma, taskstore.WAL_BACKSTOP_PAGES)
+        # A bulk job turns it off while it runs and must turn it back on.
+        self.store.reap()
+        pragma = self.store._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
+        self.assertEqual(pragma, taskstore.WAL_BACKSTOP_PAGES)
+
+    def test_the_wal_restarts_under_continuous_writes(self):
+        page = self.store._conn.execute("PRAGMA page_size").fetchone()[0]
+        self.writes(5 * taskstore.CHECKPOINT_ROWS)
+        passes = self.store._checkpointer.passes
+        self.writes(10 * taskstore.CHECKPOINT_ROWS)
+        self.assertTrue(self.store._checkpointer.wait_for_pass(passes + 1, TIMEOUT))
+        # 7,500 creates write ~30,000 WAL pages; without restarts the file would hold them all.
+        self.assertLess(os.path.getsize(self.path + "-wal"),
+                        (taskstore.WAL_BACKSTOP_PAGES + 500) * (page + 24))
+
+    def test_checkpoint_empties_the_wal_and_the_file_holds_everything(self):
+        ids = self.writes(50)
+        log, copied = self.store.checkpoint()
+        self.assertEqual(log, copied)
+        self.assertEqual(os.path.getsize(self.path + "-wal"), 0)
+        self.assertEqual(self.rows_in_main_file(), len(ids))
+
+    def test_a_commit_is_readable_by_another_connection_before_any_checkpoint(self):
+        task = self.store.create("k")
+        with contextlib.closing(sqlite3.connect(self.path)) as other:
+            self.assertEqual(other.execute("SELECT status FROM tasks WHERE id = ?",
+                                           (task.id,)).fetchone(), ("queued",))
+
+    def test_close_stops_the_thread_and_a_read_only_store_has_none(self):
+        self.writes(taskstore.CHECKPOINT_ROWS)
+        checkpointer = self.store._checkpointer
+        self.store.close()
+        self.assertFalse(checkpointer.is_alive())
+        reader = self.open_store(readonly=True)
+        reader.list()
+        self.assertIsNone(reader._checkpointer)
+        with self.assertRaises(taskstore.StoreUnavailable):
+            reader.checkpoint()
+
 
 class RetentionTests(StoreTestCase):
 
