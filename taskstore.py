@@ -88,6 +88,7 @@ __all__ = [
 import argparse
 import base64
 import contextlib
+import functools
 import hashlib
 import hmac
 import http.client
@@ -587,7 +588,13 @@ def iso_time(ms):
     if ms is None:
         return None
     seconds, millis = divmod(int(ms), 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+    return f"{_iso_seconds(seconds)}.{millis:03d}Z"
+
+
+@functools.lru_cache(maxsize=1024)
+def _iso_seconds(seconds):
+    # Cached: a task's two timestamps are formatted on every poll of it.
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
@@ -2961,12 +2968,19 @@ def _task_request(params):
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _json_problem(value, limit):
+def _json_problem(value, limit, text=None):
     """Say what makes a decoded message unusable, or return None (walks it without recursion).
 
     Deeper than *limit* levels, later code could hit the recursion limit; an
     unpaired surrogate (``"\\ud800"``) cannot be encoded, stored or echoed.
+    *text*, the bytes *value* was decoded from, often proves there is
+    nothing to find without the walk: in ASCII without NUL bytes (json
+    reads UTF-16 and -32 too, and UTF-8 with surrogates passed through) a
+    surrogate needs a ``\\u`` escape, and *limit* levels need as many brackets.
     """
+    if text is not None and text.isascii() and b"\\u" not in text and b"\0" not in text \
+            and text.count(b"{") + text.count(b"[") <= limit:
+        return None
     stack = [(value, 1)]
     while stack:
         value, depth = stack.pop()
@@ -3353,7 +3367,7 @@ class McpServer:
         except (ValueError, RecursionError):    # bad UTF-8; RecursionError: a nesting bomb
             self._reply(None, error=to_jsonrpc_error(ParseError("parse error: not JSON")))
             return
-        problem = _json_problem(message, MAX_JSON_DEPTH)
+        problem = _json_problem(message, MAX_JSON_DEPTH, line)
         if problem is not None:             # the id itself may be unusable: answer id null
             self._reply(None, error=to_jsonrpc_error(InvalidRequest(problem)))
             return

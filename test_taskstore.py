@@ -7326,6 +7326,12 @@ class McpHostileInputTests(McpTestBase):
                      b'{"jsonrpc":"2.0","id":"\\ud800","method":"ping"}'):
             client.send(line + b"\n")
             self.assertError(client.wait_for(lambda m: "error" in m), -32600, "surrogate")
+        # json.loads also reads UTF-16 and -32, where a "\\u" escape is not those bytes,
+        # and lets UTF-8 encoded surrogates through.
+        for line in ('{"jsonrpc":"2.0","id":3,"method":"\\ud800"}\n'.encode("utf-16-be"),
+                     '{"jsonrpc":"2.0","id":4,"method":"\ud800"}\n'.encode("utf-8", "surrogatepass")):
+            client.send(line)
+            self.assertError(client.wait_for(lambda m: "error" in m), -32600, "surrogate")
         self.assertEqual(client.result("ping"), {})
 
     def test_cancelled_notification_with_an_unhashable_request_id_is_ignored(self):
