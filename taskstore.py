@@ -4717,7 +4717,8 @@ class LMSPApp:
             if self.stopping.is_set():
                 raise ServiceUnavailable("the server is shutting down")
             request = {"principal": principal, "headers": headers, "read_body": read_body,
-                       "query": urllib.parse.parse_qs(query, keep_blank_values=True)}
+                       "query": urllib.parse.parse_qs(query, keep_blank_values=True)
+                       if query else {}}     # most requests have none: skip the parser
             return op(request, *match.groups())
         except OSError:
             raise       # the client's socket failed (reset, request timeout): no answer
@@ -4922,6 +4923,10 @@ class _DeadlineReader(io.RawIOBase):
 
     A per-recv timeout alone lets a client that trickles one byte at a time
     hold a thread for ever; this bounds the whole request (--request-timeout).
+    The request's clock starts at its first read from the socket, when the
+    socket's timeout is the whole --request-timeout (see _dispatch): that
+    read needs no settimeout() (a syscall), so a request that arrives in one
+    piece costs none.  Later reads of the same request get what remains.
     """
 
     def __init__(self, handler):
@@ -4931,11 +4936,15 @@ class _DeadlineReader(io.RawIOBase):
         return True
 
     def readinto(self, buffer):
-        remaining = self.handler.deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("request timeout")
-        self.handler.connection.settimeout(remaining)
-        return self.handler.connection.recv_into(buffer)
+        handler = self.handler
+        if handler.deadline is None:
+            handler.deadline = time.monotonic() + handler.server.app.request_timeout
+        else:
+            remaining = handler.deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("request timeout")
+            handler.connection.settimeout(remaining)
+        return handler.connection.recv_into(buffer)
 
 
 class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
@@ -4944,7 +4953,7 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"taskstore/{__version__}"
     sys_version = ""            # no Python version in the Server header
-    deadline = 0.0
+    deadline = None             # the current request's, from its first read (_DeadlineReader)
 
     def setup(self):
         super().setup()
@@ -4952,17 +4961,32 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
         # for the client's delayed ACK (Nagle); SSE frames would lag the same way.
         with contextlib.suppress(OSError):
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.connection.settimeout(self.server.app.request_timeout)
         self.rfile.close()      # its socket reference would keep the connection open
         self.rfile = io.BufferedReader(_DeadlineReader(self))
 
     def handle_one_request(self):
-        self.deadline = time.monotonic() + self.server.app.request_timeout
+        self.deadline = None
         self._body_read = False
         super().handle_one_request()
 
+    _date = (None, "")          # (second, Date header value), shared by every connection
+
+    def date_time_string(self, timestamp=None):
+        """http.server's Date value, formatted once a second instead of once a request."""
+        if timestamp is not None:
+            return super().date_time_string(timestamp)
+        second = int(time.time())       # the header has whole seconds: same text
+        date = LMSPRequestHandler._date
+        if date[0] != second:
+            date = LMSPRequestHandler._date = (second, super().date_time_string(second))
+        return date[1]
+
     def log_message(self, format, *args):   # noqa: A002 -- http.server's signature
         # The request line only: headers (and so tokens) are never logged.
-        logger.debug("%s - %s", self.address_string(), format % args)
+        # Checked first: formatting it for a disabled level costs every request.
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s - %s", self.address_string(), format % args)
 
     def parse_request(self):
         """http.server's parsing, minus HTTP/0.9: its answers have no status line at all."""
@@ -5013,8 +5037,12 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
             "Content-Length", "0").strip() not in ("", "0")
         if has_body and not self._body_read:
             self.close_connection = True     # an unread body would be read as a request
-        # Writes get the full timeout, not the rest of the request deadline.
-        self.connection.settimeout(self.server.app.request_timeout)
+        # Writes get the full timeout, not the rest of the request deadline;
+        # that is also what the next request's first read expects.  Unless a
+        # read shortened it, the socket has it already (and a syscall is saved).
+        timeout = self.server.app.request_timeout
+        if self.connection.gettimeout() != timeout:
+            self.connection.settimeout(timeout)
         self._send(reply)
 
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch

@@ -10,6 +10,7 @@ blocking call has a timeout.
 import asyncio
 import collections
 import contextlib
+import email.utils
 import http.client
 import http.server
 import io
@@ -2616,6 +2617,56 @@ class LmspRouteTests(ServerTestCase):
         self.assertIsNone(response["error"])
         self.assertIsNone(response["incomplete_details"])
 
+    def test_get_answers_what_task_object_says_now_after_every_change(self):
+        backend = StepBackend(("one ", "two"))
+        client = self.start_server(backend)
+        task = client.create()
+        path = f"/lmsp/v1/tasks/{task['id']}"
+        conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+        self.addCleanup(conn.close)
+
+        def answer(method="GET"):
+            conn.request(method, path)
+            resp = conn.getresponse()
+            return resp.status, resp.getheader("Content-Type"), resp.getheader(
+                "Content-Length"), resp.read()
+
+        def check(status):
+            expected = taskstore.dumps(task_object(self.store.get(task["id"]))).encode()
+            got = [answer() for _ in range(2)]
+            self.assertEqual(got, [(200, "application/json", str(len(expected)), expected)] * 2)
+            self.assertEqual(json.loads(expected)["status"], status)
+            self.assertEqual(answer("HEAD"), (200, "application/json", str(len(expected)), b""))
+            return expected
+
+        with client.stream(task["id"]) as reader:
+            reader.until(lambda e: e["event"] == "response.loading")
+            seen = [check("loading")]
+            backend.allow.release()
+            backend.allow.release()
+            reader.until(lambda e: e["event"] == "response.output_text.delta")
+            seen.append(check("running"))
+            backend.allow.release()
+            reader.all()
+        self.wait_terminal(task["id"])
+        seen.append(check("succeeded"))
+        self.assertEqual(json.loads(seen[-1])["response"]["output"][0]["content"][0]["text"],
+                         "one two")
+        self.assertEqual(len(set(seen)), 3)
+        # Another kind of task in the same file is never an LMSP answer.
+        other = self.store.create("other-kind")
+        self.assertProblem(client.request("GET", f"/lmsp/v1/tasks/{other.id}"), 404,
+                           "task_not_found")
+
+    def test_the_date_header_is_the_current_second(self):
+        client = self.start_server()
+        for _ in range(3):
+            before = int(time.time())
+            status, resp, _ = client.request("GET", "/healthz")
+            after = int(time.time())
+            self.assertIn(resp.getheader("Date"), {email.utils.formatdate(second, usegmt=True)
+                                                   for second in range(before, after + 1)})
+
     def test_unknown_and_malformed_task_ids_are_404_task_not_found(self):
         client = self.start_server()
         missing = "task_" + "0" * 36
@@ -3154,12 +3205,11 @@ class LmspAuthTests(ServerTestCase):
 class LmspSlowClientTests(ServerTestCase):
     """A client sending its request slowly cannot hold a thread past --request-timeout."""
 
-    def test_a_trickling_client_is_disconnected_at_the_deadline(self):
-        client = self.start_server(request_timeout=0.5)
-        sock = socket.create_connection((client.host, client.port), timeout=TIMEOUT)
-        self.addCleanup(sock.close)
+    TRICKLED = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
+
+    def assertCutWhileTrickling(self, sock, request):
+        """Send *request* one byte per 0.1 s; the server must hang up before it ends."""
         started = time.monotonic()
-        request = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
         closed = False
         for byte in request:
             sock.settimeout(0.1)            # pace: one byte per 0.1 s unless the server hangs up
@@ -3178,7 +3228,31 @@ class LmspSlowClientTests(ServerTestCase):
                 break
         self.assertTrue(closed, "the server kept a trickling client")
         self.assertLess(time.monotonic() - started, TIMEOUT)
+
+    def test_a_trickling_client_is_disconnected_at_the_deadline(self):
+        client = self.start_server(request_timeout=0.5)
+        sock = socket.create_connection((client.host, client.port), timeout=TIMEOUT)
+        self.addCleanup(sock.close)
+        self.assertCutWhileTrickling(sock, self.TRICKLED)
         self.assertEqual(client.request("GET", "/healthz")[0], 200)
+
+    def test_every_request_of_a_keep_alive_connection_has_the_deadline(self):
+        # The clock starts at a request's first read; a request in pieces
+        # shortens the socket's timeout, and the answer restores it.
+        client = self.start_server(request_timeout=0.5)
+        sock = socket.create_connection((client.host, client.port), timeout=TIMEOUT)
+        self.addCleanup(sock.close)
+        reader = sock.makefile("rb")
+        self.addCleanup(reader.close)
+        for pieces in ([b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"],
+                       [b"GET /healthz HTTP/1.1\r\n", b"Host: x\r\n", b"\r\n"]) * 2:
+            for piece in pieces:
+                sock.sendall(piece)
+            self.assertEqual(reader.readline(), b"HTTP/1.1 200 OK\r\n")
+            while reader.readline() not in (b"\r\n", b""):
+                pass
+            self.assertEqual(reader.read(len(b'{"status":"ok"}')), b'{"status":"ok"}')
+        self.assertCutWhileTrickling(sock, self.TRICKLED)
 
 
 class LmspOpenAIBackendTests(ServerTestCase):
