@@ -757,6 +757,64 @@ class CheckpointTests(StoreTestCase):
             reader.checkpoint()
 
 
+class GroupCommitTests(StoreTestCase):
+    """One transaction for many callers' writes: each gets its own result or its own error."""
+
+    def spec(self, kind, payload=None):
+        return taskstore._NewTask(kind, payload, taskstore.dumps(payload), None, None, "fail",
+                                  None, None, None, "task", None, None)
+
+    def test_a_mixed_batch_commits_together_and_a_failing_member_fails_alone(self):
+        existing = self.store.create("k")
+        batch = [[self.spec("a", {"n": 1}), None, None, False],
+                 [lambda notices: self.store._create_locked(
+                     notices, self.spec("b"), ("scope", "key", "fp", None)), None, None, False],
+                 [lambda notices: self.store._transition_locked(
+                     notices, "task_missing", taskstore.START, 0), None, None, False],
+                 [self.spec("c", [2]), None, None, False],
+                 [lambda notices: self.store._transition_locked(
+                     notices, existing.id, taskstore.START, 0), None, None, False]]
+        commits = []
+        self.store._conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
+                                            else None)
+        self.store._run_group(batch)
+        self.store._conn.set_trace_callback(None)
+        self.assertEqual(len(commits), 1)
+        a, b, missing, c, moved = batch
+        self.assertIsInstance(missing[2], taskstore.TaskNotFound)
+        for op in (a, b, c, moved):
+            self.assertIsNone(op[2])
+        self.assertEqual([(t.kind, t.payload) for t in (a[1], b[1], c[1])],
+                         [("a", {"n": 1}), ("b", None), ("c", [2])])
+        for op in (a, b, c):
+            self.assertEqual(self.store.get(op[1].id), op[1])
+            self.assertEqual([(e.seq, e.type, e.data) for e in self.store.events(op[1].id)],
+                             [(0, "created", {"kind": op[1].kind})])
+        self.assertEqual(len({a[1].id, b[1].id, c[1].id}), 3)
+        self.assertEqual(self.store.get(existing.id).status, RUNNING)
+        replay = self.store.create("b", idempotency=("scope", "key", "fp", None))
+        self.assertEqual((replay.id, replay.replayed), (b[1].id, True))
+
+    def test_threads_creating_at_once_each_get_their_own_committed_task(self):
+        barrier = threading.Barrier(8)
+        made = queue.Queue()
+
+        def work(n):
+            barrier.wait(TIMEOUT)
+            for i in range(25):
+                made.put((n, i, self.store.create("k", {"n": n, "i": i})))
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(TIMEOUT)
+        tasks = [made.get(timeout=TIMEOUT) for _ in range(200)]
+        self.assertEqual(len({t.id for _, _, t in tasks}), 200)
+        for n, i, task in tasks:
+            self.assertEqual(self.store.get(task.id).payload, {"n": n, "i": i})
+            self.assertContiguous(task.id)
+
+
 class RetentionTests(StoreTestCase):
 
     def test_ttl_is_granted_up_to_the_maximum(self):
