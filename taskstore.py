@@ -161,7 +161,7 @@ DEFAULT_MAX_TTL_MS = 24 * 3600 * 1000
 DEFAULT_TOMBSTONE_MS = 24 * 3600 * 1000
 LATE_FINISH_GRACE_MS = 60 * 1000   # a task finishing after its TTL is kept this much longer
 REAP_BATCH_ROWS = 500              # tasks one reap transaction may delete, at most
-RELEASE_BATCH = 500                # tasks one recovery transaction may move, at most
+RELEASE_BATCH = 1000               # tasks one recovery transaction may move, at most
 
 # =============================================================================
 # 3. Transition table
@@ -1960,10 +1960,10 @@ class TaskStore:
         """
         _LIVE_PROCESS_IDS.discard(proc_id)
         # A batch is a key range of the tasks_owner index: this owner's ids
-        # after the previous batch, up to the RELEASE_BATCH-th active one, so
-        # the statements find it by the index, with no id list built in
-        # Python.  (A task this loop could miss would still name the owner,
-        # whose registration is gone: the next recover() releases it.)
+        # after the previous batch, up to the RELEASE_BATCH-th one (finished
+        # or not), so the statements find it by the index, with no id list
+        # built in Python.  (A task this loop could miss would still name the
+        # owner, whose registration is gone: the next recover() releases it.)
         owned = f"owner = ? AND status IN ({', '.join(repr(s) for s in (QUEUED, *ACTIVE_STATES))}) " \
                 "AND id > ?"
         moved, after = 0, ""
@@ -1971,8 +1971,8 @@ class TaskStore:
             while True:
                 now = self._now_ms()
                 with self._writing() as notices:
-                    # The bound counts the owner's tasks, finished or not:
-                    # then it is a walk of the index alone, with no row read.
+                    # Counting finished tasks too makes the bound a walk of
+                    # the index alone, with no row read.
                     last = self._conn.execute(
                         "SELECT id FROM tasks WHERE owner = ? AND id > ? ORDER BY id "
                         "LIMIT 1 OFFSET ?", (proc_id, after, RELEASE_BATCH - 1)).fetchone()

@@ -1005,6 +1005,33 @@ class RecoveryTests(OwnedTaskTestCase):
             self.assertContiguous(task_id)
         self.assertEqual(self.store.recover(), 0)                     # idempotent
 
+    def test_release_in_many_small_batches_moves_each_task_once(self):
+        owner = self.dead_owner()
+        done = self.claimed("fail", owner)
+        self.store.succeed(done, 1)                  # finished: keeps its owner, not moved
+        kinds = [("fail", RUNNING), ("retry", RUNNING), ("resume", LOADING),
+                 ("retry", CANCELLING), ("fail", INPUT_REQUIRED)]
+        ids = [(policy, status, self.claimed(policy, owner, status=status))
+               for _ in range(5) for policy, status in kinds]
+        queued = self.store.create("vouched", policy="fail", owner=owner)
+        commits = []
+        self.store._conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
+                                            else None)
+        with unittest.mock.patch.object(taskstore, "RELEASE_BATCH", 4):
+            self.assertEqual(self.store.recover(), len(ids) + 1)
+        self.store._conn.set_trace_callback(None)
+        self.assertGreaterEqual(len(commits), (len(ids) + 2) // 4)
+        expected = {("fail", RUNNING): FAILED, ("retry", RUNNING): QUEUED,
+                    ("resume", LOADING): QUEUED, ("retry", CANCELLING): CANCELLED,
+                    ("fail", INPUT_REQUIRED): FAILED}
+        for policy, status, task_id in ids:
+            self.assertEqual(self.store.get(task_id).status, expected[policy, status])
+            events = self.assertContiguous(task_id)
+            self.assertEqual(sum(1 for e in events if e.data.get("from") == status), 1)
+        self.assertEqual(self.store.get(queued.id).status, FAILED)
+        self.assertEqual(len(self.store.events(done)), 3)     # created, running, succeeded
+        self.assertEqual(self.store.recover(), 0)
+
     def test_live_owner_in_this_process_is_left_alone(self):
         started = threading.Event()
         release = threading.Event()
