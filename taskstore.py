@@ -602,30 +602,27 @@ _FROM_CROCKFORD = str.maketrans(_CROCKFORD, "0123456789abcdefghijklmnopqrstuv")
 ID_RE = re.compile(r"\A[a-z][a-z0-9]{0,15}_[0-9A-HJKMNP-TV-Z]{36}\Z")
 
 
-_B32_TO_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _CROCKFORD.encode())
+# Every pair of Crockford characters, indexed by the 10 bits they encode.
+_CROCKFORD_PAIRS = tuple(a + b for a in _CROCKFORD for b in _CROCKFORD)
 
 
 def _base32(number, length):
-    """Encode a non-negative integer below 32**length as *length* Crockford characters."""
-    # Left-align the bits on a byte boundary so base64's 5-bit groups fall
-    # on ours; the C encoder is much faster than a Python digit loop.
-    bits = 5 * length
-    pad = -bits % 8
-    raw = (number << pad).to_bytes((bits + pad) // 8, "big")
-    return base64.b32encode(raw)[:length].translate(_B32_TO_CROCKFORD).decode()
+    """Encode a non-negative integer below 32**length as *length* (even) Crockford characters."""
+    # Two characters per lookup: base64.b32encode is a Python loop too, and
+    # this was a tenth of a create.
+    return "".join([_CROCKFORD_PAIRS[(number >> shift) & 1023]
+                    for shift in range(5 * length - 10, -1, -10)])
 
 
 def new_id(prefix, now_ms):
-    """Return ``prefix_`` + 10 time characters + 26 random characters.
+    """Return ``prefix_`` + 36 characters: 48 bits of time, then 132 random bits.
 
-    The time part (48 bits of milliseconds) makes ids sort by creation, so
-    keyset pagination is stable; the random part carries 130 bits from
-    ``secrets``, so an id cannot be guessed.  Crockford base 32 keeps the
-    order of the bits in the order of the characters.
+    The time part (milliseconds) makes ids sort by creation, so keyset
+    pagination is stable; the random bits come from ``secrets``, so an id
+    cannot be guessed (the last 26 characters are 130 of them).  Crockford
+    base 32 keeps the order of the bits in the order of the characters.
     """
-    raw = (now_ms & (2**48 - 1)).to_bytes(6, "big") + secrets.token_bytes(17)
-    # 23 bytes = 184 bits -> 37 characters; we keep 36 (48 time + 130 random bits).
-    return prefix + "_" + base64.b32encode(raw)[:36].translate(_B32_TO_CROCKFORD).decode()
+    return prefix + "_" + _base32(((now_ms & (2**48 - 1)) << 132) | secrets.randbits(132), 36)
 
 
 def is_task_id(value):
@@ -1370,7 +1367,7 @@ class TaskStore:
         try:
             # The Task we return carries its own copy, parsed here, at the
             # caller's depth (a payload nested near the limit parses now or never).
-            payload = json.loads(payload_json)
+            payload = _loads(payload_json)
         except RecursionError:
             raise InvalidParams("payload is nested too deeply", param="payload") from None
         _check_str(owner, "owner", max_len=200)

@@ -7692,16 +7692,16 @@ class McpResourceLimitTests(McpTestBase):
 
     def test_wire_task_ids_carry_at_least_128_bits_from_secrets(self):
         drawn = []
-        real = taskstore.secrets.token_bytes
+        real = taskstore.secrets.randbits
 
-        def token_bytes(n):
+        def randbits(n):
             drawn.append(n)
             return real(n)
-        with unittest.mock.patch.object(taskstore.secrets, "token_bytes", token_bytes):
+        with unittest.mock.patch.object(taskstore.secrets, "randbits", randbits):
             client, _, _ = self.start_server()
             ids = [self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "x"})
                    ["taskId"] for _ in range(20)]
-        self.assertIn(17, drawn)            # new_id: 17 bytes drawn, 130 bits of them kept
+        self.assertIn(132, drawn)           # new_id: 132 bits drawn, 130 in the last 26 chars
         for task_id in ids:
             self.assertRegex(task_id, r"\Atask_[0-9A-HJKMNP-TV-Z]{36}\Z")   # 26 random chars
         self.assertEqual(len(set(ids)), len(ids))
