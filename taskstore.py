@@ -161,7 +161,7 @@ DEFAULT_MAX_TTL_MS = 24 * 3600 * 1000
 DEFAULT_TOMBSTONE_MS = 24 * 3600 * 1000
 LATE_FINISH_GRACE_MS = 60 * 1000   # a task finishing after its TTL is kept this much longer
 REAP_BATCH_ROWS = 500              # tasks one reap transaction may delete, at most
-RELEASE_BATCH = 1000               # tasks one recovery transaction may move, at most
+RELEASE_BATCH = 2000               # tasks one recovery transaction may move, at most
 
 # =============================================================================
 # 3. Transition table
@@ -1270,8 +1270,8 @@ class TaskStore:
         current status, and the same compare-and-set guard: recovery moves
         100,000 tasks in a few statements instead of 100,000 round trips.
         *where* is this module's SQL text, never input.  *groups*, when the
-        caller has just counted them, is ``[(status, count)]`` of the matching
-        tasks.
+        caller knows them, is ``[(status, count)]`` of the matching tasks; a
+        count of None means "some or none, not counted".
         """
         moved = 0
         if groups is None:
@@ -1303,19 +1303,21 @@ class TaskStore:
                          "purge_at = CASE WHEN ttl_ms IS NULL AND retention_ms IS NULL THEN NULL "
                          "ELSE taskstore_purge_at(?, created_at, ttl_ms, retention_ms) END"]
                 values += [now, now]
-            self._conn.execute(
+            inserted = self._conn.execute(
                 "INSERT INTO events (task_id, seq, type, data, created_at) "
                 f"SELECT id, last_seq + 1, 'status', ?, ? FROM tasks WHERE {guard}",
-                (dumps(_status_data(status, new, message, error)), now, *args, status))
+                (dumps(_status_data(status, new, message, error)), now, *args, status)).rowcount
             cursor = self._conn.execute(f"UPDATE tasks SET {', '.join(sets)} WHERE {guard}",
                                         (*values, *args, status))
-            if cursor.rowcount != count:   # cannot happen inside BEGIN IMMEDIATE
+            # One event per moved task, and as many as counted: cannot fail
+            # inside BEGIN IMMEDIATE; the guard is the rule.
+            if cursor.rowcount != inserted or count not in (None, inserted):
                 raise InvalidTransition("(several)", status, new)
-            if new == QUEUED:
+            if new == QUEUED and inserted:
                 self._work_gen += 1
                 if self._work_waiting:
                     self._work.notify_all()
-            moved += count
+            moved += inserted
         return moved
 
     def _move(self, task_id, event, *, principal=None, **kwargs):
@@ -1948,12 +1950,17 @@ class TaskStore:
             return {r[0] for r in conn.execute(
                 "SELECT id FROM tasks WHERE owner = ? AND status = ?", (proc_id, CANCELLING))}
 
-    def release(self, proc_id, reason="the process running this task stopped"):
+    def release(self, proc_id, reason="the process running this task stopped", *, present=None):
         """Apply the restart policy to every unfinished task *proc_id* owns; unregister it.
 
         A runner calls this when it shuts down; ``recover`` calls it for
-        owners that died.  Works set-based, in transactions of at most
-        ``RELEASE_BATCH`` tasks.  Returns how many tasks it moved.
+        owners that died, with *present*: the ``(status, policy)`` pairs of
+        the owner's unfinished tasks as it just read them, so no batch has to
+        count them again.  (A pair that appears later, say a client's cancel
+        meanwhile, is left to the next ``recover``: the task still names the
+        owner, whose registration is gone by then.)  Works set-based, in
+        transactions of at most ``RELEASE_BATCH`` tasks.  Returns how many
+        tasks it moved.
         """
         _LIVE_PROCESS_IDS.discard(proc_id)
         # A batch is a key range of the tasks_owner index: this owner's ids
@@ -1975,28 +1982,37 @@ class TaskStore:
                         "LIMIT 1 OFFSET ?", (proc_id, after, RELEASE_BATCH - 1)).fetchone()
                     if last is None:
                         moved += self._restart_batch_locked(notices, now, reason, owned,
-                                                            (proc_id, after))
+                                                            (proc_id, after), present)
                         self._conn.execute("DELETE FROM processes WHERE id = ?", (proc_id,))
                         return moved
                     moved += self._restart_batch_locked(
-                        notices, now, reason, f"{owned} AND id <= ?", (proc_id, after, last[0]))
+                        notices, now, reason, f"{owned} AND id <= ?", (proc_id, after, last[0]),
+                        present)
                     after = last[0]
 
-    def _restart_batch_locked(self, notices, now, reason, batch, args):
-        """Apply the restart policy (DESIGN.md, LMSP A.5) to the tasks *batch* selects; return the count."""
-        groups = {}
-        for status, policy, count in self._conn.execute(
+    def _restart_batch_locked(self, notices, now, reason, batch, args, present=None):
+        """Apply the restart policy (DESIGN.md, LMSP A.5) to the tasks *batch* selects; return the count.
+
+        *present*: the ``(status, policy)`` pairs the batch may hold, when
+        the caller knows them (then nothing is counted); None: counted here.
+        """
+        if present is None:
+            rows = self._conn.execute(
                 f"SELECT status, policy, count(*) FROM tasks WHERE {batch} GROUP BY status, policy",
-                args):
+                args)
+        else:
+            rows = [(status, policy, None) for status, policy in present]
+        groups = {}
+        for status, policy, count in rows:
             groups.setdefault(policy, []).append((status, count))
             groups.setdefault(None, []).append((status, count))
         moved = 0
         # A cancel that was under way completes, whatever the policy.
-        cancelling = [(s, sum(c for t, c in groups.get(None, ()) if t == s)) for s in (CANCELLING,)]
-        if cancelling[0][1]:
+        counts = [c for t, c in groups.get(None, ()) if t == CANCELLING]
+        if counts:
             moved += self._transition_set_locked(
                 notices, CONFIRM_CANCEL, now, f"{batch} AND status = ?", (*args, CANCELLING),
-                message=reason, groups=cancelling)
+                message=reason, groups=[(CANCELLING, None if None in counts else sum(counts))])
         active = f"{batch} AND status IN ('{LOADING}', '{RUNNING}', '{INPUT_REQUIRED}') " \
                  "AND policy = ?"
         message = f"CRASH_RECOVERY: {reason} before it finished"
@@ -2063,15 +2079,20 @@ class TaskStore:
                 procs = {r[0]: r for r in conn.execute(
                     "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
                 owned = (QUEUED, *ACTIVE_STATES)
-                owners = {r[0] for r in conn.execute(
-                    "SELECT DISTINCT owner FROM tasks WHERE owner IS NOT NULL AND status IN "
-                    f"({', '.join('?' * len(owned))})", owned)}
+                # Which statuses and policies each owner has cost no more to
+                # read than the owners alone (the rows are read either way).
+                present = {}
+                for owner, status, policy in conn.execute(
+                        "SELECT DISTINCT owner, status, policy FROM tasks WHERE owner IS NOT NULL "
+                        f"AND status IN ({', '.join('?' * len(owned))})", owned):
+                    present.setdefault(owner, []).append((status, policy))
             finally:
                 conn.execute("COMMIT")
         moved = 0
-        for proc_id in sorted(owners | set(procs)):
+        for proc_id in sorted(present.keys() | procs.keys()):
             if self._owner_dead(procs.get(proc_id), now):
-                moved += self.release(proc_id, "the process running this task stopped")
+                moved += self.release(proc_id, "the process running this task stopped",
+                                      present=present.get(proc_id, ()))
         return moved
 
     # -- retention -------------------------------------------------------------

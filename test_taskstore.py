@@ -1032,6 +1032,24 @@ class RecoveryTests(OwnedTaskTestCase):
         self.assertEqual(len(self.store.events(done)), 3)     # created, running, succeeded
         self.assertEqual(self.store.recover(), 0)
 
+    def test_a_status_that_appears_after_recovery_looked_is_left_to_the_next_recover(self):
+        owner = self.dead_owner()
+        running = self.claimed("fail", owner)
+        other = self.claimed("fail", owner)
+        release = self.store.release
+
+        def cancel_first(proc_id, reason, *, present=None):
+            self.assertEqual(present, [(RUNNING, "fail")])
+            self.store.cancel(other)            # running -> cancelling, after the snapshot
+            return release(proc_id, reason, present=present)
+        with unittest.mock.patch.object(self.store, "release", cancel_first):
+            self.assertEqual(self.store.recover(), 1)
+        self.assertEqual(self.store.get(running).status, FAILED)
+        self.assertEqual(self.store.get(other).status, CANCELLING)
+        self.assertEqual(self.store.recover(), 1)     # the owner is gone: the cancel completes
+        self.assertEqual(self.store.get(other).status, CANCELLED)
+        self.assertContiguous(other)
+
     def test_live_owner_in_this_process_is_left_alone(self):
         started = threading.Event()
         release = threading.Event()
