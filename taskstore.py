@@ -1002,7 +1002,6 @@ class TaskStore:
         # is skipped (it costs a lock probe on every write otherwise).
         self._changed_waiting = 0
         self._work_waiting = 0
-        self._group_waiting = 0
         # Group commit of creates and moves (see _group_write); its own lock,
         # because the leader holds _lock while the others wait.
         group_lock = threading.Lock()
@@ -1484,52 +1483,71 @@ class TaskStore:
         leader of a batch of one and pays nothing more.  Nobody returns before
         its change is committed.
         """
-        op = [body, None, None, False]                  # body, result, error, done
+        # body, result, error, done, and for a writer that waits, the lock it
+        # waits on: its own, so a commit wakes exactly the writers it served.
+        op = [body, None, None, False, None]
         group = self._group
         with group:
             self._group_queue.append(op)
             if self._group_gathering:
                 self._gather.notify()
             if self._group_leading:
-                self._group_waiting += 1
-                try:
-                    while self._group_leading and not op[3]:
-                        group.wait()
-                finally:
-                    self._group_waiting -= 1
-            if not op[3]:
+                op[4] = wake = threading.Lock()
+                wake.acquire()
+            else:
                 self._group_leading = True
-                self._gather_locked()
-                batch, self._group_queue = self._group_queue, []
+        if op[4] is not None:
+            # Released once our change is committed (done), or to hand us the
+            # lead (not done: our body is still queued).
+            wake.acquire()
         if not op[3]:
-            rounds = 0
-            try:
-                while batch:
-                    self._run_group(batch)
-                    rounds += 1
-                    with group:
-                        for member in batch:
-                            member[3] = True
-                        self._group_last = len(batch)
-                        batch = ()
-                        if self._group_queue and rounds < GROUP_ROUNDS:
-                            batch, self._group_queue = self._group_queue, []
-                        else:
-                            self._group_leading = False
-                        if self._group_waiting:
-                            group.notify_all()
-            finally:
-                if batch:                       # interrupted: hand over, never leave waiters
-                    with group:
-                        for member in batch:
-                            if not member[3] and member[2] is None:
-                                member[2] = StoreUnavailable("the group commit was interrupted")
-                            member[3] = True
-                        self._group_leading = False
-                        group.notify_all()
+            self._lead_groups()
         if op[2] is not None:
             raise op[2]
         return op[1]
+
+    def _lead_groups(self):
+        """As the leader: commit what is queued, batch after batch; then hand the lead on."""
+        group = self._group
+        with group:
+            self._gather_locked()
+            batch, self._group_queue = self._group_queue, []
+        rounds = 0
+        try:
+            while batch:
+                self._run_group(batch)
+                rounds += 1
+                with group:
+                    self._group_last = len(batch)
+                    done, batch = batch, ()
+                    if self._group_queue and rounds < GROUP_ROUNDS:
+                        batch, self._group_queue = self._group_queue, []
+                    else:
+                        self._hand_over_locked()
+                self._wake(done)
+        finally:
+            if batch:                       # interrupted: never leave waiters behind
+                for member in batch:
+                    if member[2] is None:
+                        member[1], member[2] = None, StoreUnavailable(
+                            "the group commit was interrupted")
+                with group:
+                    self._hand_over_locked()
+                self._wake(batch)
+
+    def _hand_over_locked(self):
+        # The oldest queued writer leads next; with none, the next to arrive does.
+        if self._group_queue:
+            self._group_queue[0][4].release()
+        else:
+            self._group_leading = False
+
+    @staticmethod
+    def _wake(members):
+        for member in members:
+            member[3] = True
+            if member[4] is not None:
+                member[4].release()
 
     def _gather_locked(self):
         """Under contention, give the writers just released a moment to queue again.

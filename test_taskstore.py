@@ -796,6 +796,21 @@ class GroupCommitTests(StoreTestCase):
         self.assertEqual((replay.id, replay.replayed), (b[1].id, True))
 
     def test_threads_creating_at_once_each_get_their_own_committed_task(self):
+        self.create_from_threads()
+
+    def test_the_lead_passes_to_a_waiting_writer_after_each_transaction(self):
+        handed = []
+        real = taskstore.TaskStore._hand_over_locked
+
+        def hand_over(store):
+            handed.append(bool(store._group_queue))
+            real(store)
+        with unittest.mock.patch.object(taskstore, "GROUP_ROUNDS", 1), \
+                unittest.mock.patch.object(taskstore.TaskStore, "_hand_over_locked", hand_over):
+            self.create_from_threads()
+        self.assertTrue(any(handed), "no writer ever took the lead over from another")
+
+    def create_from_threads(self):
         barrier = threading.Barrier(8)
         made = queue.Queue()
 
