@@ -998,6 +998,7 @@ class TaskStore:
         self._changed = threading.Condition(self._lock)
         self._work = threading.Condition(self._lock)
         self._work_gen = 0
+        self._claimed_empty_gen = 0   # _work_gen when a claim last found nothing (see _claim)
         # How many threads wait on each condition: a notify nobody waits for
         # is skipped (it costs a lock probe on every write otherwise).
         self._changed_waiting = 0
@@ -1918,8 +1919,11 @@ class TaskStore:
         # the partial index (WHERE status = 'queued') instead of a table scan.
         where = f"WHERE status = '{QUEUED}' AND kind IN ({', '.join('?' * len(kinds))})"
         with self._reading() as conn:
-            # A cheap read first, so idle polling never takes the write lock.
-            if conn.execute(f"SELECT 1 FROM tasks {where} LIMIT 1", kinds).fetchone() is None:
+            # A cheap read first, so idle polling never takes the write lock;
+            # skipped when this process has queued work since a claim last
+            # found none (then there is most likely something to take).
+            if self._work_gen == self._claimed_empty_gen and conn.execute(
+                    f"SELECT 1 FROM tasks {where} LIMIT 1", kinds).fetchone() is None:
                 return None
         now = self._now_ms()
 
@@ -1927,6 +1931,7 @@ class TaskStore:
             row = self._conn.execute(f"{_SELECT_TASK} {where} ORDER BY id LIMIT 1",
                                      kinds).fetchone()
             if row is None:
+                self._claimed_empty_gen = self._work_gen
                 return None
             task = _task_from_row(row)
             return self._transition_locked(

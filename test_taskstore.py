@@ -757,6 +757,42 @@ class CheckpointTests(StoreTestCase):
             reader.checkpoint()
 
 
+class ClaimTests(StoreTestCase):
+
+    def traced(self, fn):
+        statements = []
+        self.store._conn.set_trace_callback(statements.append)
+        try:
+            return fn(), statements
+        finally:
+            self.store._conn.set_trace_callback(None)
+
+    def test_idle_claims_never_take_the_write_lock(self):
+        for _ in range(3):
+            task, statements = self.traced(lambda: self.store._claim("proc_x", ("k",)))
+            self.assertIsNone(task)
+            self.assertNotIn("BEGIN IMMEDIATE", statements)
+
+    def test_a_claim_after_queued_work_skips_the_cheap_read_and_still_finds_it(self):
+        created = self.store.create("k")
+        task, statements = self.traced(lambda: self.store._claim("proc_x", ("k",)))
+        self.assertEqual((task.id, task.status, task.owner), (created.id, RUNNING, "proc_x"))
+        self.assertFalse([sql for sql in statements if sql.startswith("SELECT 1 ")])
+        # Nothing left: one write-locked look, then idle claims read first again.
+        self.assertIsNone(self.store._claim("proc_x", ("k",)))
+        task, statements = self.traced(lambda: self.store._claim("proc_x", ("k",)))
+        self.assertIsNone(task)
+        self.assertNotIn("BEGIN IMMEDIATE", statements)
+
+    def test_work_queued_by_another_process_is_found_by_the_cheap_read(self):
+        self.assertIsNone(self.store._claim("proc_x", ("k",)))
+        other = self.open_store()
+        created = other.create("k")              # this store's counter did not move
+        task, statements = self.traced(lambda: self.store._claim("proc_x", ("k",)))
+        self.assertEqual(task.id, created.id)
+        self.assertTrue([sql for sql in statements if sql.startswith("SELECT 1 ")])
+
+
 class GroupCommitTests(StoreTestCase):
     """One transaction for many callers' writes: each gets its own result or its own error."""
 
