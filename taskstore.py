@@ -692,8 +692,8 @@ def _as_tuple(value, param, allowed=None):
 # - ``now`` arguments are epoch milliseconds; the clock is a ``time.time``-like
 #   function in seconds, injectable for tests.
 # - Checkpoints (copying the WAL back into the database file) run on the
-#   store's own background thread (``_Checkpointer``), started by the first
-#   write; they change nothing about what a commit makes durable.
+#   store's own background thread (``_Checkpointer``), started when the first
+#   one is due; they change nothing about what a commit makes durable.
 
 # Tunables of the store's write path (section 2 holds the documented defaults).
 CHECKPOINT_ROWS = 500              # rows written between background checkpoints (~1,000 WAL pages)
