@@ -1005,9 +1005,9 @@ class TaskStore:
         self._work_waiting = 0
         # Group commit of creates and moves (see _group_write); its own lock,
         # because the leader holds _lock while the others wait.
-        group_lock = threading.Lock()
-        self._group = threading.Condition(group_lock)     # members waiting for their commit
-        self._gather = threading.Condition(group_lock)    # a leader waiting for company
+        # (Each waiting member sleeps on a lock of its own; see _group_write.)
+        self._group = threading.Lock()                     # the queue and who leads
+        self._gather = threading.Condition(self._group)   # a leader waiting for company
         self._group_queue = []
         self._group_leading = False
         self._group_gathering = False
