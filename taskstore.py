@@ -1010,7 +1010,7 @@ class TaskStore:
         self._gather = threading.Condition(self._group)   # a leader waiting for company
         self._group_queue = []
         self._group_leading = False
-        self._group_gathering = False
+        self._group_gathering = 0     # while a leader waits for company: how many it wants
         self._group_last = 1          # size of the last batch: > 1 means contention
         self._closed = False
         self._listeners = []
@@ -1490,8 +1490,8 @@ class TaskStore:
         group = self._group
         with group:
             self._group_queue.append(op)
-            if self._group_gathering:
-                self._gather.notify()
+            if len(self._group_queue) == self._group_gathering:
+                self._gather.notify()       # the company the leader waits for is here
             if self._group_leading:
                 op[4] = wake = threading.Lock()
                 wake.acquire()
@@ -1562,7 +1562,9 @@ class TaskStore:
         if want <= 1 or len(self._group_queue) >= want:
             return
         deadline = time.monotonic() + GROUP_DELAY_S
-        self._group_gathering = True
+        # Woken once, when the last of them queues: a wake-up per arrival
+        # would cost as much as the wait saves.
+        self._group_gathering = want
         try:
             while len(self._group_queue) < want:
                 remaining = deadline - time.monotonic()
@@ -1571,7 +1573,7 @@ class TaskStore:
                     break
                 self._gather.wait(remaining)
         finally:
-            self._group_gathering = False
+            self._group_gathering = 0
 
     def _run_group(self, batch):
         """Run a batch of bodies in one transaction; store each one's result or error.
