@@ -1615,17 +1615,18 @@ class TaskStore:
     def _next_id_locked(self, prefix, now):
         # Ids made by this store in the same millisecond still sort in
         # creation order (ULID's monotonic rule): the random part counts up.
+        # _last_id keeps that part as a number, so it is never parsed back.
         last = self._last_id
-        task_id = None
-        if last is not None and last[0] == now and last[1].startswith(prefix + "_"):
+        if last is not None and last[0] == now and last[1] == prefix:
             # Count up by a random step of 64 bits or more, never by 1: one id
             # must not give away its neighbours (MCP: ids are bearer tokens).
-            number = int(last[1][-26:].translate(_FROM_CROCKFORD), 32) + 2**64 + secrets.randbits(64)
+            number = last[3] + 2**64 + secrets.randbits(64)
             if number < 2**130:
-                task_id = last[1][:-26] + _base32(number, 26)
-        if task_id is None:
-            task_id = new_id(prefix, now)        # a new millisecond, or the count ran out
-        self._last_id = (now, task_id)
+                self._last_id = (now, prefix, last[2], number)
+                return last[2] + _base32(number, 26)
+        task_id = new_id(prefix, now)        # a new millisecond, or the count ran out
+        self._last_id = (now, prefix, task_id[:-26],
+                         int(task_id[-26:].translate(_FROM_CROCKFORD), 32))
         return task_id
 
     def get(self, task_id, *, principal=None):
