@@ -1484,28 +1484,36 @@ class TaskStore:
         leader of a batch of one and pays nothing more.  Nobody returns before
         its change is committed.
         """
-        # body, result, error, done, and for a writer that waits, the lock it
-        # waits on: its own, so a commit wakes exactly the writers it served.
-        op = [body, None, None, False, None]
-        group = self._group
-        with group:
+        # body, result, error, done; for a writer that waits, the lock it
+        # waits on (its own, so a commit wakes exactly the writers it served);
+        # and the next writer to wake once this one is awake (see _wake).
+        op = [body, None, None, False, None, None]
+        with self._group:
             self._group_queue.append(op)
             if len(self._group_queue) == self._group_gathering:
                 self._gather.notify()       # the company the leader waits for is here
             if self._group_leading:
-                op[4] = wake = threading.Lock()
-                wake.acquire()
+                op[4] = threading.Lock()
+                op[4].acquire()
             else:
                 self._group_leading = True
         if op[4] is not None:
-            # Released once our change is committed (done), or to hand us the
-            # lead (not done: our body is still queued).
-            wake.acquire()
+            self._sleep(op)         # until committed (done), or handed the lead
         if not op[3]:
             self._lead_groups()
         if op[2] is not None:
             raise op[2]
         return op[1]
+
+    @staticmethod
+    def _sleep(op, timeout=-1):
+        """Wait on *op*'s own lock; then wake the next writer of its batch.  False on timeout."""
+        if not op[4].acquire(timeout=timeout):
+            return False
+        op[4] = None                # awake: a batch it leads must not count it as asleep
+        if op[5] is not None:
+            op[5][4].release()
+        return True
 
     def _lead_groups(self):
         """As the leader: commit what is queued, batch after batch; then hand the lead on."""
@@ -1545,10 +1553,21 @@ class TaskStore:
 
     @staticmethod
     def _wake(members):
+        """Mark *members* done and wake the ones asleep, in a chain.
+
+        Only the first is woken here; each, once awake, wakes the next
+        (``_sleep``).  Woken all at once, they would only queue for the GIL,
+        to run one at a time anyway, each paying a second thread switch.
+        """
+        sleepers = []
         for member in members:
             member[3] = True
             if member[4] is not None:
-                member[4].release()
+                sleepers.append(member)
+        for member, after in zip(sleepers, sleepers[1:]):
+            member[5] = after
+        if sleepers:
+            sleepers[0][4].release()
 
     def _gather_locked(self):
         """Under contention, give the writers just released a moment to queue again.

@@ -853,21 +853,55 @@ class GroupCommitTests(StoreTestCase):
             self.create_from_threads()
         self.assertTrue(any(handed), "no writer ever took the lead over from another")
 
-    def create_from_threads(self):
-        barrier = threading.Barrier(8)
+    def test_writers_stopping_early_and_leaders_giving_up_lose_no_wake_up(self):
+        # Threads that stop early leave leaders waiting for company that
+        # never comes; with a wait this short they give up often, and hand
+        # overs and chained wake-ups interleave every way.  A lost wake-up
+        # leaves a thread asleep for good: the join fails.
+        gave_up = []
+        real = taskstore.TaskStore._gather_locked
+
+        def gather(store):
+            want = store._group_last
+            real(store)
+            gave_up.append(len(store._group_queue) < want)
+        with unittest.mock.patch.object(taskstore, "GROUP_DELAY_S", 0.0001), \
+                unittest.mock.patch.object(taskstore.TaskStore, "_gather_locked", gather):
+            self.create_from_threads(counts=[40 + 20 * n for n in range(8)])
+        self.assertTrue(any(gave_up), "no leader ever stopped waiting for company")
+
+    def test_a_commit_wakes_its_sleeping_writers_one_after_another(self):
+        ops = [[None, n, None, False, threading.Lock(), None] for n in range(4)]
+        for op in ops:
+            op[4].acquire()
+        leader = [None, "mine", None, False, None, None]
+        taskstore.TaskStore._wake([ops[0], leader, *ops[1:]])
+        self.assertTrue(all(op[3] for op in [*ops, leader]))
+        self.assertEqual([op[4].locked() for op in ops], [False, True, True, True])
+        for n, op in enumerate(ops):        # each sleeper, once awake, wakes the next
+            self.assertTrue(taskstore.TaskStore._sleep(op, TIMEOUT))
+            self.assertIsNone(op[4])
+            if n + 1 < len(ops):
+                self.assertFalse(ops[n + 1][4].locked())
+
+    def create_from_threads(self, counts=(25,) * 8):
+        barrier = threading.Barrier(len(counts))
         made = queue.Queue()
 
         def work(n):
             barrier.wait(TIMEOUT)
-            for i in range(25):
+            for i in range(counts[n]):
                 made.put((n, i, self.store.create("k", {"n": n, "i": i})))
-        threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+        threads = [threading.Thread(target=work, args=(n,), daemon=True)
+                   for n in range(len(counts))]
         for thread in threads:
             thread.start()
+        deadline = time.monotonic() + TIMEOUT
         for thread in threads:
-            thread.join(TIMEOUT)
-        tasks = [made.get(timeout=TIMEOUT) for _ in range(200)]
-        self.assertEqual(len({t.id for _, _, t in tasks}), 200)
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self.assertFalse(any(thread.is_alive() for thread in threads), "a writer never woke")
+        tasks = [made.get(timeout=TIMEOUT) for _ in range(sum(counts))]
+        self.assertEqual(len({t.id for _, _, t in tasks}), sum(counts))
         for n, i, task in tasks:
             self.assertEqual(self.store.get(task.id).payload, {"n": n, "i": i})
             self.assertContiguous(task.id)
