@@ -5520,16 +5520,16 @@ class Bench:
                 store.emit(task.id, "delta", {"i": i, "text": "word "})
             raw.execute("CREATE TABLE e (task_id TEXT, seq INTEGER, type TEXT, data TEXT, "
                         "created_at INTEGER, PRIMARY KEY (task_id, seq)) WITHOUT ROWID")
-            raw.execute("BEGIN")
-            raw.executemany("INSERT INTO e VALUES ('t', ?, 'delta', ?, 0)",
-                            [(i, dumps({"i": i, "text": "word "})) for i in range(events)])
+            log = store.events(task.id)
+            assert len(log) == events
+            raw.execute("BEGIN")       # the same rows: same keys, same data, same times
+            raw.executemany("INSERT INTO e VALUES (?, ?, ?, ?, ?)", log)
             raw.execute("COMMIT")
-            assert len(store.events(task.id)) == events
             store.checkpoint()
             ours = self._rate(reps, lambda: [store.events(task.id) for _ in range(reps)])
             theirs = self._rate(reps, lambda: [raw.execute(
-                "SELECT seq, type, data, created_at FROM e WHERE task_id = 't' AND seq >= 0 "
-                "ORDER BY seq").fetchall() for _ in range(reps)])
+                "SELECT seq, type, data, created_at FROM e WHERE task_id = ? AND seq >= 0 "
+                "ORDER BY seq", (task.id,)).fetchall() for _ in range(reps)])
         return ours, theirs
 
     def _fill(self, store, raw, count, finished):
