@@ -576,6 +576,42 @@ def _json_param(value, param):
         raise InvalidParams(f"{param} is not JSON-serialisable ({exc})", param=param) from None
 
 
+# Deeper JSON from outside (an MCP message, an LMSP body) is refused before any
+# recursion limit is near; a real message needs a handful of levels.
+MAX_JSON_DEPTH = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _json_problem(value, limit=MAX_JSON_DEPTH, text=None):
+    """Say what makes JSON from outside unusable, or return None (an iterative walk).
+
+    Deeper than *limit* levels, later code could hit the recursion limit; an
+    unpaired surrogate (``"\\ud800"``) cannot be encoded, stored or echoed.
+    *text*, the bytes *value* was decoded from, often proves there is
+    nothing to find without the walk: in ASCII without NUL bytes (json
+    reads UTF-16 and -32 too, and UTF-8 with surrogates passed through) a
+    surrogate needs a ``\\u`` escape, and *limit* levels need as many brackets.
+    """
+    if text is not None and text.isascii() and b"\\u" not in text and b"\0" not in text \
+            and text.count(b"{") + text.count(b"[") <= limit:
+        return None
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return "holds an unpaired surrogate (a string escape \\ud800-\\udfff)"
+        elif isinstance(value, (dict, list)) and value:
+            if depth > limit:
+                return f"is nested deeper than {limit} levels"
+            if isinstance(value, dict):
+                stack.extend((key, depth) for key in value)
+                stack.extend((item, depth + 1) for item in value.values())
+            else:
+                stack.extend((item, depth + 1) for item in value)
+    return None
+
+
 def fingerprint(value):
     """SHA-256 of a JSON value serialised canonically (sorted keys, no spaces)."""
     canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -2800,7 +2836,6 @@ DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
 _QUICK_METHODS = frozenset(("ping", "tasks/get", "tasks/status", "tasks/list", "tools/list",
                             "server/discover"))
 MAX_SAFE_INTEGER = 2**53 - 1            # the largest ttl granted when there is no cap
-MAX_JSON_DEPTH = 64                     # deeper messages are -32600: no recursion limit is near
 SHUTDOWN_GRACE_S = 1.0                  # running work gets this long at EOF/SIGTERM
 _MCP_TERMINAL = frozenset(("completed", "failed", "cancelled"))
 _UNSET = object()
@@ -3071,39 +3106,6 @@ def _task_request(params):
     draft = meta.get(DRAFT_TASK_KEY)
     if isinstance(draft, dict):
         return draft.get("keepAlive", _UNSET), True
-    return None
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _json_problem(value, limit, text=None):
-    """Say what makes a decoded message unusable, or return None (walks it without recursion).
-
-    Deeper than *limit* levels, later code could hit the recursion limit; an
-    unpaired surrogate (``"\\ud800"``) cannot be encoded, stored or echoed.
-    *text*, the bytes *value* was decoded from, often proves there is
-    nothing to find without the walk: in ASCII without NUL bytes (json
-    reads UTF-16 and -32 too, and UTF-8 with surrogates passed through) a
-    surrogate needs a ``\\u`` escape, and *limit* levels need as many brackets.
-    """
-    if text is not None and text.isascii() and b"\\u" not in text and b"\0" not in text \
-            and text.count(b"{") + text.count(b"[") <= limit:
-        return None
-    stack = [(value, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                return "a string holds an unpaired surrogate"
-        elif isinstance(value, (dict, list)) and value:
-            if depth > limit:
-                return f"message nested deeper than {limit} levels"
-            if isinstance(value, dict):
-                stack.extend((key, depth) for key in value)
-                stack.extend((item, depth + 1) for item in value.values())
-            else:
-                stack.extend((item, depth + 1) for item in value)
     return None
 
 
@@ -3476,9 +3478,9 @@ class McpServer:
         except (ValueError, RecursionError):    # bad UTF-8; RecursionError: a nesting bomb
             self._reply(None, error=to_jsonrpc_error(ParseError("parse error: not JSON")))
             return
-        problem = _json_problem(message, MAX_JSON_DEPTH, line)
+        problem = _json_problem(message, text=line)
         if problem is not None:             # the id itself may be unusable: answer id null
-            self._reply(None, error=to_jsonrpc_error(InvalidRequest(problem)))
+            self._reply(None, error=to_jsonrpc_error(InvalidRequest(f"the message {problem}")))
             return
         try:
             kind = _message_kind(message)
@@ -4346,25 +4348,8 @@ def parse_cursor(value, param):
     return int(value)
 
 
-MAX_JSON_DEPTH = 64     # nesting levels a request body may have (a Responses request needs ~6)
-
-
 def _not_json(constant):
     raise ValueError(f"{constant} is not JSON")
-
-
-def _json_depth_ok(value, limit=MAX_JSON_DEPTH):
-    """True when *value* nests at most *limit* arrays/objects deep (iterative: no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        value, depth = stack.pop()
-        children = value.values() if isinstance(value, dict) else value if isinstance(
-            value, list) else None
-        if children is not None:
-            if depth > limit:
-                return False
-            stack.extend((child, depth + 1) for child in children)
-    return True
 
 
 def _json_body(body, content_type):
@@ -4381,16 +4366,14 @@ def _json_body(body, content_type):
     try:
         value = json.loads(body.decode("utf-8"), parse_constant=_not_json)
     except RecursionError:
-        raise InvalidParams(f"the body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+        raise InvalidParams(f"the body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError:          # UnicodeDecodeError is one too
         raise InvalidParams("the body is not valid JSON") from None
-    if not _json_depth_ok(value):
-        raise InvalidParams(f"the body is nested more than {MAX_JSON_DEPTH} levels deep")
+    problem = _json_problem(value)
+    if problem is not None:
+        raise InvalidParams(f"the body {problem}")
     try:
-        dumps(value).encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidParams("the body has an unpaired surrogate escape (\\ud800-\\udfff); "
-                            "strings must be valid Unicode") from None
+        dumps(value)
     except ValueError:
         raise InvalidParams("the body has a number too large to represent") from None
     return value
