@@ -2174,6 +2174,14 @@ class CrashRecoveryTests(MultiProcessTestCase):
         self.assertEqual(store.recover(), 6)
         self.assert_policies_applied(store, info)
 
+    def open_after_dead_writer(self):
+        """Check the killed writer's lock is gone at once (a write with no busy wait); open."""
+        conn = sqlite3.connect(self.path, timeout=0, isolation_level=None)
+        self.addCleanup(conn.close)
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        return self.open_store(busy_timeout=0)
+
     def test_kill_mid_transaction_leaves_the_state_before_it(self):
         count = 120
         child = self.spawn(MID_TRANSACTION_SCRIPT, count)
@@ -2183,12 +2191,7 @@ class CrashRecoveryTests(MultiProcessTestCase):
         self.assertGreater(info["wal"], 0)
         child.kill9(self)
 
-        # The dead writer's lock is gone at once: a write with no busy wait.
-        conn = sqlite3.connect(self.path, timeout=0, isolation_level=None)
-        self.addCleanup(conn.close)
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("ROLLBACK")
-        store = self.open_store(busy_timeout=0)
+        store = self.open_after_dead_writer()
         self.assertEqual(store._conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
         for task_id in info["ids"] + [info["queued"]]:
             self.assertEqual(self.dump(store, task_id), info["state"][task_id])
@@ -2205,11 +2208,7 @@ class CrashRecoveryTests(MultiProcessTestCase):
         info = child.expect("in-transaction")
         child.kill9(self)
 
-        conn = sqlite3.connect(self.path, timeout=0, isolation_level=None)
-        self.addCleanup(conn.close)
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("ROLLBACK")
-        store = self.open_store(busy_timeout=0)
+        store = self.open_after_dead_writer()
         self.assertEqual(self.dump(store, info["id"]), info["state"])
         self.assertEqual(store.get(info["id"]).status, taskstore.RUNNING)
         store.succeed(info["id"], {"after": "crash"})
