@@ -1542,14 +1542,12 @@ class TaskStore:
         return op[1]
 
     @staticmethod
-    def _sleep(op, timeout=-1):
-        """Wait on *op*'s own lock; then wake the next writer of its batch.  False on timeout."""
-        if not op[4].acquire(timeout=timeout):
-            return False
+    def _sleep(op):
+        """Wait on *op*'s own lock; once awake, wake the next writer of its batch."""
+        op[4].acquire()
         op[4] = None                # awake: a batch it leads must not count it as asleep
         if op[5] is not None:
             op[5][4].release()
-        return True
 
     def _lead_groups(self):
         """As the leader: commit what is queued, batch after batch; then hand the lead on."""
@@ -5520,7 +5518,7 @@ class Bench:
         now = store._now_ms()
         rows, events, raw_rows = [], [], []
         for i in range(count):
-            task_id = new_id("task", now) if i % 1000 else new_id("task", now)
+            task_id = new_id("task", now)
             rows.append((task_id, "bench", SUCCEEDED if finished else RUNNING, now,
                          now if finished else None, now - 1 if finished else None,
                          None if finished else "proc_dead", 1 if finished else 1))
