@@ -1534,7 +1534,7 @@ class TaskStore:
             else:
                 self._group_leading = True
         if op[4] is not None:
-            self._sleep(op)         # until committed (done), or handed the lead
+            self._wait_woken(op)    # until committed (done), or handed the lead
         if not op[3]:
             self._lead_groups()
         if op[2] is not None:
@@ -1542,7 +1542,7 @@ class TaskStore:
         return op[1]
 
     @staticmethod
-    def _sleep(op):
+    def _wait_woken(op):
         """Wait on *op*'s own lock; once awake, wake the next writer of its batch."""
         op[4].acquire()
         op[4] = None                # awake: a batch it leads must not count it as asleep
@@ -1590,8 +1590,8 @@ class TaskStore:
         """Mark *members* done and wake the ones asleep, in a chain.
 
         Only the first is woken here; each, once awake, wakes the next
-        (``_sleep``).  Woken all at once, they would only queue for the GIL,
-        to run one at a time anyway, each paying a second thread switch.
+        (``_wait_woken``).  Woken all at once, they would only queue for the
+        GIL, to run one at a time anyway, each paying a second thread switch.
         """
         sleepers = []
         for member in members:
@@ -5521,7 +5521,7 @@ class Bench:
             task_id = new_id("task", now)
             rows.append((task_id, "bench", SUCCEEDED if finished else RUNNING, now,
                          now if finished else None, now - 1 if finished else None,
-                         None if finished else "proc_dead", 1 if finished else 1))
+                         None if finished else "proc_dead", 1))
             events.append((task_id, 0, "created", "{}", now))
             events.append((task_id, 1, "status", '{"status":"running","from":"queued"}', now))
             raw_rows.append((task_id, "bench", "x", "{}", None, now))

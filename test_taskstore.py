@@ -879,7 +879,7 @@ class GroupCommitTests(StoreTestCase):
         self.assertTrue(all(op[3] for op in [*ops, leader]))
         self.assertEqual([op[4].locked() for op in ops], [False, True, True, True])
         for n, op in enumerate(ops):        # each sleeper, once awake, wakes the next
-            taskstore.TaskStore._sleep(op)  # its lock is free (checked): no wait
+            taskstore.TaskStore._wait_woken(op)     # its lock is free (checked): no wait
             self.assertIsNone(op[4])
             if n + 1 < len(ops):
                 self.assertFalse(ops[n + 1][4].locked())
