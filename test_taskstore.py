@@ -736,8 +736,11 @@ class CheckpointTests(StoreTestCase):
         self.writes(10 * taskstore.CHECKPOINT_ROWS)
         self.assertTrue(self.store._checkpointer.wait_for_pass(passes + 1, TIMEOUT))
         # 7,500 creates write ~30,000 WAL pages; without restarts the file would hold them all.
+        # With them it stays near the backstop: the inline checkpoint that crosses it finds
+        # the background one busy now and then, and the WAL grows on until a restart (up to
+        # 4,530 pages seen over many runs; 4,500 was once too tight a bound).
         self.assertLess(os.path.getsize(self.path + "-wal"),
-                        (taskstore.WAL_BACKSTOP_PAGES + 500) * (page + 24))
+                        1.5 * taskstore.WAL_BACKSTOP_PAGES * (page + 24))
 
     def test_checkpoint_empties_the_wal_and_the_file_holds_everything(self):
         ids = self.writes(50)
