@@ -976,6 +976,20 @@ class _NewTask(typing.NamedTuple):
     owner: object
 
 
+class _GroupOp:
+    """One write waiting for its group commit (see ``TaskStore._group_write``)."""
+
+    __slots__ = ("body", "result", "error", "done", "wake", "next")
+
+    def __init__(self, body):
+        self.body = body        # body(notices), or a _NewTask: a plain create
+        self.result = None
+        self.error = None
+        self.done = False       # committed (or failed): result or error is final
+        self.wake = None        # the lock this writer sleeps on, its own, while it sleeps
+        self.next = None        # the writer it wakes once awake (see TaskStore._wake)
+
+
 class TaskStore:
     """A durable task store on one SQLite file.
 
@@ -1520,34 +1534,31 @@ class TaskStore:
         leader of a batch of one and pays nothing more.  Nobody returns before
         its change is committed.
         """
-        # body, result, error, done; for a writer that waits, the lock it
-        # waits on (its own, so a commit wakes exactly the writers it served);
-        # and the next writer to wake once this one is awake (see _wake).
-        op = [body, None, None, False, None, None]
+        op = _GroupOp(body)
         with self._group:
             self._group_queue.append(op)
             if len(self._group_queue) == self._group_gathering:
                 self._gather.notify()       # the company the leader waits for is here
             if self._group_leading:
-                op[4] = threading.Lock()
-                op[4].acquire()
+                op.wake = threading.Lock()      # its own: a commit wakes exactly its writers
+                op.wake.acquire()
             else:
                 self._group_leading = True
-        if op[4] is not None:
+        if op.wake is not None:
             self._wait_woken(op)    # until committed (done), or handed the lead
-        if not op[3]:
+        if not op.done:
             self._lead_groups()
-        if op[2] is not None:
-            raise op[2]
-        return op[1]
+        if op.error is not None:
+            raise op.error
+        return op.result
 
     @staticmethod
     def _wait_woken(op):
         """Wait on *op*'s own lock; once awake, wake the next writer of its batch."""
-        op[4].acquire()
-        op[4] = None                # awake: a batch it leads must not count it as asleep
-        if op[5] is not None:
-            op[5][4].release()
+        op.wake.acquire()
+        op.wake = None              # awake: a batch it leads must not count it as asleep
+        if op.next is not None:
+            op.next.wake.release()
 
     def _lead_groups(self):
         """As the leader: commit what is queued, batch after batch; then hand the lead on."""
@@ -1571,8 +1582,8 @@ class TaskStore:
         finally:
             if batch:                       # interrupted: never leave waiters behind
                 for member in batch:
-                    if member[2] is None:
-                        member[1], member[2] = None, StoreUnavailable(
+                    if member.error is None:
+                        member.result, member.error = None, StoreUnavailable(
                             "the group commit was interrupted")
                 with group:
                     self._hand_over_locked()
@@ -1581,7 +1592,7 @@ class TaskStore:
     def _hand_over_locked(self):
         # The oldest queued writer leads next; with none, the next to arrive does.
         if self._group_queue:
-            self._group_queue[0][4].release()
+            self._group_queue[0].wake.release()
         else:
             self._group_leading = False
 
@@ -1595,13 +1606,13 @@ class TaskStore:
         """
         sleepers = []
         for member in members:
-            member[3] = True
-            if member[4] is not None:
+            member.done = True
+            if member.wake is not None:
                 sleepers.append(member)
         for member, after in zip(sleepers, sleepers[1:]):
-            member[5] = after
+            member.next = after
         if sleepers:
-            sleepers[0][4].release()
+            sleepers[0].wake.release()
 
     def _gather_locked(self):
         """Under contention, give the writers just released a moment to queue again.
@@ -1642,26 +1653,26 @@ class TaskStore:
                 conn = self._conn
                 creates = []        # plain creates (a _NewTask body): inserted together
                 for op in batch:
-                    if type(op[0]) is _NewTask:
+                    if type(op.body) is _NewTask:
                         creates.append(op)
                         continue
                     before, mark = conn.total_changes, len(notices)
                     try:
-                        op[1] = op[0](notices)
+                        op.result = op.body(notices)
                     except TaskStoreError as exc:
                         if len(batch) == 1 or conn.total_changes != before:
                             raise
                         del notices[mark:]
-                        op[2] = exc
+                        op.error = exc
                 if creates:
-                    tasks = self._insert_tasks_locked(notices, [op[0] for op in creates],
+                    tasks = self._insert_tasks_locked(notices, [op.body for op in creates],
                                                       self._now_ms())
                     for op, task in zip(creates, tasks):
-                        op[1] = task
+                        op.result = task
         except BaseException as exc:
             for op in batch:
-                if op[2] is None:
-                    op[1], op[2] = None, exc
+                if op.error is None:
+                    op.result, op.error = None, exc
             if not isinstance(exc, Exception):
                 raise
 

@@ -812,14 +812,15 @@ class GroupCommitTests(StoreTestCase):
 
     def test_a_mixed_batch_commits_together_and_a_failing_member_fails_alone(self):
         existing = self.store.create("k")
-        batch = [[self.spec("a", {"n": 1}), None, None, False],
-                 [lambda notices: self.store._create_locked(
-                     notices, self.spec("b"), ("scope", "key", "fp", None)), None, None, False],
-                 [lambda notices: self.store._transition_locked(
-                     notices, "task_missing", taskstore.START, 0), None, None, False],
-                 [self.spec("c", [2]), None, None, False],
-                 [lambda notices: self.store._transition_locked(
-                     notices, existing.id, taskstore.START, 0), None, None, False]]
+        batch = [taskstore._GroupOp(body) for body in (
+            self.spec("a", {"n": 1}),
+            lambda notices: self.store._create_locked(
+                notices, self.spec("b"), ("scope", "key", "fp", None)),
+            lambda notices: self.store._transition_locked(
+                notices, "task_missing", taskstore.START, 0),
+            self.spec("c", [2]),
+            lambda notices: self.store._transition_locked(
+                notices, existing.id, taskstore.START, 0))]
         commits = []
         self.store._conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
                                             else None)
@@ -827,19 +828,19 @@ class GroupCommitTests(StoreTestCase):
         self.store._conn.set_trace_callback(None)
         self.assertEqual(len(commits), 1)
         a, b, missing, c, moved = batch
-        self.assertIsInstance(missing[2], taskstore.TaskNotFound)
+        self.assertIsInstance(missing.error, taskstore.TaskNotFound)
         for op in (a, b, c, moved):
-            self.assertIsNone(op[2])
-        self.assertEqual([(t.kind, t.payload) for t in (a[1], b[1], c[1])],
+            self.assertIsNone(op.error)
+        self.assertEqual([(t.kind, t.payload) for t in (a.result, b.result, c.result)],
                          [("a", {"n": 1}), ("b", None), ("c", [2])])
         for op in (a, b, c):
-            self.assertEqual(self.store.get(op[1].id), op[1])
-            self.assertEqual([(e.seq, e.type, e.data) for e in self.store.events(op[1].id)],
-                             [(0, "created", {"kind": op[1].kind})])
-        self.assertEqual(len({a[1].id, b[1].id, c[1].id}), 3)
+            self.assertEqual(self.store.get(op.result.id), op.result)
+            self.assertEqual([(e.seq, e.type, e.data) for e in self.store.events(op.result.id)],
+                             [(0, "created", {"kind": op.result.kind})])
+        self.assertEqual(len({a.result.id, b.result.id, c.result.id}), 3)
         self.assertEqual(self.store.get(existing.id).status, RUNNING)
         replay = self.store.create("b", idempotency=("scope", "key", "fp", None))
-        self.assertEqual((replay.id, replay.replayed), (b[1].id, True))
+        self.assertEqual((replay.id, replay.replayed), (b.result.id, True))
 
     def test_threads_creating_at_once_each_get_their_own_committed_task(self):
         self.create_from_threads()
@@ -874,18 +875,19 @@ class GroupCommitTests(StoreTestCase):
         self.assertTrue(any(gave_up), "no leader ever stopped waiting for company")
 
     def test_a_commit_wakes_its_sleeping_writers_one_after_another(self):
-        ops = [[None, n, None, False, threading.Lock(), None] for n in range(4)]
+        ops = [taskstore._GroupOp(None) for _ in range(4)]
         for op in ops:
-            op[4].acquire()
-        leader = [None, "mine", None, False, None, None]
+            op.wake = threading.Lock()
+            op.wake.acquire()
+        leader = taskstore._GroupOp(None)          # awake: it ran the batch
         taskstore.TaskStore._wake([ops[0], leader, *ops[1:]])
-        self.assertTrue(all(op[3] for op in [*ops, leader]))
-        self.assertEqual([op[4].locked() for op in ops], [False, True, True, True])
+        self.assertTrue(all(op.done for op in [*ops, leader]))
+        self.assertEqual([op.wake.locked() for op in ops], [False, True, True, True])
         for n, op in enumerate(ops):        # each sleeper, once awake, wakes the next
             taskstore.TaskStore._wait_woken(op)     # its lock is free (checked): no wait
-            self.assertIsNone(op[4])
+            self.assertIsNone(op.wake)
             if n + 1 < len(ops):
-                self.assertFalse(ops[n + 1][4].locked())
+                self.assertFalse(ops[n + 1].wake.locked())
 
     def create_from_threads(self, counts=(25,) * 8):
         barrier = threading.Barrier(len(counts))
