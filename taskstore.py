@@ -4361,6 +4361,14 @@ def _not_json(constant):
     raise ValueError(f"{constant} is not JSON")
 
 
+def _finite_float(text):
+    # json's parse_float: 1e999 would parse to infinity, which dumps() refuses later.
+    value = float(text)
+    if not math.isfinite(value):
+        raise InvalidParams("the body has a number too large to represent")
+    return value
+
+
 def _json_body(body, content_type):
     """Parse a request body as strict JSON the store can keep (RFC 8259, valid Unicode).
 
@@ -4373,18 +4381,15 @@ def _json_body(body, content_type):
             raise UnsupportedMediaType(f"Content-Type {media or '(empty)'} is not JSON; "
                                        "send application/json")
     try:
-        value = json.loads(body.decode("utf-8"), parse_constant=_not_json)
+        value = json.loads(body.decode("utf-8"), parse_constant=_not_json,
+                           parse_float=_finite_float)
     except RecursionError:
         raise InvalidParams(f"the body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError:          # UnicodeDecodeError is one too
         raise InvalidParams("the body is not valid JSON") from None
-    problem = _json_problem(value)
+    problem = _json_problem(value, text=body)
     if problem is not None:
         raise InvalidParams(f"the body {problem}")
-    try:
-        dumps(value)
-    except ValueError:
-        raise InvalidParams("the body has a number too large to represent") from None
     return value
 
 

@@ -2773,6 +2773,25 @@ class LmspWireTests(unittest.TestCase):
             with self.subTest(bad=bad), self.assertRaises(InvalidParams):
                 parse_cursor(bad, "after")
 
+    def test_a_body_is_strict_json_the_store_can_keep(self):
+        body = taskstore._json_body
+        self.assertEqual(body(b'{"a": [1e-400, 1.5, -2]}', None), {"a": [0.0, 1.5, -2]})
+        self.assertEqual(body('{"\u00e9": "caf\u00e9 \\ud83d\\ude00"}'.encode(), None),
+                         {"\u00e9": "caf\u00e9 \U0001f600"})      # a paired escape is fine
+        for raw, detail in (
+                (b'{"a": 1e400}', "number too large to represent"),
+                (b'[-1.5e309]', "number too large to represent"),
+                (b'{"a": NaN}', "not valid JSON"), (b'[Infinity]', "not valid JSON"),
+                (b'{"a": 1} x', "not valid JSON"), (b"\xff", "not valid JSON"),
+                (b"[" * 70 + b"]" * 70, "nested deeper than 64 levels"),
+                (b'["\\ud800"]', "unpaired surrogate"),
+                ('{"\u00e9": "\\udfff"}'.encode(), "unpaired surrogate")):
+            with self.subTest(raw=raw[:20]), self.assertRaises(InvalidParams) as cm:
+                body(raw, "application/json")
+            self.assertIn(detail, str(cm.exception))
+        with self.assertRaises(UnsupportedMediaType):
+            body(b"{}", "text/plain")
+
     def test_loopback_detection(self):
         self.assertTrue(_is_loopback("127.0.0.1") and _is_loopback("::1")
                         and _is_loopback("localhost"))
