@@ -912,6 +912,75 @@ class GroupCommitTests(StoreTestCase):
             self.assertContiguous(task.id)
 
 
+class BatchCreateTests(StoreTestCase):
+    """create_many: one transaction for a batch of tasks, all of them or none."""
+
+    def test_a_batch_is_committed_in_one_transaction_with_each_first_event(self):
+        payloads = [{"i": i} for i in range(50)] + [None, [1, 2], "text"]
+        statements = []
+        self.store._conn.set_trace_callback(
+            lambda sql: statements.append(sql) if sql in ("BEGIN IMMEDIATE", "COMMIT") else None)
+        tasks = self.store.create_many("k", payloads, ttl_ms=60_000, principal="alice",
+                                       meta={"m": 1}, status_message="waiting")
+        self.store._conn.set_trace_callback(None)
+        self.assertEqual(statements, ["BEGIN IMMEDIATE", "COMMIT"])
+        self.assertEqual([t.payload for t in tasks], payloads)
+        self.assertEqual([t.id for t in tasks], sorted(t.id for t in tasks))   # creation order
+        self.assertEqual(len({t.id for t in tasks}), len(payloads))
+        for task in tasks:
+            self.assertEqual(self.store.get(task.id), task)
+            self.assertEqual((task.kind, task.status, task.ttl_ms, task.principal, task.meta,
+                              task.status_message),
+                             ("k", QUEUED, 60_000, "alice", {"m": 1}, "waiting"))
+            self.assertEqual([(e.seq, e.type) for e in self.store.events(task.id)],
+                             [(0, "created")])
+        payloads[0]["i"] = "changed"        # each Task holds its own copy
+        self.assertEqual(tasks[0].payload, {"i": 0})
+        self.assertEqual(self.store.create_many("k", ()), [])
+
+    def test_a_bad_argument_creates_nothing_and_names_the_item(self):
+        for payloads, options, param in (
+                ([{"ok": 1}, {"ok": 2}, float("nan")], {}, "payloads[2]"),
+                ([object()], {}, "payloads[0]"),
+                ([1, {"deep": [[[[1]]]]}, "\ud800"], {}, "payloads[2]"),
+                ([1, 2], {"policy": "sometimes"}, "policy"),
+                ([1, 2], {"ttl_ms": 5, "retention_ms": 5}, "ttl_ms"),
+                ({"a": 1}, {}, "payloads"), ("abc", {}, "payloads"), (None, {}, "payloads")):
+            with self.subTest(payloads=payloads, options=options), \
+                    self.assertRaises(InvalidParams) as cm:
+                self.store.create_many("k", payloads, **options)
+            self.assertEqual(cm.exception.param, param)
+        with self.assertRaises(InvalidParams):
+            self.store.create_many(None, [1])
+        self.assertEqual(self.store.list(), ([], None))
+
+    def test_writers_arriving_during_a_batch_are_served_after_it(self):
+        # Single creates queue behind the batch; nobody's change is lost.
+        started, release = threading.Event(), threading.Event()
+        real = taskstore.TaskStore._insert_tasks_locked
+
+        def insert(store, notices, specs, now):
+            if len(specs) == 100:           # the batch, inside its transaction
+                started.set()
+                release.wait(TIMEOUT)
+            return real(store, notices, specs, now)
+        made = queue.Queue()
+        with unittest.mock.patch.object(taskstore.TaskStore, "_insert_tasks_locked", insert):
+            batch = threading.Thread(daemon=True, target=lambda: made.put(
+                self.store.create_many("k", list(range(100)))))
+            batch.start()
+            self.assertTrue(started.wait(TIMEOUT))
+            singles = [threading.Thread(daemon=True, target=lambda n=n: made.put(
+                [self.store.create("k", {"single": n})])) for n in range(4)]
+            for thread in singles:
+                thread.start()
+            release.set()
+            tasks = [task for _ in range(5) for task in made.get(timeout=TIMEOUT)]
+        self.assertEqual(len(tasks), 104)
+        self.assertEqual(sorted(t.id for t in tasks),
+                         sorted(t.id for t in self.store.list(limit=200)[0]))
+
+
 class RetentionTests(StoreTestCase):
 
     def test_ttl_is_granted_up_to_the_maximum(self):
@@ -1755,6 +1824,28 @@ with store._writing() as notices:
     sys.stdin.readline()
 """
 
+# Batches of creates, each reported once create_many has returned (so
+# committed): ``committed N``.  Halfway through the rows of the last batch
+# it prints ``inside`` and waits on stdin, its transaction open, to be killed.
+BATCH_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB)
+size, last = int(ARGS[0]), int(ARGS[1])
+inserted = 0
+
+def trace(sql):                 # called for every row of an executemany
+    global inserted
+    if batch == last and sql.startswith("INSERT INTO tasks"):
+        inserted += 1
+        if inserted == size // 2:
+            say("inside")
+            sys.stdin.readline()
+
+store._conn.set_trace_callback(trace)
+for batch in range(last + 1):
+    store.create_many("batch", [{"batch": batch, "i": i} for i in range(size)])
+    say("committed", batch)
+"""
+
 # The same on a plain sqlite3 connection: BEGIN IMMEDIATE, the UPDATE and
 # INSERT a transition makes, no COMMIT.
 RAW_TRANSACTION_SCRIPT = CHILD_PRELUDE + r"""
@@ -2133,6 +2224,20 @@ class CrashRecoveryTests(MultiProcessTestCase):
         self.assertEqual(moved, 6)          # all but "done" and "elsewhere"
         self.assert_policies_applied(store, info)
         self.assertEqual(store.recover(), 0)
+
+    def test_a_batch_of_creates_is_all_there_or_not_at_all_after_kill(self):
+        size = 400
+        child = self.spawn(BATCH_SCRIPT, size, 3)
+        for batch in range(3):
+            self.assertEqual(child.expect("committed"), batch)
+        child.expect("inside")      # half of batch 3's rows written, not committed
+        child.kill9(self)
+        self.open_store()           # recovery at open: it must leave queued tasks alone
+        counts = collections.Counter(json.loads(payload)["batch"] for (payload,)
+                                     in self.sql("SELECT payload FROM tasks"))
+        # Each batch create_many returned is all there; the one cut short, none of it.
+        self.assertEqual(counts, {0: size, 1: size, 2: size})
+        self.assertEqual(self.sql("SELECT count(*), max(seq) FROM events"), [(3 * size, 0)])
 
     def test_reopening_after_kill_applies_each_policy_at_open(self):
         info = self.crash_mid_task()
