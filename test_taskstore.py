@@ -7999,12 +7999,16 @@ class BenchCommandTests(unittest.TestCase):
         for name in taskstore.BENCH_WORKLOADS:
             figures = workloads[name]
             with self.subTest(workload=name):
-                self.assertIsInstance(figures["target_ratio"], number)
                 self.assertNotIn("skipped", figures)     # both servers are in the module
                 for key in ("taskstore_ops_per_s", "raw_ops_per_s", "ratio"):
                     self.assertIsInstance(figures[key], number)
                     self.assertGreater(figures[key], 0)
-                self.assertIsInstance(figures["meets_target"], bool)
+                if name == "create_many":               # the batch API: no target, a figure
+                    self.assertEqual((figures["target_ratio"], figures["meets_target"]),
+                                     (None, None))
+                else:
+                    self.assertIsInstance(figures["target_ratio"], number)
+                    self.assertIsInstance(figures["meets_target"], bool)
         for name in ("reap", "recover"):
             self.assertIsInstance(workloads[name]["longest_transaction_ms"], number)
         memory = workloads["memory"]
@@ -8013,25 +8017,43 @@ class BenchCommandTests(unittest.TestCase):
         self.assertIsInstance(memory["rss_growth_mb"], number)
         self.assertIsInstance(memory["meets_target"], bool)
 
+    def test_repetitions_alternate_which_side_is_measured_first(self):
+        order = []
+
+        class Store:
+            def checkpoint(self):
+                order.append("checkpoint")
+
+        def create(bench):
+            order.append("rep")
+            return bench._pair(Store(), lambda: order.append("ours") or 2.0,
+                               lambda: order.append("raw") or 4.0)
+        with unittest.mock.patch.object(taskstore.Bench, "create", create):
+            report = taskstore.run_bench(n=10, repeat=3, only=["create"], memory=False)
+        self.assertEqual(order, ["rep", "ours", "checkpoint", "raw",
+                                 "rep", "raw", "checkpoint", "ours",
+                                 "rep", "ours", "checkpoint", "raw"])
+        self.assertEqual(report["workloads"]["create"]["ratio"], 0.5)   # each side its own
+
     def test_bench_table_has_a_row_per_workload(self):
         report = {"workloads": {
             "create": {"taskstore_ops_per_s": 10.0, "raw_ops_per_s": 20.0, "ratio": 0.5,
                        "target_ratio": 0.6, "meets_target": False},
+            "create_many": {"taskstore_ops_per_s": 2000.0, "raw_ops_per_s": 8000.0,
+                            "ratio": 0.25, "target_ratio": None, "meets_target": None},
             "reap": {"taskstore_ops_per_s": 30.0, "raw_ops_per_s": 60.0, "ratio": 0.5,
                      "target_ratio": 0.333, "meets_target": True, "longest_transaction_ms": 4.0},
             "mcp_roundtrip": {"skipped": "skipped: no mcp command", "target_ratio": 0.5},
             "memory": {"tasks": 1000, "completed": 1000, "rss_growth_mb": 1.5, "target_mb": 50,
                        "meets_target": True}}}
         rows = taskstore.bench_table(report)
-        self.assertEqual([r[0] for r in rows], ["create", "reap", "mcp_roundtrip", "memory"])
+        self.assertEqual([r[0] for r in rows],
+                         ["create", "create_many", "reap", "mcp_roundtrip", "memory"])
         self.assertEqual(rows[0][3:], ("0.50", ">= 0.60", "NO"))
-        self.assertIn("longest txn 4.0 ms", rows[1][4])
-        self.assertEqual(rows[2][5], "skipped: no mcp command")
-        self.assertEqual(rows[3][5], "yes")
-
-
-if __name__ == "__main__":
-    unittest.main()
+        self.assertEqual(rows[1][1:], ("2,000", "8,000", "0.25", "-", "-"))
+        self.assertIn("longest txn 4.0 ms", rows[2][4])
+        self.assertEqual(rows[3][4:], (">= 0.50", "skipped: no mcp command"))
+        self.assertEqual(rows[4][5], "yes")
 
 
 if __name__ == "__main__":
