@@ -107,6 +107,7 @@ import select
 import signal
 import socket
 import sqlite3
+import stat
 import sys
 import threading
 import time
@@ -4689,6 +4690,11 @@ class DemoBackend:
         return {"usage": _usage(len(text.split()), out.writes), "incomplete_reason": reason}
 
 
+def _is_api_key(key):
+    """True for a key that goes into a header as it is: visible ASCII, no spaces."""
+    return isinstance(key, str) and re.fullmatch(r"[!-~]+", key) is not None
+
+
 class OpenAIBackend:
     """Forward response requests to an OpenAI-compatible server, streaming.
 
@@ -4696,6 +4702,11 @@ class OpenAIBackend:
     serve) with ``stream: true`` and streams each content delta.  A cancel
     closes the upstream connection, which stops the generation there.  It has
     no snapshots: a remote stream cannot be resumed, so ``resume`` is refused.
+
+    The ``api_key``, when given, is sent as ``Authorization: Bearer`` to *url*
+    and nowhere else (redirects are not followed).  It is cut out of every
+    error message, since upstreams echo it back ("invalid key sk-..."), and
+    the repr hides it.
     """
 
     name = "openai"
@@ -4703,9 +4714,26 @@ class OpenAIBackend:
 
     def __init__(self, url=DEFAULT_BACKEND_URL, timeout=300.0, api_key=None):
         parts = urllib.parse.urlsplit(url)
+        if "@" in parts.netloc:
+            # Not echoed: what precedes the @ is a password.
+            raise ValueError("backend URL must not carry credentials (user:password@); "
+                             "give the key in OPENAI_API_KEY or --backend-key-file")
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"backend URL must be http(s)://host[:port][/path], not {url!r}")
-        self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key
+        if api_key and not _is_api_key(api_key):
+            # Not echoed; http.client would refuse it later with the whole value in its message.
+            raise ValueError("api_key must be visible ASCII characters, without spaces")
+        self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key or None
+
+    def __repr__(self):
+        return f"OpenAIBackend({self.url!r}, api_key={'<hidden>' if self.api_key else None})"
+
+    def _redact(self, text):
+        """Return *text* with every copy of the key, in any quoting, replaced."""
+        if self.api_key:
+            for form in {self.api_key, json.dumps(self.api_key)[1:-1], repr(self.api_key)[1:-1]}:
+                text = text.replace(form, "[redacted]")
+        return text
 
     @staticmethod
     def chat_request(request):
@@ -4752,8 +4780,13 @@ class OpenAIBackend:
                              name="taskstore-openai-cancel", daemon=True).start()
             resp = conn.getresponse()
             if resp.status != 200:
-                detail = resp.read(2000).decode("utf-8", "replace").strip()
-                raise BackendError(f"backend answered {resp.status}: {detail[:300]}")
+                raw = resp.read(2000)
+                detail = self._redact(raw.decode("utf-8", "replace"))
+                if len(raw) == 2000 and self.api_key:
+                    # The read may have cut a copy of the key: drop what could be its start.
+                    detail = detail[:len(detail) + 1 - len(self.api_key)]
+                detail = detail.strip()[:300]
+                raise BackendError(f"backend answered {resp.status}: {detail}")
             for raw in resp:
                 line = raw.decode("utf-8", "replace").strip()
                 if out.cancelled.is_set():
@@ -4765,7 +4798,7 @@ class OpenAIBackend:
                     break
                 chunk = json.loads(data)
                 if chunk.get("error"):
-                    raise BackendError(f"backend error: {chunk['error']}")
+                    raise BackendError(self._redact(f"backend error: {chunk['error']}"))
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or ():
                     piece = (choice.get("delta") or {}).get("content")
@@ -4775,7 +4808,8 @@ class OpenAIBackend:
         except (OSError, http.client.HTTPException, ValueError) as exc:
             if out.cancelled.is_set():
                 return None
-            raise BackendError(f"backend request failed: {exc.__class__.__name__}: {exc}") from None
+            raise BackendError(self._redact(f"backend request failed: "
+                                            f"{exc.__class__.__name__}: {exc}")) from None
         finally:
             done.set()
             conn.close()
@@ -5275,19 +5309,130 @@ def _is_loopback(host):
         return False
 
 
-def make_backend(name, *, demo_delay=DEFAULT_DEMO_DELAY_S, url=DEFAULT_BACKEND_URL):
+def make_backend(name, *, demo_delay=DEFAULT_DEMO_DELAY_S, url=DEFAULT_BACKEND_URL,
+                 api_key=None):
     """Return the backend the ``http`` command's ``--backend`` names."""
     if name == "openai":
-        return OpenAIBackend(url)
+        return OpenAIBackend(url, api_key=api_key)
     return DemoBackend(demo_delay)
 
 
-def _token_arg(value):
+# -- Secrets: bearer tokens and the backend key, off the command line --
+# Every message here names where a secret came from (file and line, variable
+# and entry), never the secret or the text around it.
+
+TOKENS_ENV = "TASKSTORE_TOKENS"
+BACKEND_KEY_ENV = "OPENAI_API_KEY"      # the variable every OpenAI client reads
+MIN_TOKEN_CHARS = 8
+_SECRET_FILE_MAX = 1 << 20
+
+
+def _warn(message):
+    print(f"taskstore: {message}", file=sys.stderr, flush=True)
+
+
+def _parse_token(value):
+    """Split ``PRINCIPAL=TOKEN``: the one rule for --token, --token-file and TASKSTORE_TOKENS.
+
+    Raises ValueError, whose message does not repeat *value*.
+    """
     principal, sep, token = value.partition("=")
-    if not sep or not principal or len(token) < 8 or not token.isprintable() or " " in token:
-        raise argparse.ArgumentTypeError("expected PRINCIPAL=TOKEN with a token of at least 8 "
-                                         "visible characters")
+    if (not sep or not principal or len(token) < MIN_TOKEN_CHARS or not token.isprintable()
+            or " " in token):
+        raise ValueError(f"expected PRINCIPAL=TOKEN with a token of at least {MIN_TOKEN_CHARS} "
+                         "visible characters")
     return principal, token
+
+
+def _token_arg(value):
+    try:
+        return _parse_token(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _read_secret_file(path, what, warn):
+    """Return the text of the secrets file *path*; call *warn* if other users may open it.
+
+    ssh refuses a private key that others can read; a server that refused to
+    start over a mode would surprise more than it protects, so this only warns.
+    Raises ValueError naming the file (never its content).
+    """
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            data = f.read(_SECRET_FILE_MAX + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if len(data) > _SECRET_FILE_MAX:
+        raise ValueError(f"{what} {path} is larger than {_SECRET_FILE_MAX} bytes")
+    if os.name == "posix" and stat.S_ISREG(mode) and mode & 0o077:
+        warn(f"warning: {what} {path} is open to other users (permissions "
+             f"{stat.S_IMODE(mode):04o}); chmod 600 it")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {path} is not UTF-8 text") from None
+
+
+def _load_tokens(given=(), files=(), environ=None, warn=None):
+    """Return ``{token: principal}`` from all three sources of bearer tokens, added up.
+
+    *given* are ``(principal, token)`` pairs (``--token``); each of *files*
+    holds one ``PRINCIPAL=TOKEN`` a line, with blank lines and lines starting
+    with ``#`` skipped (``--token-file``); ``TASKSTORE_TOKENS`` in *environ*
+    (default ``os.environ``) holds them separated by commas or newlines.  A
+    principal may have several tokens (to rotate one); one token given again
+    for the same principal counts once; one token for two principals is an
+    error, since a request bearing it would be either.  Raises ValueError
+    naming the file and line or the variable and entry; *warn* (default:
+    print to stderr) receives the warnings about open files.
+    """
+    environ = os.environ if environ is None else environ
+    warn = warn or _warn
+    entries = [(pair, "--token") for pair in given]
+    sources = [(path, _read_secret_file(path, "token file", warn).split("\n"), "line")
+               for path in files]
+    sources.append((TOKENS_ENV, re.split(r"[,\n]", environ.get(TOKENS_ENV, "")), "entry"))
+    for name, items, unit in sources:
+        for number, item in enumerate(items, 1):
+            item = item.strip()
+            if not item or (unit == "line" and item.startswith("#")):
+                continue
+            try:
+                entries.append((_parse_token(item), f"{name} {unit} {number}"))
+            except ValueError as exc:
+                raise ValueError(f"{name} {unit} {number}: {exc}") from None
+    tokens, origin = {}, {}
+    for (principal, token), where in entries:
+        if tokens.setdefault(token, principal) != principal:
+            raise ValueError(f"one token is given to {tokens[token]} ({origin[token]}) "
+                             f"and to {principal} ({where})")
+        origin.setdefault(token, where)
+    return tokens
+
+
+def _load_backend_key(key_file=None, environ=None, warn=None):
+    """Return the ``openai`` backend's key: *key_file* if given, else ``OPENAI_API_KEY``.
+
+    The explicit option wins over the environment, as options do.  The file
+    holds the key alone (surrounding whitespace and a final newline are
+    ignored); an empty or unset variable means no key.  Raises ValueError
+    naming the source, never the key.
+    """
+    environ = os.environ if environ is None else environ
+    warn = warn or _warn
+    if key_file is not None:
+        what = "backend key file"
+        key, where = _read_secret_file(key_file, what, warn).strip(), f"{what} {key_file}"
+    else:
+        key, where = environ.get(BACKEND_KEY_ENV, "").strip(), BACKEND_KEY_ENV
+        if not key:
+            return None
+    if not _is_api_key(key):
+        raise ValueError(f"{where} must hold the key alone: visible ASCII characters without "
+                         "spaces or line breaks")
+    return key
 
 
 def _non_negative(value):
@@ -5316,14 +5461,22 @@ def add_http_parser(subparsers):
                    help="port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--token", type=_token_arg, action="append", default=[],
                    metavar="PRINCIPAL=TOKEN",
-                   help="accept this bearer token for PRINCIPAL; repeatable (default: none, "
-                        "no authentication, loopback only)")
+                   help="accept this bearer token for PRINCIPAL; repeatable; visible in ps, so "
+                        "prefer --token-file or $TASKSTORE_TOKENS (default: none, no "
+                        "authentication, loopback only)")
+    p.add_argument("--token-file", action="append", default=[], metavar="FILE",
+                   help="read tokens from FILE, one PRINCIPAL=TOKEN a line (# comments); "
+                        "repeatable; adds to --token and to $TASKSTORE_TOKENS (comma-separated "
+                        "PRINCIPAL=TOKEN) (default: none)")
     p.add_argument("--workers", type=_positive(int), default=4,
                    help="tasks run at once (default: %(default)s)")
     p.add_argument("--backend", choices=("demo", "openai"), default="demo",
                    help="what runs a response task (default: %(default)s)")
     p.add_argument("--backend-url", default=DEFAULT_BACKEND_URL,
                    help="OpenAI-compatible base URL for --backend openai (default: %(default)s)")
+    p.add_argument("--backend-key-file", metavar="FILE",
+                   help="API key for --backend openai, sent as a bearer token to --backend-url "
+                        "(default: $OPENAI_API_KEY, else none)")
     p.add_argument("--demo-delay", type=_non_negative, default=DEFAULT_DEMO_DELAY_S,
                    help="seconds before each demo chunk (default: %(default)s)")
     p.add_argument("--task-retention", type=_positive(float), default=DEFAULT_RETENTION_S,
@@ -5358,19 +5511,20 @@ def add_http_parser(subparsers):
 
 def cmd_http(args):
     """Run the LMSP server until SIGTERM or Ctrl-C; return the exit status."""
-    tokens = {}
-    for principal, token in args.token:
-        if token in tokens:
-            print("taskstore: the same token is given twice", file=sys.stderr)
-            return 2
-        tokens[token] = principal
+    try:
+        tokens = _load_tokens(args.token, args.token_file)
+        key = _load_backend_key(args.backend_key_file) if args.backend == "openai" else None
+        backend = make_backend(args.backend, demo_delay=args.demo_delay, url=args.backend_url,
+                               api_key=key)
+    except ValueError as exc:
+        print(f"taskstore: {exc}", file=sys.stderr)
+        return 2
     if not tokens and not _is_loopback(args.host) and not args.insecure_bind:
-        print(f"taskstore: refusing to serve {args.host} without --token "
-              "(use --insecure-bind to allow it)", file=sys.stderr)
+        print(f"taskstore: refusing to serve {args.host} without tokens (--token, --token-file "
+              f"or {TOKENS_ENV}; use --insecure-bind to allow it)", file=sys.stderr)
         return 2
     event_retention = args.event_retention or args.task_retention
     store_retention = None if args.event_retention is None else int(args.event_retention * 1000)
-    backend = make_backend(args.backend, demo_delay=args.demo_delay, url=args.backend_url)
     if args.verbose:
         logging.getLogger().setLevel(logging.DEBUG)
     store = TaskStore(args.db, event_retention_ms=store_retention, synchronous=args.sync,

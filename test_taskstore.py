@@ -68,6 +68,22 @@ def temp_dir(test):
     return tmp.name
 
 
+# The http command reads tokens and the backend key from these variables; a
+# developer's own settings must not turn on authentication (or send a key) in
+# the servers under test, so the module runs without them.
+_clean_environment = unittest.mock.patch.dict(os.environ)
+
+
+def setUpModule():
+    _clean_environment.start()
+    for name in (taskstore.TOKENS_ENV, taskstore.BACKEND_KEY_ENV):
+        os.environ.pop(name, None)
+
+
+def tearDownModule():
+    _clean_environment.stop()
+
+
 class StoreTestCase(unittest.TestCase):
     """A fresh store on a temporary file and a fake clock for every test."""
 
@@ -2755,6 +2771,15 @@ def deltas(events):
     return "".join(e["data"]["delta"] for e in events if e["event"] == "response.output_text.delta")
 
 
+def store_file_bytes(db):
+    """The bytes of the SQLite store *db*: the file, its -wal and its -shm, those that exist."""
+    data = b""
+    for path in (db, db + "-wal", db + "-shm"):
+        with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+            data += f.read()
+    return data
+
+
 class StepBackend:
     """A backend the test drives: every step waits for ``allow`` (or a cancel).
 
@@ -3677,6 +3702,156 @@ class LmspOpenAIBackendTests(ServerTestCase):
             self.assertEqual(reader.all()[-1]["event"], "response.cancelled")
         self.assertTrue(hung_up.wait(TIMEOUT))
 
+    @staticmethod
+    def answer(handler, status, body):
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    def test_the_key_goes_only_into_the_authorization_header(self):
+        # 96 characters: 20 copies fill 1920 bytes of the 2000 an error body is
+        # read to, so the read cuts the 21st copy after 80 characters.
+        key = "sk-" + os.urandom(47).hex()[:93]
+        secret = key[3:19]          # any 16 characters of it found anywhere is a leak
+        sent = queue.Queue()
+
+        def script(handler, body):
+            auth = handler.headers.get("Authorization", "")
+            sent.put((auth, handler.path, json.dumps(body)))
+            model = body["model"]
+            if model == "ok":
+                self.sse(handler, [self.piece("fine"), self.piece("", "stop")])
+            elif model == "401":           # what hosted services say: the key, echoed
+                self.answer(handler, 401, json.dumps({"error": {
+                    "message": f"Incorrect API key provided: {auth[7:]}"}}).encode())
+            elif model == "500":
+                self.answer(handler, 500, f"failed: {dict(handler.headers)!r}".encode())
+            elif model == "repeated":
+                self.answer(handler, 500, (auth[7:] * 40).encode())
+            else:
+                self.sse(handler, [{"error": {"message": f"bad {auth}", "header": auth}}])
+        url, _ = self.fake_upstream(script)
+        backend = OpenAIBackend(url, api_key=key)
+        self.assertNotIn(secret, repr(backend))
+        self.assertNotIn(secret, str(backend))
+        logged = io.StringIO()
+        handler = logging.StreamHandler(logged)
+        log = logging.getLogger("taskstore")
+        old_level = log.level
+        log.addHandler(handler)
+        log.setLevel(logging.DEBUG)
+        self.addCleanup(log.setLevel, old_level)
+        self.addCleanup(log.removeHandler, handler)
+        client = self.start_server(backend)
+        answers = []
+        for model in ("ok", "401", "500", "repeated", "chunk"):
+            task = client.create(create_body("x", model=model))
+            events = client.events(task["id"])
+            got = client.task(task["id"])
+            answers += [json.dumps(events), json.dumps(got)]
+            if model == "ok":
+                self.assertEqual(deltas(events), "fine")
+                continue
+            self.assertEqual(events[-1]["event"], "response.failed")
+            self.assertEqual(got["error"]["code"], "backend_error")
+            if model == "401":            # the echo was there, and was cut out
+                self.assertIn("401: ", got["error"]["detail"])
+                self.assertIn("[redacted]", got["error"]["detail"])
+        for _ in range(5):
+            auth, path, body = sent.get(timeout=TIMEOUT)
+            self.assertEqual((auth, path), (f"Bearer {key}", "/v1/chat/completions"))
+            self.assertNotIn(secret, body)
+        files = store_file_bytes(self.db)
+        self.assertIn(b"Incorrect API key provided", files)    # the search reads the events
+        self.assertNotIn(secret.encode(), files)
+        self.assertNotIn(secret, logged.getvalue())
+        for answer in answers:
+            self.assertNotIn(secret, answer)
+
+    def test_the_key_is_in_no_message_when_the_upstream_is_unreachable(self):
+        key = "sk-" + os.urandom(24).hex()
+        closed = socket.socket()            # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        self.addCleanup(closed.close)
+        backend = OpenAIBackend(f"http://127.0.0.1:{closed.getsockname()[1]}/v1", api_key=key)
+        client = self.start_server(backend)
+        task = client.create(create_body("x"))
+        events = client.events(task["id"])
+        got = client.task(task["id"])
+        self.assertEqual(got["error"]["code"], "backend_error")
+        self.assertIn("ConnectionRefusedError", got["error"]["detail"])
+        for text in (json.dumps(events), json.dumps(got)):
+            self.assertNotIn(key, text)
+
+    @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+    def test_the_command_takes_the_key_from_a_file_or_the_environment_and_leaks_it_nowhere(self):
+        file_key, env_key = "sk-file-" + os.urandom(16).hex(), "sk-env-" + os.urandom(16).hex()
+        seen = queue.Queue()
+
+        def script(handler, body):
+            auth = handler.headers.get("Authorization", "")
+            seen.put(auth)
+            if body["model"] == "ok":
+                self.sse(handler, [self.piece("fine"), self.piece("", "stop")])
+            else:
+                self.answer(handler, 401, f"Incorrect API key provided: {auth[7:]}".encode())
+        url, _ = self.fake_upstream(script)
+        closed = socket.socket()            # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        self.addCleanup(closed.close)
+        unreachable = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
+        key_file = os.path.join(self.dir, "openai.key")
+        with open(key_file, "w") as f:
+            f.write(file_key + "\n")
+        os.chmod(key_file, 0o600)
+        env = dict(os.environ, OPENAI_API_KEY=env_key)
+        # The file wins over the environment; without a file the environment counts.
+        runs = [(["--backend-key-file", key_file, "--backend-url", url], ("ok", "401"), file_key),
+                (["--backend-url", url], ("ok", "401"), env_key),
+                (["--backend-url", unreachable], ("ok",), None)]
+        for number, (args, models, expected) in enumerate(runs):
+            db = os.path.join(self.dir, f"run{number}.db")
+            server = ServerProcess(self, db, "--backend", "openai", "--verbose", *args, env=env)
+            self.assertEqual(server.warnings, [])
+            answers = []
+            for model in models:
+                task = server.client.create(create_body("x", model=model))
+                answers += [json.dumps(server.client.events(task["id"])),
+                            json.dumps(server.client.task(task["id"]))]
+                if expected is not None:
+                    self.assertEqual(seen.get(timeout=TIMEOUT), f"Bearer {expected}")
+            if expected is None:
+                self.assertIn("ConnectionRefusedError", answers[-1])
+            else:
+                self.assertIn('"response.completed"', answers[0])
+            if "401" in models:
+                self.assertIn("[redacted]", answers[-1])
+            log = server.stop()
+            self.assertIn('"POST /lmsp/v1/tasks HTTP/1.1" 202', log)    # --verbose logged
+            files = store_file_bytes(db)
+            if "401" in models:
+                self.assertIn(b"Incorrect API key provided", files)     # the events are read
+            for key in (file_key, env_key):
+                with self.subTest(run=number, key=key[:7]):
+                    self.assertNotIn(key, log)
+                    self.assertNotIn(key.encode(), files)
+                    for answer in answers:
+                        self.assertNotIn(key, answer)
+        self.assertTrue(seen.empty())
+
+    def test_a_key_or_url_that_cannot_be_used_is_refused_without_echo(self):
+        for bad in ("sk-with space", "sk-new\nline", "sk-caf\u00e9"):
+            with self.subTest(key=bad), self.assertRaises(ValueError) as caught:
+                OpenAIBackend(api_key=bad)
+            self.assertNotIn("sk-", str(caught.exception))
+        with self.assertRaises(ValueError) as caught:
+            OpenAIBackend("https://user:sk-in-url@example.com/v1")
+        self.assertNotIn("sk-in-url", str(caught.exception))
+        self.assertIsNone(OpenAIBackend(api_key="").api_key)
+
     def test_openai_backend_refuses_resume(self):
         client = self.start_server(OpenAIBackend("http://127.0.0.1:9/v1"))
         self.assertProblem(client.request("POST", "/lmsp/v1/tasks",
@@ -3687,17 +3862,25 @@ class LmspOpenAIBackendTests(ServerTestCase):
 class ServerProcess:
     """``taskstore.py http`` in a child process; its ``listening on`` line gives the port."""
 
-    def __init__(self, test, db, *args, command=None):
-        """Start the server (or *command*, a program with the same contract) on *db*."""
+    def __init__(self, test, db, *args, command=None, env=None):
+        """Start the server (or *command*, a program with the same contract) on *db*.
+
+        *env* is the child's environment (default: ours); the warnings it prints
+        before the listening line are kept in ``warnings``.
+        """
         argv = ["--db", db, "--port", "0", *args]
         argv = http_command(*argv) if command is None else [*command, *argv]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True)
+                                     text=True, env=env)
         test.addCleanup(self.cleanup)
         self.lines = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
+        self.warnings = []
         line = self.lines.get(timeout=TIMEOUT)
+        while line.startswith("taskstore: warning:"):
+            self.warnings.append(line)
+            line = self.lines.get(timeout=TIMEOUT)
         match = re.fullmatch(r"taskstore: listening on http://(127\.0\.0\.1):(\d+)", line.strip())
         test.assertTrue(match, line)
         self.client = Client(match.group(1), int(match.group(2)))
@@ -3709,6 +3892,13 @@ class ServerProcess:
     def kill(self):
         self.proc.kill()
         self.proc.wait(timeout=TIMEOUT)
+
+    def stop(self):
+        """SIGTERM, expect exit 0; return all the server wrote to stderr."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=TIMEOUT) == 0, self.proc.returncode
+        self.reader.join(TIMEOUT)
+        return "".join(self.warnings + _drain(self.lines))
 
     def cleanup(self):
         if self.proc.poll() is None:
@@ -6341,6 +6531,191 @@ def _drain(lines):
             return out
 
 
+TOKEN_RULE = "expected PRINCIPAL=TOKEN with a token of at least 8 visible characters"
+
+
+class SecretSourceTests(unittest.TestCase):
+    """Tokens and the backend key read from files and the environment, by one rule."""
+
+    def setUp(self):
+        self.dir = temp_dir(self)
+        self.warnings = []
+
+    def write(self, name, text, mode=0o600):
+        path = os.path.join(self.dir, name)
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.chmod(path, mode)
+        return path
+
+    def load(self, given=(), files=(), env=None):
+        environ = {} if env is None else {"TASKSTORE_TOKENS": env}
+        return taskstore._load_tokens(given, files, environ, self.warnings.append)
+
+    def key(self, key_file=None, env=None):
+        environ = {} if env is None else {"OPENAI_API_KEY": env}
+        return taskstore._load_backend_key(key_file, environ, self.warnings.append)
+
+    def test_the_three_sources_add_up(self):
+        path = self.write("tokens", "\ufeff# the team\n\nalice=alice-token-1\r\n"
+                                    "  bob=b64/token+pad==  \n#carol=commented-out\n")
+        tokens = self.load([("dave", "dave-token-1")], [path],
+                           "erin=erin-token-1,\n frank=frank-token-1\n,alice=alice-token-2")
+        self.assertEqual(tokens, {"dave-token-1": "dave", "alice-token-1": "alice",
+                                  "b64/token+pad==": "bob", "erin-token-1": "erin",
+                                  "frank-token-1": "frank", "alice-token-2": "alice"})
+        self.assertEqual((self.load(), self.load(env=""), self.load(env=" , \n")), ({}, {}, {}))
+        self.assertEqual(self.warnings, [])
+
+    def test_a_bad_line_or_entry_is_named_and_not_repeated(self):
+        path = self.write("tokens", "# ok\nalice=alice-token-1\n\nsk-live-without-principal\n")
+        with self.assertRaises(ValueError) as caught:
+            self.load(files=[path])
+        self.assertEqual(str(caught.exception), f"{path} line 4: {TOKEN_RULE}")
+        for env, entry in (("alice=alice-token-1,,bob=tiny123", 3), ("a=abcdefgh\nb=with space", 2),
+                           ("=no-principal-1", 1), ("alice", 1)):
+            with self.subTest(env=env), self.assertRaises(ValueError) as caught:
+                self.load(env=env)
+            self.assertEqual(str(caught.exception), f"TASKSTORE_TOKENS entry {entry}: {TOKEN_RULE}")
+
+    def test_one_token_for_two_principals_is_refused_and_a_repeat_counts_once(self):
+        path = self.write("tokens", "alice=shared-token-1\n")
+        self.assertEqual(self.load([("alice", "shared-token-1")], [path], "alice=shared-token-1"),
+                         {"shared-token-1": "alice"})
+        with self.assertRaises(ValueError) as caught:
+            self.load(files=[path], env="bob=shared-token-1")
+        self.assertEqual(str(caught.exception), f"one token is given to alice ({path} line 1) "
+                                                "and to bob (TASKSTORE_TOKENS entry 1)")
+
+    @unittest.skipUnless(os.name == "posix", "POSIX permissions")
+    def test_a_file_open_to_other_users_warns(self):
+        for mode, warned in ((0o600, False), (0o400, False), (0o640, True), (0o644, True),
+                             (0o602, True)):
+            with self.subTest(mode=oct(mode)):
+                path = self.write(f"tokens{mode:o}", "alice=alice-token-1\n", mode)
+                self.warnings.clear()
+                self.assertEqual(self.load(files=[path]), {"alice-token-1": "alice"})
+                self.assertEqual(self.warnings, [
+                    f"warning: token file {path} is open to other users (permissions "
+                    f"{mode:04o}); chmod 600 it"] if warned else [])
+        path = self.write("key", "sk-key-1\n", 0o644)
+        self.warnings.clear()
+        self.assertEqual(self.key(path), "sk-key-1")
+        self.assertEqual(len(self.warnings), 1)
+        self.assertIn(f"backend key file {path} is open to other users", self.warnings[0])
+
+    def test_unreadable_files_are_errors_naming_them(self):
+        binary = os.path.join(self.dir, "binary")
+        with open(binary, "wb") as f:
+            f.write(b"alice=\xff\xfe-secret\n")
+        for path, message in ((os.path.join(self.dir, "missing"), "cannot read token file"),
+                              (self.dir, "cannot read token file"),
+                              (binary, "is not UTF-8 text")):
+            with self.subTest(path=path), self.assertRaises(ValueError) as caught:
+                self.load(files=[path])
+            self.assertIn(message, str(caught.exception))
+            self.assertIn(path, str(caught.exception))
+            self.assertNotIn("secret", str(caught.exception))
+
+    def test_the_backend_key_file_wins_over_the_environment(self):
+        path = self.write("key", "  sk-from-file\n\n")
+        self.assertEqual(self.key(path, "sk-from-env"), "sk-from-file")
+        self.assertEqual(self.key(None, "sk-from-env"), "sk-from-env")
+        self.assertEqual((self.key(), self.key(env=""), self.key(env=" \n")), (None, None, None))
+        for text in ("sk-one\nsk-two\n", "", "sk-with space", "sk-caf\u00e9"):
+            path = self.write("bad-key", text)
+            with self.subTest(text=text), self.assertRaises(ValueError) as caught:
+                self.key(path, "sk-from-env")
+            self.assertTrue(str(caught.exception).startswith(f"backend key file {path} must "),
+                            caught.exception)
+            self.assertNotIn("sk-", str(caught.exception))
+        with self.assertRaises(ValueError) as caught:
+            self.key(env="sk-with\ttab")
+        self.assertTrue(str(caught.exception).startswith("OPENAI_API_KEY must hold the key alone"))
+        self.assertNotIn("sk-", str(caught.exception))
+        self.assertEqual(self.warnings, [])
+
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+class LmspTokenSourceCommandTests(unittest.TestCase):
+    """``http`` with tokens from --token-file and TASKSTORE_TOKENS: the real command."""
+
+    ALICE, BOB, CAROL = "alice-token-" + os.urandom(8).hex(), "bob-token-" + os.urandom(8).hex(), \
+        "carol-token-" + os.urandom(8).hex()
+
+    def setUp(self):
+        self.dir = temp_dir(self)
+        self.db = os.path.join(self.dir, "tokens.db")
+
+    def write(self, name, text, mode=0o600):
+        path = os.path.join(self.dir, name)
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, mode)
+        return path
+
+    def test_tokens_from_a_file_and_the_environment_authenticate(self):
+        path = self.write("tokens", f"# principals\nalice={self.ALICE}\n")
+        env = dict(os.environ, TASKSTORE_TOKENS=f"bob={self.BOB}\ncarol={self.CAROL}")
+        server = ServerProcess(self, self.db, "--verbose", "--token-file", path, env=env)
+        self.assertEqual(server.warnings, [])
+        base = server.client
+        owners = {}
+        for principal, token in (("alice", self.ALICE), ("bob", self.BOB), ("carol", self.CAROL)):
+            client = Client(base.host, base.port, token)
+            task = client.create(create_body(principal))
+            client.events(task["id"])
+            listed = client.request("GET", "/lmsp/v1/tasks")
+            self.assertEqual((listed[0], [t["id"] for t in listed[2]["data"]]), (200, [task["id"]]))
+            owners[task["id"]] = principal
+        for token in (None, "wrong-token-123", self.ALICE + "x"):
+            with self.subTest(token=token):
+                reply = Client(base.host, base.port, token).request("GET", "/lmsp/v1/tasks")
+                self.assertEqual((reply[0], reply[2]["code"]), (401, "unauthorized"))
+        log = server.stop()
+        self.assertIn('"POST /lmsp/v1/tasks HTTP/1.1" 202', log)
+        for token in (self.ALICE, self.BOB, self.CAROL):
+            self.assertNotIn(token, log)
+        store = TaskStore(self.db, recover_on_open=False)
+        self.addCleanup(store.close)
+        self.assertEqual({task_id: store.get(task_id).principal for task_id in owners}, owners)
+
+    @unittest.skipUnless(os.name == "posix", "POSIX permissions")
+    def test_a_token_file_open_to_other_users_warns_and_still_serves(self):
+        path = self.write("tokens", f"alice={self.ALICE}\n", 0o644)
+        server = ServerProcess(self, self.db, "--token-file", path)
+        self.assertEqual(server.warnings, [f"taskstore: warning: token file {path} is open to other "
+                                           "users (permissions 0644); chmod 600 it\n"])
+        client = Client(server.client.host, server.client.port, self.ALICE)
+        self.assertEqual(client.request("GET", "/lmsp/v1/tasks")[0], 200)
+        self.assertNotIn(self.ALICE, server.stop())
+
+    def test_bad_token_sources_exit_2_naming_where(self):
+        bad_line = self.write("bad", f"# ok\nalice={self.ALICE}\nsk-live-without-principal\n")
+        short = self.write("short", "alice=tiny123\n")
+        first = self.write("first", f"alice={self.ALICE}\n")
+        missing = os.path.join(self.dir, "missing")
+        cases = [
+            (["--token-file", bad_line], "", f"{bad_line} line 3: {TOKEN_RULE}"),
+            (["--token-file", short], "", f"{short} line 1: {TOKEN_RULE}"),
+            ([], f"bob={self.BOB},alice=tiny123", f"TASKSTORE_TOKENS entry 2: {TOKEN_RULE}"),
+            (["--token", "alice=tiny123"], "", f"argument --token: {TOKEN_RULE}"),
+            (["--token-file", first], f"bob={self.ALICE}",
+             f"one token is given to alice ({first} line 1) and to bob (TASKSTORE_TOKENS entry 1)"),
+            (["--token-file", missing], "", f"cannot read token file {missing}"),
+        ]
+        for args, tokens, message in cases:
+            with self.subTest(message=message):
+                env = dict(os.environ, TASKSTORE_TOKENS=tokens)
+                proc = subprocess.run(http_command("--db", self.db, "--port", "0", *args), env=env,
+                                      capture_output=True, text=True, timeout=TIMEOUT)
+                self.assertEqual(proc.returncode, 2, proc.stderr)
+                self.assertIn(message, proc.stderr)
+                for secret in ("tiny123", "sk-live", self.ALICE, self.BOB):
+                    self.assertNotIn(secret, proc.stderr)
+                self.assertFalse(os.path.exists(self.db))
+
+
 
 # == MCP 2026-07-28: the tasks extension beside the 2025-11-25 flow ==========
 
@@ -6606,7 +6981,7 @@ class Era2ProtocolTests(Era2TestBase):
         task_id = self.mcreate(client, "refuse", {})["taskId"]
         got = self.wait_done(client, store, task_id)
         self.assertEqual((got["status"], got["statusMessage"]), ("failed", "quota exceeded"))
-        self.assertEqual((got["error"]["code"], got["error"]["message"]),
+        self.assertEqual((got["error"]["code"], got["error"]["detail"]),
                          (-32042, "quota exceeded"))
         self.assertNotIn("result", got)
 
@@ -6808,7 +7183,7 @@ class Era2CommandTests(Era2TestBase):
         got = self.mget(client, ids["running"])
         self.assertEqual(got["status"], "failed")
         self.assertEqual(got["error"]["code"], -32603)
-        self.assertTrue(got["error"]["message"].startswith("CRASH_RECOVERY"), got)
+        self.assertTrue(got["error"]["detail"].startswith("CRASH_RECOVERY"), got)
         self.assertTrue(got["statusMessage"].startswith("CRASH_RECOVERY"), got)
 
     def test_two_eras_share_one_store(self):
