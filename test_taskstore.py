@@ -6981,7 +6981,7 @@ class Era2ProtocolTests(Era2TestBase):
         task_id = self.mcreate(client, "refuse", {})["taskId"]
         got = self.wait_done(client, store, task_id)
         self.assertEqual((got["status"], got["statusMessage"]), ("failed", "quota exceeded"))
-        self.assertEqual((got["error"]["code"], got["error"]["detail"]),
+        self.assertEqual((got["error"]["code"], got["error"]["message"]),
                          (-32042, "quota exceeded"))
         self.assertNotIn("result", got)
 
@@ -7183,7 +7183,7 @@ class Era2CommandTests(Era2TestBase):
         got = self.mget(client, ids["running"])
         self.assertEqual(got["status"], "failed")
         self.assertEqual(got["error"]["code"], -32603)
-        self.assertTrue(got["error"]["detail"].startswith("CRASH_RECOVERY"), got)
+        self.assertTrue(got["error"]["message"].startswith("CRASH_RECOVERY"), got)
         self.assertTrue(got["statusMessage"].startswith("CRASH_RECOVERY"), got)
 
     def test_two_eras_share_one_store(self):
