@@ -76,7 +76,7 @@ __all__ = [
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
     "response_object", "lmsp_event", "task_error_problem", "parse_idempotency_key", "add_http_parser", "cmd_http",
     "Unauthorized", "RouteNotFound", "MethodNotAllowed", "PayloadTooLarge", "UnsupportedMediaType", "UnsupportedCapability",
-    "ServiceUnavailable",
+    "ServiceUnavailable", "Forbidden",
 ]
 
 # =============================================================================
@@ -88,6 +88,7 @@ __all__ = [
 import argparse
 import base64
 import contextlib
+import email.utils
 import functools
 import hashlib
 import hmac
@@ -371,7 +372,7 @@ class Cancelled(Exception):
     """Raised inside a handler (by ``ctx.check()`` or ``ctx.ask()``) once its task is cancelled."""
 
 
-_REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+_REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
             405: "Method Not Allowed", 409: "Conflict", 410: "Gone",
             413: "Content Too Large", 415: "Unsupported Media Type",
             422: "Unprocessable Content", 500: "Internal Server Error",
@@ -4208,11 +4209,18 @@ DEFAULT_MAX_BODY = 1024 * 1024
 DEFAULT_RETENTION_S = 24 * 3600
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 DEFAULT_MAX_STREAMS = 256
+DEFAULT_MAX_CONNECTIONS = 512   # each is a thread and a file descriptor (1024 is a common limit)
 DEFAULT_KEEPALIVE_S = 15.0
 DEFAULT_DEMO_DELAY_S = 0.02
 DEFAULT_BACKEND_URL = "http://127.0.0.1:11434/v1"   # Ollama's OpenAI-compatible API
 _STREAM_WAKE_S = 0.5        # how soon an idle event stream notices a server shutdown
 _EVENT_BATCH = 500          # events read from the store per query while streaming
+_CHUNK_LINE_LIMIT = 4096    # a chunk-size line with its extensions, in a chunked request body
+_MAX_TRAILERS = 100         # trailer lines after a chunked body (http.server's header limit)
+# CORS for --allow-origin: what a page may send, and the headers it may read.
+_CORS_ALLOW_HEADERS = "Authorization, Content-Type, Idempotency-Key, Last-Event-ID"
+_CORS_EXPOSE_HEADERS = "Location, Idempotent-Replayed"
+_CORS_MAX_AGE_S = 600
 FINAL_EVENTS = frozenset(("response.completed", "response.incomplete",
                           "response.failed", "response.cancelled"))
 # A failed task's problem: B.2 says 503 for a restart, 500 for everything else.
@@ -4224,6 +4232,14 @@ class Unauthorized(TaskStoreError):
 
     code = "unauthorized"
     http_status = 401
+
+
+class Forbidden(TaskStoreError):
+    """A browser request from a page this server does not serve or allow (``--allow-origin``),
+    or a ``Host`` that is not a loopback name on a loopback server (DNS rebinding)."""
+
+    code = "forbidden"
+    http_status = 403
 
 
 class RouteNotFound(TaskStoreError):
@@ -4398,6 +4414,39 @@ def parse_cursor(value, param):
     return int(value)
 
 
+def _origins_regex(patterns):
+    """Compile ``--allow-origin`` values: ``*`` alone is any origin; elsewhere ``*``
+    stands for any run of characters but ``/`` (``http://localhost:*``)."""
+    if not patterns:
+        return None
+    parts = [".*" if p == "*" else re.escape(p.lower()).replace(r"\*", "[^/]*") for p in patterns]
+    return re.compile("|".join(parts))
+
+
+def _loopback_host(value):
+    """True if a ``Host`` header names a loopback name or address (any port)."""
+    host = value.strip().lower()
+    if host.startswith("["):                        # [::1]:8765
+        name, closed, port = host[1:].partition("]")
+        if not closed:
+            return False
+        port = port[1:] if port.startswith(":") else (port or None)
+    else:
+        name, colon, port = host.rpartition(":")
+        name, port = (name, port) if colon else (host, None)
+    return (port is None or re.fullmatch(r"[0-9]{1,5}", port) is not None) and _is_loopback(name)
+
+
+def _same_origin(origin, host):
+    """True if *origin* is this server's own: its host and port are the request's Host."""
+    scheme, sep, authority = origin.strip().lower().partition("://")
+    if not sep or host is None:
+        return False
+    host = host.strip().lower()
+    default_port = {"http": ":80", "https": ":443"}.get(scheme, "")
+    return authority in (host, host.removesuffix(default_port))
+
+
 def _not_json(constant):
     raise ValueError(f"{constant} is not JSON")
 
@@ -4416,11 +4465,14 @@ def _json_body(body, content_type):
     A client's mistake is always a 400: a recursion bomb, NaN/Infinity, a number
     too large for a float, or an unpaired surrogate escape never reach the store.
     """
-    if content_type is not None:
-        media = content_type.split(";")[0].strip().lower()
-        if media != "application/json" and not media.endswith("+json"):
-            raise UnsupportedMediaType(f"Content-Type {media or '(empty)'} is not JSON; "
-                                       "send application/json")
+    # Required: a page on another site can send a body with no Content-Type (or
+    # text/plain) without a preflight, never one labelled application/json.
+    if content_type is None:
+        raise UnsupportedMediaType("a body needs Content-Type: application/json")
+    media = content_type.split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise UnsupportedMediaType(f"Content-Type {media or '(empty)'} is not JSON; "
+                                   "send application/json")
     try:
         value = json.loads(body.decode("utf-8"), parse_constant=_not_json,
                            parse_float=_finite_float)
@@ -4848,14 +4900,19 @@ class LMSPApp:
     ``handle(method, target, headers, read_body)`` returns a Reply; the
     transport (LMSPRequestHandler) only moves bytes.  ``tokens`` maps bearer
     token -> principal name; with none, there is no authentication.
+    ``allow_origins`` are the browser origins (``--allow-origin`` patterns)
+    whose pages may call the routes, besides the server's own.
     """
 
     def __init__(self, store, backend, *, tokens=None, max_body=DEFAULT_MAX_BODY,
                  task_retention=DEFAULT_RETENTION_S, event_retention=DEFAULT_RETENTION_S,
                  idempotency_retention=DEFAULT_RETENTION_S,
                  request_timeout=DEFAULT_REQUEST_TIMEOUT_S, max_streams=DEFAULT_MAX_STREAMS,
-                 keepalive_interval=DEFAULT_KEEPALIVE_S):
+                 keepalive_interval=DEFAULT_KEEPALIVE_S, allow_origins=()):
         self.store, self.backend = store, backend
+        self.allow_origins = tuple(allow_origins)
+        self._allowed_origin = _origins_regex(self.allow_origins)
+        self.loopback_only = False      # LMSPServer sets it from its address: Host is checked
         self.tokens = dict(tokens or {})
         self.max_body, self.request_timeout = max_body, request_timeout
         self.task_retention, self.event_retention = task_retention, event_retention
@@ -4880,7 +4937,9 @@ class LMSPApp:
 
     def handle(self, method, target, headers, read_body):
         """Route one request; every exception becomes a problem reply here."""
+        origin = None
         try:
+            origin = self.check_site(headers)
             path, _, query = target.partition("?")
             for pattern, methods in self.routes:
                 match = pattern.fullmatch(path)
@@ -4890,20 +4949,63 @@ class LMSPApp:
                 if path.startswith("/lmsp/"):
                     self.authenticate(headers)     # existence of routes needs a token too
                 raise RouteNotFound(f"no route {path}")
-            principal = None if path == "/healthz" else self.authenticate(headers)
-            op = methods.get(method)
-            if op is None:
-                raise MethodNotAllowed(method, sorted(methods))
-            if self.stopping.is_set():
-                raise ServiceUnavailable("the server is shutting down")
-            request = {"principal": principal, "headers": headers, "read_body": read_body,
-                       "query": urllib.parse.parse_qs(query, keep_blank_values=True)
-                       if query else {}}     # most requests have none: skip the parser
-            return op(request, *match.groups())
+            if (method == "OPTIONS" and origin is not None
+                    and "Access-Control-Request-Method" in headers):
+                # A CORS preflight carries no token; the request that follows does.
+                reply = Reply(204, headers=[
+                    ("Access-Control-Allow-Methods", ", ".join(sorted(methods))),
+                    ("Access-Control-Allow-Headers", _CORS_ALLOW_HEADERS),
+                    ("Access-Control-Max-Age", str(_CORS_MAX_AGE_S))], content_type=None)
+            else:
+                principal = None if path == "/healthz" else self.authenticate(headers)
+                op = methods.get(method)
+                if op is None:
+                    raise MethodNotAllowed(method, sorted(methods))
+                if self.stopping.is_set():
+                    raise ServiceUnavailable("the server is shutting down")
+                request = {"principal": principal, "headers": headers, "read_body": read_body,
+                           "query": urllib.parse.parse_qs(query, keep_blank_values=True)
+                           if query else {}}     # most requests have none: skip the parser
+                reply = op(request, *match.groups())
         except OSError:
             raise       # the client's socket failed (reset, request timeout): no answer
         except Exception as exc:   # noqa: BLE001 -- the one place errors become answers
-            return self.problem_reply(exc)
+            reply = self.problem_reply(exc)
+        if origin is not None:     # an allowed page reads every answer, errors included
+            reply.headers += [("Access-Control-Allow-Origin", origin), ("Vary", "Origin"),
+                              ("Access-Control-Expose-Headers", _CORS_EXPOSE_HEADERS)]
+        return reply
+
+    def check_site(self, headers):
+        """Refuse what a browser sends for another site's page; return an allowed origin.
+
+        Returns the request's ``Origin`` when it is one of ``allow_origins``
+        (the answer then carries CORS headers), else None.
+
+        Raises:
+            Forbidden: on a loopback server, a ``Host`` that is not a loopback
+                name or address (DNS rebinding); an ``Origin`` that is neither
+                allowed nor the server's own; ``Sec-Fetch-Site: cross-site``
+                from a page that is not allowed.
+        """
+        if self.loopback_only:
+            for host in headers.get_all("Host") or ():
+                if not _loopback_host(host):
+                    raise Forbidden(f"Host {host[:100]!r} is not a loopback name or address, "
+                                    "and this server listens on loopback only")
+        origin = headers.get("Origin")
+        if origin is None:
+            site = (headers.get("Sec-Fetch-Site") or "").strip().lower()
+            if site == "cross-site":
+                raise Forbidden("cross-site requests are refused")
+            return None
+        origin = origin.strip()
+        if self._allowed_origin is not None and self._allowed_origin.fullmatch(origin.lower()):
+            return origin
+        site = (headers.get("Sec-Fetch-Site") or "").strip().lower()
+        if site == "cross-site" or not _same_origin(origin, headers.get("Host")):
+            raise Forbidden(f"origin {origin[:100]!r} is not allowed (see --allow-origin)")
+        return None
 
     @staticmethod
     def problem_reply(exc):
@@ -5000,8 +5102,11 @@ class LMSPApp:
 
     def _cancel(self, request, task_id):
         task_id = self._task_id(task_id)
-        if request["headers"].get("Content-Length") not in (None, "0"):
-            _json_body(request["read_body"](), request["headers"].get("Content-Type"))
+        headers = request["headers"]
+        if headers.get("Content-Length") not in (None, "0") or "Transfer-Encoding" in headers:
+            body = request["read_body"]()
+            if body:
+                _json_body(body, headers.get("Content-Type"))
         self._lmsp_only(self.store.get(task_id, principal=request["principal"]))
         task = self.store.cancel(task_id, principal=request["principal"])
         return Reply(200, task_object(task))
@@ -5038,6 +5143,10 @@ class LMSPApp:
         if after is not None and after > task.last_seq:
             raise InvalidParams(f"{param} {after} is beyond the last event ({task.last_seq})",
                                 param=param)
+        if after == task.last_seq and task.terminal:
+            # The client has the final event: nothing will ever follow.  204 is
+            # what makes an EventSource stop reconnecting (WHATWG HTML 9.2).
+            return Reply(204, content_type=None)
         # Decided before the 200: 410 for pruned events (EventsExpired).
         events = self.store.events(task_id, after=after, limit=_EVENT_BATCH, principal=principal)
         if not self._streams.acquire(blocking=False):
@@ -5051,14 +5160,15 @@ class EventStream:
     """The frames of one task's event stream: missed events, then live ones.
 
     Iterating yields encoded SSE frames and ``: keep-alive`` comments; it ends
-    after the final event, when the server stops, the store closes, or
-    ``client_gone()`` (set by the transport) says the client left.
-    ``close()`` gives back the stream slot and must be called once.
+    after the final event (``complete`` is then True), when the server stops,
+    the store closes, or ``client_gone()`` (set by the transport) says the
+    client left.  ``close()`` gives back the stream slot and must be called once.
     """
 
     def __init__(self, app, task, events, after):
         self.app, self.task, self.events = app, task, events
         self.last = -1 if after is None else after
+        self.complete = False
         self._closed = False
         self.client_gone = lambda: False
 
@@ -5081,8 +5191,10 @@ class EventStream:
                     yield sse_frame(name, data)
                     self.last, idle_since = event.seq, time.monotonic()
                     if name in FINAL_EVENTS:
+                        self.complete = True
                         return
                 if len(events) < _EVENT_BATCH and task.terminal:
+                    self.complete = True
                     return                 # the client already had the final event
                 if len(events) < _EVENT_BATCH:
                     idle = time.monotonic() - idle_since
@@ -5132,7 +5244,6 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server_version = f"taskstore/{__version__}"
-    sys_version = ""            # no Python version in the Server header
     deadline = None             # the current request's, from its first read (_DeadlineReader)
 
     def setup(self):
@@ -5151,6 +5262,10 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
         super().handle_one_request()
 
     _date = (None, "")          # (second, Date header value), shared by every connection
+
+    def version_string(self):
+        """The Server header: name and version (http.server adds " Python/x.y")."""
+        return self.server_version
 
     def date_time_string(self, timestamp=None):
         """http.server's Date value, formatted once a second instead of once a request."""
@@ -5191,10 +5306,20 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def _read_body(self):
         self._body_read = True
-        if self.headers.get("Transfer-Encoding"):
-            self.close_connection = True
-            raise InvalidParams("send the body with Content-Length; chunked bodies are not "
-                                "accepted", param="Content-Length")
+        codings = self.headers.get_all("Transfer-Encoding")
+        if codings:
+            keep, self.close_connection = self.close_connection, True   # unless all is read
+            codings = [c.strip().lower() for c in ",".join(codings).split(",")]
+            if codings != ["chunked"] or self.request_version == "HTTP/1.0":
+                raise InvalidParams("Transfer-Encoding must be chunked alone, on HTTP/1.1",
+                                    param="Transfer-Encoding")
+            if "Content-Length" in self.headers:
+                # RFC 9112 6.1: both framings at once is how requests get smuggled.
+                raise InvalidParams("send Content-Length or Transfer-Encoding: chunked, "
+                                    "not both", param="Transfer-Encoding")
+            body = self._read_chunked(self.server.app.max_body)
+            self.close_connection = keep
+            return body
         lengths = self.headers.get_all("Content-Length") or ["0"]
         length = lengths[0].strip()
         if len({v.strip() for v in lengths}) > 1 or not re.fullmatch(r"[0-9]{1,15}", length):
@@ -5210,6 +5335,42 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
         if len(body) != int(length):
             raise ConnectionResetError("client closed the connection inside the body")
         return body
+
+    def _read_chunked(self, limit):
+        """Decode a chunked body (RFC 9112 7.1), counting it against *limit* as chunks arrive."""
+        body = bytearray()
+        while True:
+            size = self._chunk_line().partition(b";")[0].strip(b" \t")
+            if not re.fullmatch(rb"[0-9A-Fa-f]{1,16}", size):
+                raise InvalidParams("the chunked body is malformed: a chunk size is not hex",
+                                    param="Transfer-Encoding")
+            size = int(size, 16)
+            if size == 0:
+                break
+            if len(body) + size > limit:     # refused before the chunk is read
+                raise PayloadTooLarge(f"the body has more than {limit} bytes; at most "
+                                      f"{limit} are accepted")
+            data = self.rfile.read(size + 2)
+            if len(data) != size + 2:
+                raise ConnectionResetError("client closed the connection inside the body")
+            if data[size:] != b"\r\n":
+                raise InvalidParams("the chunked body is malformed: a chunk is longer than "
+                                    "its size", param="Transfer-Encoding")
+            body += data[:size]
+        for _ in range(_MAX_TRAILERS + 1):   # trailer fields are read and ignored
+            if self._chunk_line() == b"":
+                return bytes(body)
+        raise InvalidParams("the chunked body is malformed: too many trailer fields",
+                            param="Transfer-Encoding")
+
+    def _chunk_line(self):
+        line = self.rfile.readline(_CHUNK_LINE_LIMIT + 1)
+        if line.endswith(b"\r\n"):
+            return line[:-2]
+        if len(line) > _CHUNK_LINE_LIMIT or line.endswith(b"\n"):
+            raise InvalidParams("the chunked body is malformed: a line is too long or does "
+                                "not end with CRLF", param="Transfer-Encoding")
+        raise ConnectionResetError("client closed the connection inside the body")
 
     def _dispatch(self):
         reply = self.server.app.handle(self.command, self.path, self.headers, self._read_body)
@@ -5229,13 +5390,15 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def _send(self, reply):
         self.send_response(reply.status)
-        self.send_header("Content-Type", reply.content_type)
+        if reply.content_type is not None:
+            self.send_header("Content-Type", reply.content_type)
         for name, value in reply.headers:
             self.send_header(name, value)
         if reply.stream is not None:
             self._send_stream(reply.stream)
             return
-        self.send_header("Content-Length", str(len(reply.body)))
+        if reply.status != 204:             # RFC 9110 8.6: a 204 has no Content-Length
+            self.send_header("Content-Length", str(len(reply.body)))
         if self.close_connection:
             self.send_header("Connection", "close")
         # Headers and body leave in one write (one segment on the wire for a
@@ -5246,16 +5409,24 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
         self.flush_headers()
 
     def _send_stream(self, stream):
-        # No Content-Length: the stream is delimited by closing the connection.
+        # HTTP/1.1: each frame is a chunk, and the terminating chunk follows the
+        # final event only, so a stream cut short (a crash, a shutdown, pruned
+        # events) is an incomplete body to any HTTP client.  HTTP/1.0 has no
+        # chunks: closing the connection delimits the stream there.
+        chunked = self.request_version != "HTTP/1.0"
         self.close_connection = True
         try:
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
             self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.flush()
             stream.client_gone = self._client_gone
             for frame in stream:
-                self.wfile.write(frame)
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(frame), frame) if chunked else frame)
                 self.wfile.flush()
+            if chunked and stream.complete:
+                self.wfile.write(b"0\r\n\r\n")
         except OSError:
             pass            # the client went away; the task is not affected (B.5)
         finally:
@@ -5273,17 +5444,74 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
 
 
 class LMSPServer(http.server.ThreadingHTTPServer):
-    """A threaded HTTP server whose handler answers LMSPApp's routes."""
+    """A threaded HTTP server whose handler answers LMSPApp's routes.
+
+    One thread per connection, at most *max_connections* at once; a
+    connection past that gets a 503 from the accepting thread and is closed.
+    Bound to a loopback address, it has the app refuse a ``Host`` that is not
+    a loopback name or address.
+    """
 
     daemon_threads = True
     block_on_close = False
     request_queue_size = 128     # socketserver's 5 resets bursts of concurrent clients
 
-    def __init__(self, app, host=DEFAULT_HTTP_HOST, port=0):
-        self.app = app
+    def __init__(self, app, host=DEFAULT_HTTP_HOST, port=0,
+                 max_connections=DEFAULT_MAX_CONNECTIONS):
+        self.app, self.max_connections = app, max_connections
+        self.connections = 0            # open connections, each with its thread
+        self._connections_lock = threading.Lock()
+        app.loopback_only = _is_loopback(host)
         if ":" in host:
             self.address_family = socket.AF_INET6
         super().__init__((host, port), LMSPRequestHandler)
+
+    def process_request(self, request, client_address):
+        """Serve the connection on a thread of its own, or refuse it past the cap."""
+        with self._connections_lock:
+            full = self.connections >= self.max_connections
+            if not full:
+                self.connections += 1
+        if full:
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._connection_ended()     # no thread started: the slot is free again
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connection_ended()
+
+    def _connection_ended(self):
+        with self._connections_lock:
+            self.connections -= 1
+
+    def _refuse(self, sock):
+        # On the accepting thread, so it must never block: one non-blocking
+        # send into the new socket's empty buffer.  Whatever of the request has
+        # arrived is read and dropped first, so the close is a FIN: closing
+        # with unread bytes would send a reset, which can destroy the answer.
+        status, problem = to_problem(ServiceUnavailable(
+            f"too many connections (at most {self.max_connections}); try again shortly"))
+        body = dumps(problem).encode()
+        head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\n"
+                f"Server: {LMSPRequestHandler.server_version}\r\n"
+                f"Date: {email.utils.formatdate(usegmt=True)}\r\n"
+                f"Content-Type: application/problem+json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            for _ in range(16):
+                if not sock.recv(65536):
+                    break
+        with contextlib.suppress(OSError):
+            sock.send(head.encode() + body)
+        self.shutdown_request(sock)
 
     def handle_error(self, request, client_address):
         """Log a failed connection: a client going away is routine, anything else a bug."""
@@ -5435,6 +5663,15 @@ def _load_backend_key(key_file=None, environ=None, warn=None):
     return key
 
 
+def _origin_arg(value):
+    origin = value.strip().lower()
+    if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s?#]+", origin):
+        raise argparse.ArgumentTypeError(
+            "expected an origin such as http://localhost:3000 (scheme://host[:port], no path, "
+            "* for any part) or * for every origin")
+    return origin
+
+
 def _non_negative(value):
     number = float(value)
     if not number >= 0:
@@ -5493,6 +5730,12 @@ def add_http_parser(subparsers):
                    help="seconds a client has to send a request (default: %(default)s)")
     p.add_argument("--max-streams", type=_positive(int), default=DEFAULT_MAX_STREAMS,
                    help="concurrent event streams; 503 beyond (default: %(default)s)")
+    p.add_argument("--max-connections", type=_positive(int), default=DEFAULT_MAX_CONNECTIONS,
+                   help="open connections, each with its thread; 503 beyond (default: %(default)s)")
+    p.add_argument("--allow-origin", type=_origin_arg, action="append", default=[],
+                   metavar="ORIGIN", help="let pages from this browser origin call the server "
+                   "(CORS), like Ollama's OLLAMA_ORIGINS; * matches any part; repeatable "
+                   "(default: none, only the server's own pages)")
     p.add_argument("--keepalive-interval", type=_positive(float), default=DEFAULT_KEEPALIVE_S,
                    help="seconds between SSE keep-alive comments (default: %(default)s)")
     p.add_argument("--max-db-bytes", type=_positive(int), default=None,
@@ -5534,9 +5777,9 @@ def cmd_http(args):
                   task_retention=args.task_retention, event_retention=event_retention,
                   idempotency_retention=args.idempotency_retention,
                   request_timeout=args.request_timeout, max_streams=args.max_streams,
-                  keepalive_interval=args.keepalive_interval)
+                  keepalive_interval=args.keepalive_interval, allow_origins=args.allow_origin)
     try:
-        server = LMSPServer(app, args.host, args.port)
+        server = LMSPServer(app, args.host, args.port, args.max_connections)
     except OSError as exc:
         store.close()
         print(f"taskstore: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)

@@ -2820,12 +2820,12 @@ class ServerTestCase(unittest.TestCase):
         self.db = os.path.join(self.dir, "lmsp.db")
 
     def start_server(self, backend=None, *, workers=4, tokens=None, store_kwargs=None,
-                     **app_kwargs):
+                     host="127.0.0.1", **app_kwargs):
         backend = backend or DemoBackend(delay=0)
         store = TaskStore(self.db, **(store_kwargs or {}))
         runner = Runner(store, {"response": response_handler(backend)}, workers=workers)
         app = LMSPApp(store, backend, tokens=tokens, **app_kwargs)
-        server = LMSPServer(app, "127.0.0.1", 0)
+        server = LMSPServer(app, host, 0)
         thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
         runner.start()
         thread.start()
@@ -2839,7 +2839,8 @@ class ServerTestCase(unittest.TestCase):
             store.close()
         self.addCleanup(stop)
         self.store, self.app, self.server = store, app, server
-        host, port = server.server_address[:2]
+        port = server.server_address[1]
+        host = "127.0.0.1" if host == "0.0.0.0" else server.server_address[0]
         return Client(host, port, token=next(iter(tokens), None) if tokens else None)
 
     def wait_terminal(self, task_id):
@@ -2905,8 +2906,10 @@ class LmspWireTests(unittest.TestCase):
 
     def test_a_body_is_strict_json_the_store_can_keep(self):
         body = taskstore._json_body
-        self.assertEqual(body(b'{"a": [1e-400, 1.5, -2]}', None), {"a": [0.0, 1.5, -2]})
-        self.assertEqual(body('{"\u00e9": "caf\u00e9 \\ud83d\\ude00"}'.encode(), None),
+        self.assertEqual(body(b'{"a": [1e-400, 1.5, -2]}', "application/json"),
+                         {"a": [0.0, 1.5, -2]})
+        self.assertEqual(body('{"\u00e9": "caf\u00e9 \\ud83d\\ude00"}'.encode(),
+                              "application/json"),
                          {"\u00e9": "caf\u00e9 \U0001f600"})      # a paired escape is fine
         for raw, detail in (
                 (b'{"a": 1e400}', "number too large to represent"),
@@ -2919,8 +2922,9 @@ class LmspWireTests(unittest.TestCase):
             with self.subTest(raw=raw[:20]), self.assertRaises(InvalidParams) as cm:
                 body(raw, "application/json")
             self.assertIn(detail, str(cm.exception))
-        with self.assertRaises(UnsupportedMediaType):
-            body(b"{}", "text/plain")
+        for kind in ("text/plain", None):       # no Content-Type is what no-cors fetch sends
+            with self.assertRaises(UnsupportedMediaType):
+                body(b"{}", kind)
 
     def test_loopback_detection(self):
         self.assertTrue(_is_loopback("127.0.0.1") and _is_loopback("::1")
@@ -3014,6 +3018,17 @@ class LmspRouteTests(ServerTestCase):
             after = int(time.time())
             self.assertIn(resp.getheader("Date"), {email.utils.formatdate(second, usegmt=True)
                                                    for second in range(before, after + 1)})
+
+    def test_the_server_header_is_the_name_and_version_without_a_trailing_space(self):
+        client = self.start_server()
+        raw = RawHttp(client.host, client.port)
+        self.addCleanup(raw.close)
+        raw.send(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        self.assertEqual(raw.read_response()[0], 200)
+        raw.send(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        while raw._fill():
+            pass
+        self.assertIn(f"\r\nServer: taskstore/{taskstore.__version__}\r\n".encode(), raw.buffer)
 
     def test_unknown_and_malformed_task_ids_are_404_task_not_found(self):
         client = self.start_server()
@@ -3288,6 +3303,66 @@ class LmspEventStreamTests(ServerTestCase):
         self.assertEqual([e["id"] for e in both], ["11"])
         self.assertEqual(client.events(task["id"], query="?after=11"), [])
 
+    def test_a_reconnect_at_the_final_event_of_a_finished_task_is_204(self):
+        # 204 is what stops a WHATWG EventSource from reconnecting for ever.
+        client = self.start_server(DemoBackend(delay=0))
+        task = self.finished_task(client)
+        path = f"/lmsp/v1/tasks/{task['id']}/events"
+        conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+        self.addCleanup(conn.close)
+        for headers, query in (({"Last-Event-ID": "11"}, ""), ({}, "?after=11"),
+                               ({"Last-Event-ID": "11"}, "?after=3")):
+            with self.subTest(headers=headers, query=query):
+                conn.request("GET", path + query, headers=dict(headers, Accept="text/event-stream"))
+                resp = conn.getresponse()
+                self.assertEqual((resp.status, resp.read()), (204, b""))
+                self.assertIsNone(resp.getheader("Content-Type"))
+                self.assertIsNone(resp.getheader("Content-Length"))
+                self.assertFalse(resp.will_close)        # no body: the connection goes on
+        conn.request("GET", "/healthz")
+        self.assertEqual(conn.getresponse().read(), b'{"status":"ok"}')
+        # Without a cursor the whole stream is replayed; one before the end gets the end.
+        self.assertEqual([e["event"] for e in client.events(task["id"])], self.EXPECTED)
+        self.assertEqual([e["id"] for e in client.events(task["id"],
+                                                         headers={"Last-Event-ID": "10"})], ["11"])
+
+    def test_a_cursor_at_the_last_event_of_an_unfinished_task_waits_for_more(self):
+        backend = StepBackend(("one",))
+        client = self.start_server(backend)
+        task = client.create()
+        self.assertEqual(backend.calls.get(timeout=TIMEOUT), "called")     # loading: event 1
+        with client.stream(task["id"], headers={"Last-Event-ID": "1"}) as reader:
+            self.assertEqual(reader.status, 200)
+            backend.allow.release()
+            self.assertEqual(reader.next_event()["event"], "response.in_progress")
+            backend.allow.release()
+            self.assertEqual(reader.all()[-1]["event"], "response.completed")
+
+    def test_the_stream_is_chunked_and_a_normal_end_is_its_terminating_chunk(self):
+        client = self.start_server(DemoBackend(delay=0))
+        task = self.finished_task(client)
+        with client.stream(task["id"]) as reader:
+            self.assertEqual(reader.resp.getheader("Transfer-Encoding"), "chunked")
+            whole = reader.resp.read()     # http.client checks the framing: a clean end
+        self.assertEqual(re.findall(rb"^event: (.*)$", whole, re.M),
+                         [name.encode() for name in self.EXPECTED])
+        # On the wire: every frame is a chunk, then the terminating chunk, then the close.
+        request = f"GET /lmsp/v1/tasks/{task['id']}/events HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        raw = RawHttp(client.host, client.port)
+        self.addCleanup(raw.close)
+        raw.send(request.encode())
+        status, headers, body = raw.read_response()
+        self.assertEqual((status, headers["transfer-encoding"]), (200, ["chunked"]))
+        self.assertTrue(raw.buffer == b"" and not raw._fill(), "bytes after the last chunk")
+        self.assertEqual(body, whole)
+        # HTTP/1.0 has no chunked encoding: the close delimits the stream, as before.
+        old = RawHttp(client.host, client.port)
+        self.addCleanup(old.close)
+        old.send(request.replace("HTTP/1.1", "HTTP/1.0").encode())
+        status, headers, plain = old.read_response()
+        self.assertEqual((status, "transfer-encoding" in headers), (200, False))
+        self.assertEqual(plain, body)
+
     def test_bad_or_future_cursor_is_400_before_the_stream(self):
         client = self.start_server(DemoBackend(delay=0))
         task = self.finished_task(client)
@@ -3553,7 +3628,7 @@ class LmspAuthTests(ServerTestCase):
 class LmspSlowClientTests(ServerTestCase):
     """A client sending its request slowly cannot hold a thread past --request-timeout."""
 
-    TRICKLED = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
+    TRICKLED = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 1000
 
     def assertCutWhileTrickling(self, sock, request):
         """Send *request* one byte per 0.1 s; the server must hang up before it ends."""
@@ -3592,8 +3667,8 @@ class LmspSlowClientTests(ServerTestCase):
         self.addCleanup(sock.close)
         reader = sock.makefile("rb")
         self.addCleanup(reader.close)
-        for pieces in ([b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"],
-                       [b"GET /healthz HTTP/1.1\r\n", b"Host: x\r\n", b"\r\n"]) * 2:
+        for pieces in ([b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"],
+                       [b"GET /healthz HTTP/1.1\r\n", b"Host: localhost\r\n", b"\r\n"]) * 2:
             for piece in pieces:
                 sock.sendall(piece)
             self.assertEqual(reader.readline(), b"HTTP/1.1 200 OK\r\n")
@@ -3859,6 +3934,341 @@ class LmspOpenAIBackendTests(ServerTestCase):
                            400, "unsupported_capability", "on_restart")
 
 
+def plain_request(client, method, path, headers=None, body=None):
+    """One request with exactly *headers* (http.client adds Host and Content-Length only)."""
+    conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+    try:
+        names = {name.lower() for name in headers or {}}
+        conn.putrequest(method, path, skip_host="host" in names,
+                        skip_accept_encoding=True)
+        for name, value in (headers or {}).items():
+            conn.putheader(name, value)
+        if body is not None:
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        payload = resp.read()
+        if "json" in resp.getheader("Content-Type", "") and payload:
+            payload = json.loads(payload)
+        return resp.status, resp, payload
+    finally:
+        conn.close()
+
+
+def process_threads(pid):
+    """The number of threads of process *pid*, or None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+    except (OSError, StopIteration):
+        return None
+
+
+class LmspCrossSiteTests(ServerTestCase):
+    """What a page on another web site can make a browser send is refused, unless allowed.
+
+    Tokens stay the access control; these rules stop a browser from being
+    used against a server on the user's machine.
+    """
+
+    EVIL = "http://evil.example"
+
+    def test_a_body_without_the_json_content_type_is_415_and_changes_nothing(self):
+        backend = StepBackend()
+        client = self.start_server(backend)
+        task = client.create()
+        body = json.dumps(create_body("from a page")).encode()
+        # fetch(url, {method: "POST", mode: "no-cors", body: new Blob([json])}) sends
+        # no Content-Type and no preflight; a form can send text/plain.
+        for headers in ({}, {"Content-Type": "text/plain"},
+                        {"Content-Type": "application/x-www-form-urlencoded"},
+                        {"Content-Type": "multipart/form-data; boundary=x"}):
+            for path in ("/lmsp/v1/tasks", f"/lmsp/v1/tasks/{task['id']}/cancel"):
+                with self.subTest(headers=headers, path=path):
+                    body_ = self.assertProblem(plain_request(client, "POST", path, headers, body),
+                                               415, "unsupported_media_type")
+                    self.assertIn("application/json", body_["detail"])
+        self.assertEqual([t.id for t in self.store.list()[0]], [task["id"]])
+        self.assertEqual(self.store.get(task["id"]).status, LOADING)
+        # A cancel without a body needs no Content-Type.
+        status, _, obj = plain_request(client, "POST", f"/lmsp/v1/tasks/{task['id']}/cancel")
+        self.assertEqual((status, obj["status"]), (200, "cancelling"))
+
+    def test_an_origin_that_is_not_allowed_or_a_cross_site_fetch_is_403(self):
+        backend = StepBackend()
+        client = self.start_server(backend)
+        task = client.create()
+        base = f"/lmsp/v1/tasks/{task['id']}"
+        json_type = {"Content-Type": "application/json"}
+        refused = ({"Origin": self.EVIL}, {"Origin": "null"},
+                   {"Origin": f"http://127.0.0.1:{client.port + 1}"},
+                   {"Origin": f"http://localhost:{client.port}"},      # other host: other origin
+                   {"Sec-Fetch-Site": "cross-site"},
+                   {"Origin": self.EVIL, "Sec-Fetch-Site": "same-origin"})
+        routes = (("POST", "/lmsp/v1/tasks", json.dumps(create_body()).encode()),
+                  ("POST", f"{base}/cancel", None), ("GET", base, None),
+                  ("GET", f"{base}/events", None), ("GET", "/lmsp/v1/tasks", None),
+                  ("GET", "/lmsp/v1/capabilities", None), ("GET", "/healthz", None),
+                  ("OPTIONS", "/lmsp/v1/tasks", None), ("GET", "/nowhere", None))
+        for headers in refused:
+            for method, path, body in routes:
+                with self.subTest(headers=headers, method=method, path=path):
+                    reply = plain_request(client, method, path, dict(json_type, **headers), body)
+                    problem = self.assertProblem(reply, 403, "forbidden")
+                    self.assertEqual(problem["title"], "Forbidden")
+                    self.assertIsNone(reply[1].getheader("Access-Control-Allow-Origin"))
+        self.assertEqual([t.id for t in self.store.list()[0]], [task["id"]])
+        self.assertEqual(self.store.get(task["id"]).status, LOADING)
+        # The server's own origin (a page it serves) and non-browser clients are welcome.
+        own = f"http://127.0.0.1:{client.port}"
+        for headers in ({"Origin": own}, {"Origin": own.upper()}, {"Sec-Fetch-Site": "same-origin"},
+                        {"Sec-Fetch-Site": "none"}, {"Origin": own, "Sec-Fetch-Site": "same-origin"},
+                        {"Origin": "http://localhost:%d" % client.port,
+                         "Host": "localhost:%d" % client.port}):
+            with self.subTest(headers=headers):
+                reply = plain_request(client, "POST", "/lmsp/v1/tasks",
+                                      dict(json_type, **headers), json.dumps(create_body()).encode())
+                self.assertEqual(reply[0], 202, reply[2])
+                self.assertIsNone(reply[1].getheader("Access-Control-Allow-Origin"))
+        status, _, obj = plain_request(client, "POST", f"{base}/cancel", {"Origin": own})
+        self.assertEqual((status, obj["status"]), (200, "cancelling"))
+
+    def test_on_loopback_a_host_header_that_is_not_loopback_is_403(self):
+        client = self.start_server()
+        port = client.port
+        for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.nip.io:{port}",
+                     "localhost.evil.example", "10.0.0.1", "",
+                     "127.0.0.1:8765@evil.example"):
+            with self.subTest(host=host):
+                # DNS rebinding: the page's own origin is evil.example, so Origin matches Host.
+                headers = {"Host": host, "Origin": f"http://{host}"}
+                self.assertProblem(plain_request(client, "GET", "/lmsp/v1/tasks", headers),
+                                   403, "forbidden")
+        for host in (f"localhost:{port}", "localhost", "LocalHost", f"127.0.0.1:{port}",
+                     "127.0.0.1", f"127.1.2.3:{port}", f"[::1]:{port}", "[::1]"):
+            with self.subTest(host=host):
+                self.assertEqual(plain_request(client, "GET", "/lmsp/v1/tasks",
+                                               {"Host": host})[0], 200)
+        raw = RawHttp(client.host, port)           # HTTP/1.0 without Host: no browser sends that
+        self.addCleanup(raw.close)
+        raw.send(b"GET /healthz HTTP/1.0\r\n\r\n")
+        self.assertEqual(raw.read_response()[0], 200)
+        raw = RawHttp(client.host, port)           # two Host headers: every one must pass
+        self.addCleanup(raw.close)
+        raw.send(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n\r\n")
+        self.assertEqual(raw.read_response()[0], 403)
+
+    def test_bound_to_another_address_the_host_is_not_checked_but_origins_are(self):
+        client = self.start_server(host="0.0.0.0")
+        self.assertEqual(plain_request(client, "GET", "/healthz", {"Host": "tasks.example"})[0],
+                         200)
+        self.assertProblem(plain_request(client, "GET", "/healthz", {"Host": "tasks.example",
+                                                                     "Origin": self.EVIL}),
+                           403, "forbidden")
+        self.assertEqual(plain_request(client, "GET", "/healthz", {
+            "Host": "tasks.example", "Origin": "http://tasks.example"})[0], 200)
+        self.assertEqual(plain_request(client, "GET", "/healthz", {
+            "Host": "tasks.example", "Origin": "https://tasks.example"})[0], 200)  # behind TLS
+
+    def test_allowed_origins_get_cors_answers_preflights_and_event_streams(self):
+        client = self.start_server(DemoBackend(delay=0), tokens={"token-alice": "alice"},
+                                   allow_origins=["http://localhost:3000", "https://*.example.com"])
+        anon = Client(client.host, client.port)
+        origin = "http://localhost:3000"
+        auth = {"Authorization": "Bearer token-alice"}
+
+        def cors(resp, expected=origin):
+            self.assertEqual(resp.getheader("Access-Control-Allow-Origin"), expected)
+            self.assertIn("Origin", resp.getheader("Vary", ""))
+
+        # The preflight carries no token: it is answered before authentication.
+        status, resp, body = plain_request(anon, "OPTIONS", "/lmsp/v1/tasks", {
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type, idempotency-key"})
+        self.assertEqual((status, body), (204, b""))
+        cors(resp)
+        self.assertEqual(resp.getheader("Access-Control-Allow-Methods"), "GET, HEAD, POST")
+        allowed = {h.strip().lower() for h in resp.getheader("Access-Control-Allow-Headers").split(",")}
+        self.assertLessEqual({"authorization", "content-type", "idempotency-key", "last-event-id"},
+                             allowed)
+        self.assertIsNotNone(resp.getheader("Access-Control-Max-Age"))
+        # The request itself: CORS headers, Location and Idempotent-Replayed readable.
+        headers = dict(auth, Origin=origin, **{"Content-Type": "application/json",
+                                                "Sec-Fetch-Site": "cross-site",
+                                                "Idempotency-Key": "page-1"})
+        raw = json.dumps(create_body("from the page")).encode()
+        for replayed in (None, "true"):
+            status, resp, task = plain_request(client, "POST", "/lmsp/v1/tasks", headers, raw)
+            self.assertEqual((status, resp.getheader("Idempotent-Replayed")), (202, replayed))
+            cors(resp)
+            exposed = {h.strip() for h in resp.getheader("Access-Control-Expose-Headers").split(",")}
+            self.assertLessEqual({"Location", "Idempotent-Replayed"}, exposed)
+        # Tokens stay the access control: no token is still 401, readable by the page.
+        reply = plain_request(anon, "GET", "/lmsp/v1/tasks", {"Origin": origin})
+        self.assertProblem(reply, 401, "unauthorized")
+        cors(reply[1])
+        # EventSource: the stream, then its reconnect at the final event gets 204.
+        self.wait_terminal(task["id"])
+        path = f"/lmsp/v1/tasks/{task['id']}/events"
+        with client.stream(task["id"], headers={"Origin": origin}) as reader:
+            self.assertEqual(reader.status, 200)
+            cors(reader.resp)
+            events = reader.all()
+        self.assertEqual(deltas(events), "from the page")
+        status, resp, _ = plain_request(client, "GET", path, dict(
+            auth, Origin=origin, **{"Last-Event-ID": events[-1]["id"]}))
+        self.assertEqual(status, 204)
+        cors(resp)
+        # The pattern allows subdomains of example.com over https, nothing else.
+        sub = "https://app.example.com"
+        status, resp, _ = plain_request(client, "GET", "/lmsp/v1/tasks", dict(auth, Origin=sub))
+        self.assertEqual(status, 200)
+        cors(resp, sub)
+        for other in ("https://example.com", "http://app.example.com", "http://localhost:3001",
+                      "https://app.example.com.evil.example", self.EVIL):
+            with self.subTest(origin=other):
+                self.assertProblem(plain_request(client, "GET", "/lmsp/v1/tasks",
+                                                 dict(auth, Origin=other)), 403, "forbidden")
+                self.assertProblem(plain_request(anon, "OPTIONS", "/lmsp/v1/tasks", {
+                    "Origin": other, "Access-Control-Request-Method": "POST"}), 403, "forbidden")
+        # Without an Origin there is nothing to say to a browser.
+        status, resp, _ = plain_request(client, "GET", "/lmsp/v1/tasks", auth)
+        self.assertEqual((status, resp.getheader("Access-Control-Allow-Origin")), (200, None))
+        # A plain OPTIONS (no preflight) is still 405.
+        self.assertEqual(plain_request(client, "OPTIONS", "/lmsp/v1/tasks", auth)[0], 405)
+
+    def test_every_origin_is_allowed_with_a_star(self):
+        client = self.start_server(allow_origins=["*"])
+        status, resp, _ = plain_request(client, "GET", "/healthz", {"Origin": self.EVIL})
+        self.assertEqual((status, resp.getheader("Access-Control-Allow-Origin")),
+                         (200, self.EVIL))
+
+    def test_the_allow_origin_option(self):
+        parser = taskstore.build_parser()
+        args = parser.parse_args(["http", "--allow-origin", "http://localhost:3000",
+                                  "--allow-origin", "HTTPS://*.Example.com", "--allow-origin", "*"])
+        self.assertEqual(args.allow_origin,
+                         ["http://localhost:3000", "https://*.example.com", "*"])
+        self.assertEqual(parser.parse_args(["http"]).allow_origin, [])
+        for bad in ("localhost:3000", "http://localhost:3000/", "http://a/b", "", "http://",
+                    "http://a b"):
+            with self.subTest(value=bad), contextlib.redirect_stderr(io.StringIO()) as err:
+                with self.assertRaises(SystemExit) as exit_:
+                    parser.parse_args(["http", "--allow-origin", bad])
+                self.assertEqual(exit_.exception.code, 2)
+                self.assertIn("--allow-origin", err.getvalue())
+
+
+class LmspChunkedBodyTests(ServerTestCase):
+    """Request bodies sent with Transfer-Encoding: chunked (streamed fetch, requests, curl)."""
+
+    HEAD = (b"POST /lmsp/v1/tasks HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+    def raw(self, client):
+        conn = RawHttp(client.host, client.port)
+        self.addCleanup(conn.close)
+        return conn
+
+    def test_a_chunked_body_is_read_like_any_other(self):
+        client = self.start_server(DemoBackend(delay=0))
+        body = json.dumps(create_body("chunked hello")).encode()
+        conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+        self.addCleanup(conn.close)
+        # http.client streams an iterable body chunked, as requests does with a generator.
+        conn.request("POST", "/lmsp/v1/tasks", body=iter([body[i:i + 7]
+                                                          for i in range(0, len(body), 7)]),
+                     headers={"Content-Type": "application/json", "Idempotency-Key": "c-1"},
+                     encode_chunked=True)
+        resp = conn.getresponse()
+        task = json.loads(resp.read())
+        self.assertEqual(resp.status, 202, task)
+        self.assertEqual(deltas(client.events(task["id"])), "chunked hello")
+        conn.request("GET", "/healthz")          # the body was read exactly: the connection goes on
+        self.assertEqual(conn.getresponse().read(), b'{"status":"ok"}')
+        # Upper-case sizes, chunk extensions, an empty-looking chunk and trailer fields;
+        # the same key with the same JSON is a replay of the same task.
+        raw = self.raw(client)
+        raw.send(self.HEAD[:-2] + b"Idempotency-Key: c-1\r\n\r\n"
+                 + b"%X;name=value\r\n%s\r\n" % (len(body) - 1, body[:-1])
+                 + b"1;x\r\n%s\r\n" % body[-1:] + b"0\r\nX-Trailer: yes\r\n\r\n")
+        status, headers, again = raw.read_response()
+        self.assertEqual((status, json.loads(again)["id"], headers["idempotent-replayed"]),
+                         (202, task["id"], ["true"]))
+        # A cancel's optional body may be chunked too.
+        raw.send(b"POST /lmsp/v1/tasks/%s/cancel HTTP/1.1\r\nHost: localhost\r\n"
+                 b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"2\r\n{}\r\n0\r\n\r\n" % task["id"].encode())
+        status, headers, answer = raw.read_response()
+        self.assertEqual((status, json.loads(answer)["code"]), (409, "task_not_cancelable"))
+        self.assertNotIn("connection", headers)    # the body was read: keep-alive goes on
+
+    def test_the_body_limit_counts_chunks_as_they_arrive(self):
+        client = self.start_server(max_body=200)
+        # One chunk declared larger than the limit: refused before its data is sent.
+        raw = self.raw(client)
+        raw.send(self.HEAD + b"c9\r\n")
+        status, headers, body = raw.read_response()
+        self.assertEqual((status, json.loads(body)["code"]), (413, "payload_too_large"))
+        self.assertEqual(headers["connection"], ["close"])
+        # Small chunks adding up past the limit.
+        raw = self.raw(client)
+        raw.send(self.HEAD + (b"10\r\n" + b" " * 16 + b"\r\n") * 13 + b"0\r\n\r\n")
+        status, _, body = raw.read_response()
+        self.assertEqual((status, json.loads(body)["code"]), (413, "payload_too_large"))
+        # Exactly the limit is accepted.
+        body = json.dumps(create_body("fits")).encode()
+        body += b" " * (200 - len(body))
+        raw = self.raw(client)
+        raw.send(self.HEAD + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        self.assertEqual(raw.read_response()[0], 202)
+
+    def test_a_malformed_chunked_body_is_400_and_ends_the_connection(self):
+        client = self.start_server(max_body=4096)
+        good = json.dumps(create_body("x")).encode()
+        post = (b"POST /lmsp/v1/tasks HTTP/1.1\r\nHost: localhost\r\n"
+                b"Content-Type: application/json\r\n")
+        cases = {
+            "size not hex": self.HEAD + b"zz\r\n",
+            "negative size": self.HEAD + b"-5\r\nhello\r\n0\r\n\r\n",
+            "size with a sign": self.HEAD + b"+5\r\nhello\r\n0\r\n\r\n",
+            "size too long": self.HEAD + b"1" * 17 + b"\r\n",
+            "empty size": self.HEAD + b"\r\n",
+            "no CRLF after the data": self.HEAD + b"2\r\n{}XX0\r\n\r\n",
+            "bare LF": self.HEAD + b"2\n{}\n0\n\n",
+            "size line too long": self.HEAD + b"2;" + b"e" * 5000 + b"\r\n{}\r\n0\r\n\r\n",
+            "trailers too long": self.HEAD + b"0\r\n" + b"X-T: v\r\n" * 2000 + b"\r\n",
+            "both framings": post + b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             % len(good) + good,
+            "another coding": post + b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+            "chunked twice": post + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked"
+                             b"\r\n\r\n0\r\n\r\n",
+        }
+        for label, data in cases.items():
+            with self.subTest(label):
+                raw = self.raw(client)
+                raw.send(data)
+                reply = raw.read_response()
+                self.assertIsNotNone(reply)
+                status, headers, body = reply
+                problem = json.loads(body)
+                self.assertEqual((status, problem["code"]), (400, "invalid_request"), problem)
+                self.assertEqual(headers["connection"], ["close"])
+                self.assertIsNone(raw.read_response())
+        # The JSON inside is judged exactly like a Content-Length body.
+        raw = self.raw(client)
+        raw.send(self.HEAD + b"9\r\n{not json\r\n0\r\n\r\n")
+        chunked = json.loads(raw.read_response()[2])
+        plain = self.assertProblem(client.request("POST", "/lmsp/v1/tasks", raw=b"{not json"),
+                                   400, "invalid_request")
+        self.assertEqual(chunked, plain)
+        # A client that goes away inside the body gets no answer, and nothing is created.
+        raw = self.raw(client)
+        raw.send(self.HEAD + b"%x\r\n%s" % (len(good), good[:10]), half_close=True)
+        self.assertIsNone(raw.read_response())
+        self.assertEqual(self.store.list()[0], [])
+
+
 class ServerProcess:
     """``taskstore.py http`` in a child process; its ``listening on`` line gives the port."""
 
@@ -3935,8 +4345,20 @@ class LmspProcessTests(unittest.TestCase):
         with server.client.stream(task["id"]) as reader:
             reader.until(lambda e: e["event"] == "response.output_text.delta")
             server.proc.send_signal(signal.SIGTERM)
-            reader.all()                 # returns only when the server ends the stream
+            # The server ends the stream before its final event, so without the
+            # terminating chunk: the client can tell, and reconnects later.
+            with self.assertRaises(http.client.IncompleteRead):
+                reader.resp.read()
         self.assertEqual(server.proc.wait(timeout=5), 0)
+
+    def test_a_server_killed_mid_stream_leaves_an_incomplete_body(self):
+        server = ServerProcess(self, self.db, "--demo-delay", "0.2")
+        task = server.client.create(create_body(self.TEXT))
+        with server.client.stream(task["id"]) as reader:      # 40 chunks: 8 s to finish
+            reader.until(lambda e: e["event"] == "response.output_text.delta")
+            server.kill()
+            with self.assertRaises(http.client.IncompleteRead):
+                reader.resp.read()           # what a plain HTTP client does with a body
 
     def test_restart_fail_policy_fails_with_server_restarted(self):
         task, seen = self.start_mid_task("fail")
@@ -5163,8 +5585,10 @@ class RawHttp:
                 headers.setdefault(name.decode().lower(), []).append(value.strip().decode("latin-1"))
             if 100 <= status < 200:
                 continue
-            if head:
+            if head or status in (204, 304):
                 return status, headers, b""
+            if headers.get("transfer-encoding", [""])[0].lower() == "chunked":
+                return status, headers, self._read_chunked()
             if "content-length" in headers:
                 length = int(headers["content-length"][0])
                 while len(self.buffer) < length:
@@ -5179,12 +5603,33 @@ class RawHttp:
                 return status, headers, body
             raise AssertionError(f"answer {status} without Content-Length: {headers}")
 
+    def _read_chunked(self):
+        """Decode a chunked body strictly; an end before the terminating chunk fails the test."""
+        body = b""
+        while True:
+            while b"\r\n" not in self.buffer:
+                if not self._fill():
+                    raise AssertionError(f"chunked body ended early after {len(body)} bytes")
+            line, self.buffer = self.buffer.split(b"\r\n", 1)
+            if not re.fullmatch(rb"[0-9a-f]+", line):
+                raise AssertionError(f"bad chunk size line {line[:100]!r}")
+            size = int(line, 16)
+            while len(self.buffer) < size + 2:
+                if not self._fill():
+                    raise AssertionError(f"chunked body ended early after {len(body)} bytes")
+            if self.buffer[size:size + 2] != b"\r\n":
+                raise AssertionError("a chunk is not followed by CRLF")
+            body, self.buffer = body + self.buffer[:size], self.buffer[size + 2:]
+            if size == 0:
+                return body
+
 
 def check_wire_answer(test, answer, context):
     """The rules every answer follows, whatever the request (issue 5 fuzzing)."""
     status, headers, body = answer
     test.assertNotEqual(status, 500, f"500 for a client's mistake: {context}: {body[:300]!r}")
-    test.assertIn(status, (200, 202, 400, 401, 404, 405, 409, 410, 413, 415, 422, 501),
+    test.assertIn(status, (200, 202, 204, 400, 401, 403, 404, 405, 409, 410, 413, 415, 422,
+                           501),
                   f"{context}: {body[:300]!r}")
     lowered = body.lower()
     for marker in LEAK_MARKERS:
@@ -5408,9 +5853,13 @@ class LmspCrashTortureTests(unittest.TestCase):
                 after = rng.choice([-1, *seen[-3:]])
                 headers = {} if after < 0 else {"Last-Event-ID": str(after)}
                 with client.stream(task_id, headers=headers) as reader:
-                    self.assertEqual(reader.status, 200)
-                    events = self.read_stream(reader, rng.randint(1, 30))
-                    if last:
+                    if reader.status == 204:      # the cursor is the final event: no more
+                        self.assertEqual(state.final.get(task_id), after)
+                        events = []
+                    else:
+                        self.assertEqual(reader.status, 200)
+                        events = self.read_stream(reader, rng.randint(1, 30))
+                    if last and reader.status == 200:
                         kill()        # mid-stream: the stream must just end
                         killed = True
                         events += self.read_stream(reader)
@@ -5737,7 +6186,7 @@ class HttpFuzzer:
 
     def request(self, method=b"GET", target=b"/healthz", headers=(), body=None, auth=None,
                 version=b"HTTP/1.1", length=True):
-        lines = [method + b" " + target + b" " + version, b"Host: fuzz"]
+        lines = [method + b" " + target + b" " + version, b"Host: localhost"]
         if auth is None:
             auth = self.rng.random() < 0.9
         if auth:
@@ -5906,9 +6355,9 @@ class HttpFuzzer:
     def framing(self):
         rng = self.rng
         good = json.dumps(self.valid_body()).encode()
-        head = (b"POST /lmsp/v1/tasks HTTP/1.1\r\nHost: fuzz\r\nAuthorization: Bearer " +
+        head = (b"POST /lmsp/v1/tasks HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer " +
                 self.token + b"\r\nContent-Type: application/json\r\n")
-        choice = rng.randrange(10)
+        choice = rng.randrange(13)
         if choice == 0:
             data = head + b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n" % len(good) + good
         elif choice == 1:
@@ -5925,20 +6374,54 @@ class HttpFuzzer:
                                 b" %d " % len(good), b"%d, %d" % (len(good), len(good))])
             data = head + b"Content-Length: " + value + b"\r\n\r\n" + good
         elif choice == 6:
-            data = (b"GET /lmsp/v1/tasks HTTP/1.1\r\nHost: fuzz\r\nAuthorization: Bearer " +
+            data = (b"GET /lmsp/v1/tasks HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer " +
                     self.token + b"\r\nContent-Length: %d\r\n\r\n" % len(good) + good)
         elif choice == 7:
-            data = (b"GET /healthz HTTP/1.1\r\nHost: fuzz\r\nTransfer-Encoding: chunked\r\n\r\n"
+            data = (b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
                     b"5\r\nhello\r\n0\r\n\r\n")
         elif choice == 8:
             data = head + b"Transfer-Encoding: gzip, chunked\r\nContent-Length: 3\r\n\r\nabc"
+        elif choice in (10, 11):
+            # Random chunk sizes, extensions and trailers; then (10) one piece corrupted.
+            pieces, i = [], 0
+            while i < len(good):
+                size = rng.randint(1, 64)
+                ext = rng.choice([b"", b";a=b", b" ;x", b';q="v"'])
+                pieces.append(b"%x%s\r\n%s\r\n" % (size if i + size <= len(good) else len(good) - i,
+                                                   ext, good[i:i + size]))
+                i += size
+            pieces.append(b"0\r\n" + rng.choice([b"", b"X-T: 1\r\n"]) + b"\r\n")
+            if choice == 10:
+                k = rng.randrange(len(pieces))
+                pieces[k] = rng.choice([b"zz\r\n", b"-1\r\n", b"+a\r\n", b"\r\n", b"5\nabcde\n",
+                                        b"fffffffffffffffff\r\n", pieces[k].replace(b"\r\n", b"\n"),
+                                        pieces[k][:-2] + b"XY", b"1;" + b"e" * 5000 + b"\r\nx\r\n"])
+            data = head + b"Transfer-Encoding: chunked\r\n\r\n" + b"".join(pieces)
+        elif choice == 12:
+            size = rng.choice([self.max_body + 1, 2**40, 16**16 - 1])
+            data = head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n{" % size
         else:
             data = head + b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(good) + good
         return "framing", data, "fresh", False
 
     def headers(self):
         rng = self.rng
-        choice = rng.randrange(6)
+        choice = rng.randrange(7)
+        if choice == 6:
+            # What browsers add: pages of other sites, DNS rebinding, allowed or not.
+            extra = rng.choice([[(b"Origin", b"http://evil.example")], [(b"Origin", b"null")],
+                                [(b"Sec-Fetch-Site", b"cross-site")],
+                                [(b"Sec-Fetch-Site", b"same-origin")],
+                                [(b"Origin", b"http://localhost")], [(b"Origin", b"\xff")],
+                                [(b"Origin", b"")], [(b"Host", b"evil.example")],
+                                [(b"Host", b"[::1")], [(b"Host", b"localhost:99999999")]])
+            if rng.random() < 0.5:
+                return "headers", self.create(self.valid_body(), extra), "keep", False
+            target = rng.choice([b"/lmsp/v1/tasks", b"/healthz", b"/lmsp/v1/tasks/%s/events"
+                                 % self.task_id.encode()])
+            method = rng.choice([b"GET", b"OPTIONS"])
+            extra.append((b"Access-Control-Request-Method", b"POST"))
+            return "headers", self.request(method, target, extra), "keep", False
         if choice == 0:
             key = rng.choice([b"", b" ", b'"', b'"abc', b'abc"', b'"a\\"b"', b"a b", b"x" * 256,
                               b"x" * 255, b"\x01", b"\xe9", b'"\\z"', b"\t", b"k\x7f", b'""'])
@@ -5983,7 +6466,7 @@ class HttpFuzzer:
     def oversize(self):
         rng = self.rng
         length = rng.choice([self.max_body + 1, self.max_body * 4, 10**12, 10**15 - 1])
-        data = (b"POST /lmsp/v1/tasks HTTP/1.1\r\nHost: fuzz\r\nAuthorization: Bearer " + self.token
+        data = (b"POST /lmsp/v1/tasks HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer " + self.token
                 + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{" % length)
         return "oversize", data, "fresh", False
 
@@ -5997,7 +6480,7 @@ class HttpFuzzer:
                            bytes(rng.randrange(256) for _ in range(40))])
         if rng.random() < 0.15:
             return "line", b"GET /healthz\r\n", "fresh", False       # HTTP/0.9: refused
-        return "line", line + b"\r\nHost: fuzz\r\n\r\n", "fresh", False
+        return "line", line + b"\r\nHost: localhost\r\n\r\n", "fresh", False
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
@@ -6175,6 +6658,46 @@ class LmspResourceLimitTests(ServerTestCase):
         creates = sum(1 for r in answered if r[1] % len(requests) == 4)
         self.assertEqual(len(listed), min(100, creates + 2))
 
+    def test_connections_past_the_cap_get_a_fast_503_and_the_server_recovers(self):
+        cap, extra = 16, 24
+        server = self.server_process("--max-connections", str(cap), "--request-timeout", "600")
+        client = server.client
+        threads_at_start = process_threads(server.proc.pid)
+        half = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n"     # the blank line never comes
+        held = []
+        for _ in range(cap + extra):
+            conn = RawHttp(client.host, client.port)
+            self.addCleanup(conn.close)
+            conn.send(half)
+            held.append(conn)
+        # The server accepts in order: the first `cap` hold a slot, every later one
+        # is answered at once, while all of those are still open.
+        for conn in held[cap:]:
+            status, headers, body = conn.read_response()
+            self.assertEqual((status, json.loads(body)["code"]), (503, "service_unavailable"))
+            self.assertEqual(headers["connection"], ["close"])
+            self.assertIn(str(cap), json.loads(body)["detail"])
+            self.assertIsNone(conn.read_response())       # and closed
+        if threads_at_start is not None:
+            self.assertLessEqual(process_threads(server.proc.pid), threads_at_start + cap)
+        # Established connections keep working (keep-alive included).
+        for conn in held[:2]:
+            conn.send(b"\r\n")
+            self.assertEqual(conn.read_response()[0], 200)
+            conn.send(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            self.assertEqual(conn.read_response()[0], 200)
+        self.assertEqual(plain_request(client, "GET", "/healthz")[0], 503)
+        for conn in held[:cap]:
+            conn.close()
+        # Their threads end as soon as they read the end of their connections.
+        deadline = time.monotonic() + TIMEOUT
+        while (status := plain_request(client, "GET", "/healthz")[0]) != 200:
+            self.assertEqual(status, 503)
+            self.assertLess(time.monotonic(), deadline, "the server never recovered")
+        task = client.create(create_body("after the cap"))
+        self.assertEqual(deltas(client.events(task["id"])), "after the cap")
+        self.assertIsNone(server.proc.poll())
+
     def test_100_streams_on_one_task_all_get_the_same_whole_stream(self):
         chunks = tuple(f"w{i} " for i in range(20))
         backend = StepBackend(chunks)
@@ -6223,9 +6746,9 @@ class LmspResourceLimitTests(ServerTestCase):
             sock = socket.create_connection((client.host, client.port), timeout=TIMEOUT)
             self.addCleanup(sock.close)
             if kind == "headers":
-                data = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 2000
+                data = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 2000
             elif kind == "body":
-                sock.sendall(b"POST /lmsp/v1/tasks HTTP/1.1\r\nHost: x\r\n"
+                sock.sendall(b"POST /lmsp/v1/tasks HTTP/1.1\r\nHost: localhost\r\n"
                              b"Content-Type: application/json\r\nContent-Length: 2000\r\n\r\n")
                 data = b" " * 2000
             else:
