@@ -819,6 +819,24 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
     return None
 
 
+# Expired: the one rule, in SQL (its parameter is now, in epoch ms).  Only a
+# terminal task has a purge_at, so an unfinished task never expires, and a
+# late finisher's grace period is in its purge_at.  reap() deletes exactly
+# these rows, in batches; until it does, every read (get, list, events, wait,
+# cancel) answers as if it had: expiry shows when it happens, not when the
+# reaper comes by.
+_EXPIRED = "purge_at IS NOT NULL AND purge_at <= ?"
+
+
+def _describe_recovery(tally):
+    """Say what recovery did, per policy: ``2 failed (policy fail), 1 queued again (retry)``."""
+    words = {"fail": "failed (policy fail)", "retry": "queued again (policy retry)",
+             "resume": "queued again (policy resume)",
+             CANCELLING: "cancelled (a cancel was under way)"}
+    return ", ".join(f"{tally[key]} {words[key]}" for key in (*POLICIES, CANCELLING)
+                     if tally.get(key))
+
+
 def _status_data(status, new, message, error):
     data = {"status": new, "from": status}
     if message is not None:
@@ -831,8 +849,11 @@ def _status_data(status, new, message, error):
 _JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
 _PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
 _SELECT_TASK_BY_ID = _SELECT_TASK + " WHERE id = ?"
+# A task and whether it has expired (the row's last column): (now, id).
+_SELECT_TASK_AT = f"SELECT {', '.join(_TASK_COLUMNS)}, {_EXPIRED} FROM tasks WHERE id = ?"
 
 _LIVE_PROCESS_IDS = set()    # registrations of runners alive in this process
+_RECOVERABLE = (QUEUED, *ACTIVE_STATES)   # an owner's tasks recovery hands to their policy
 _HOST = socket.gethostname
 
 
@@ -1251,13 +1272,15 @@ class TaskStore:
             raise InvalidParams("task id must be a string", param="task_id")
         if not task_id.isascii():
             raise TaskNotFound(task_id.encode("utf-8", "backslashreplace").decode("ascii"))
-        task = self._read_locked(task_id)
-        if task is None or (principal is not None and task.principal != principal):
-            if task is None and self._conn.execute(
+        row = self._conn.execute(_SELECT_TASK_AT, (self._now_ms(), task_id)).fetchone()
+        if row is None or (principal is not None and row[_PRINCIPAL_INDEX] != principal):
+            if row is None and self._conn.execute(
                     "SELECT 1 FROM tombstones WHERE id = ?", (task_id,)).fetchone():
                 raise TaskExpired(task_id)
             raise TaskNotFound(task_id)
-        return task
+        if row[-1]:
+            raise TaskExpired(task_id)     # not reaped yet, expired all the same
+        return _task_from_row(row[:-1])
 
     def _transition_locked(self, notices, task, event, now, *, attempt=None, fields=None,
                            message=None, error=None):
@@ -1504,9 +1527,10 @@ class TaskStore:
         if row is not None and (row[2] is None or row[2] > now):
             if row[0] != fprint:
                 raise IdempotencyMismatch(key)
-            task = self._read_locked(row[1])
-            if task is None:
-                raise TaskExpired(row[1])
+            try:
+                task = self._get_locked(row[1])
+            except TaskNotFound:
+                raise TaskExpired(row[1]) from None
             return task._replace(replayed=True)
         task = self._insert_tasks_locked(notices, [spec], now)[0]
         self._conn.execute(
@@ -1738,18 +1762,21 @@ class TaskStore:
 
         Raises:
             TaskNotFound: no such task, or it belongs to another principal.
-            TaskExpired: it existed and was purged (for a while after).
+            TaskExpired: its retention is over (``reap`` has deleted it, or
+                will: the answer is the same either way), for a while after.
         """
         if isinstance(task_id, str) and task_id.isascii():
             # The hot path: one lookup under the lock, decoding outside it.
+            now = self._now_ms()
             with self._lock:
                 self._check_open()
                 try:
-                    row = self._conn.execute(_SELECT_TASK_BY_ID, (task_id,)).fetchone()
+                    row = self._conn.execute(_SELECT_TASK_AT, (now, task_id)).fetchone()
                 except sqlite3.Error as exc:
                     raise self._unavailable(exc) from None
-            if row is not None and (principal is None or row[_PRINCIPAL_INDEX] == principal):
-                return _task_from_row(row)
+            if row is not None and not row[-1] and (
+                    principal is None or row[_PRINCIPAL_INDEX] == principal):
+                return _task_from_row(row[:-1])
         with self._reading():
             return self._get_locked(task_id, principal)      # raises the right error
 
@@ -1757,7 +1784,7 @@ class TaskStore:
         """Return ``(tasks, next_cursor)``, newest first; filters combine with AND.
 
         *status* and *kind* take one value or several.  ``next_cursor`` is
-        None on the last page.
+        None on the last page.  Expired tasks are never listed, reaped or not.
 
         Raises:
             InvalidParams: a bad filter or limit.
@@ -1767,7 +1794,7 @@ class TaskStore:
         kinds = _as_tuple(kind, "kind")
         _check_str(principal, "principal")
         limit = _check_int(limit, "limit", minimum=1, allow_none=False)
-        where, args = [], []
+        where, args = [f"NOT ({_EXPIRED})"], [self._now_ms()]
         for column, values in (("status", statuses), ("kind", kinds)):
             if values is not None:
                 where.append(f"{column} IN ({', '.join('?' * len(values))})")
@@ -1778,7 +1805,7 @@ class TaskStore:
         if cursor is not None:
             where.append("id < ?")
             args.append(_decode_cursor(cursor))
-        sql = _SELECT_TASK + (" WHERE " + " AND ".join(where) if where else "")
+        sql = _SELECT_TASK + " WHERE " + " AND ".join(where)
         with self._reading() as conn:
             rows = conn.execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit + 1)).fetchall()
         tasks = [_task_from_row(r) for r in rows[:limit]]
@@ -1796,11 +1823,11 @@ class TaskStore:
             raise InvalidCursor("after must be a non-negative integer", param="after")
         limit = _check_int(limit, "limit", minimum=1)
         with self._reading() as conn:
-            row = conn.execute("SELECT principal, last_seq, first_seq FROM tasks WHERE id = ?",
-                               (task_id,)).fetchone()
-            if row is None or (principal is not None and row[0] != principal):
+            row = conn.execute(f"SELECT principal, last_seq, first_seq, {_EXPIRED} FROM tasks "
+                               "WHERE id = ?", (self._now_ms(), task_id)).fetchone()
+            if row is None or (principal is not None and row[0] != principal) or row[3]:
                 self._get_locked(task_id, principal)       # raises the right not-found error
-            _, last_seq, first_seq = row
+            _, last_seq, first_seq, _ = row
             if after is not None and after > last_seq:
                 raise InvalidCursor(f"after {after} is beyond the last event {last_seq}",
                                     param="after")
@@ -2080,7 +2107,8 @@ class TaskStore:
             return {r[0] for r in conn.execute(
                 "SELECT id FROM tasks WHERE owner = ? AND status = ?", (proc_id, CANCELLING))}
 
-    def release(self, proc_id, reason="the process running this task stopped", *, present=None):
+    def release(self, proc_id, reason="the process running this task stopped", *, present=None,
+                tally=None):
         """Apply the restart policy to every unfinished task *proc_id* owns; unregister it.
 
         A runner calls this when it shuts down; ``recover`` calls it for
@@ -2090,7 +2118,8 @@ class TaskStore:
         meanwhile, is left to the next ``recover``: the task still names the
         owner, whose registration is gone by then.)  Works set-based, in
         transactions of at most ``RELEASE_BATCH`` tasks.  Returns how many
-        tasks it moved.
+        tasks it moved; *tally*, a dict, gets how many of them each policy
+        moved added to it (key ``cancelling`` for cancels completed).
         """
         _LIVE_PROCESS_IDS.discard(proc_id)
         # A batch is a key range of the tasks_owner index: this owner's ids
@@ -2112,20 +2141,24 @@ class TaskStore:
                         "LIMIT 1 OFFSET ?", (proc_id, after, RELEASE_BATCH - 1)).fetchone()
                     if last is None:
                         moved += self._restart_batch_locked(notices, now, reason, owned,
-                                                            (proc_id, after), present)
+                                                            (proc_id, after), present, tally)
                         self._conn.execute("DELETE FROM processes WHERE id = ?", (proc_id,))
                         return moved
                     moved += self._restart_batch_locked(
                         notices, now, reason, f"{owned} AND id <= ?", (proc_id, after, last[0]),
-                        present)
+                        present, tally)
                     after = last[0]
 
-    def _restart_batch_locked(self, notices, now, reason, batch, args, present=None):
+    def _restart_batch_locked(self, notices, now, reason, batch, args, present=None,
+                              tally=None):
         """Apply the restart policy (DESIGN.md, LMSP A.5) to the tasks *batch* selects; return the count.
 
         *present*: the ``(status, policy)`` pairs the batch may hold, when
         the caller knows them (then nothing is counted); None: counted here.
+        *tally*: a dict that gets the moves added per policy (``cancelling``
+        for the cancels completed).
         """
+        tally = {} if tally is None else tally
         if present is None:
             rows = self._conn.execute(
                 f"SELECT status, policy, count(*) FROM tasks WHERE {batch} GROUP BY status, policy",
@@ -2140,9 +2173,11 @@ class TaskStore:
         # A cancel that was under way completes, whatever the policy.
         counts = [c for t, c in groups.get(None, ()) if t == CANCELLING]
         if counts:
-            moved += self._transition_set_locked(
+            done = self._transition_set_locked(
                 notices, CONFIRM_CANCEL, now, f"{batch} AND status = ?", (*args, CANCELLING),
                 message=reason, groups=[(CANCELLING, None if None in counts else sum(counts))])
+            tally[CANCELLING] = tally.get(CANCELLING, 0) + done
+            moved += done
         active = f"{batch} AND status IN ('{LOADING}', '{RUNNING}', '{INPUT_REQUIRED}') " \
                  "AND policy = ?"
         message = f"CRASH_RECOVERY: {reason} before it finished"
@@ -2152,17 +2187,19 @@ class TaskStore:
             if not present:
                 continue
             if policy == "fail":
-                moved += self._transition_set_locked(
+                done = self._transition_set_locked(
                     notices, FAIL, now, active, (*args, policy), error=error, message=message,
                     fields={"error": dumps(error), "status_message": message}, groups=present)
-                continue
-            fields = {"owner": None, "attempt": _Sql("attempt + 1"), "input_request": None,
-                      "input_answer": None, "status_message": None}
-            if policy == "retry":
-                fields["snapshot"] = None      # retry starts from the beginning
-            moved += self._transition_set_locked(
-                notices, REQUEUE, now, active, (*args, policy), fields=fields,
-                message=f"requeued ({policy}): {reason}", groups=present)
+            else:
+                fields = {"owner": None, "attempt": _Sql("attempt + 1"), "input_request": None,
+                          "input_answer": None, "status_message": None}
+                if policy == "retry":
+                    fields["snapshot"] = None      # retry starts from the beginning
+                done = self._transition_set_locked(
+                    notices, REQUEUE, now, active, (*args, policy), fields=fields,
+                    message=f"requeued ({policy}): {reason}", groups=present)
+            tally[policy] = tally.get(policy, 0) + done
+            moved += done
         # Queued tasks whose creator vouched for them (create(owner=...)): a
         # `fail` task fails now, as a started one would; the others simply
         # stay queued for any runner.
@@ -2170,16 +2207,23 @@ class TaskStore:
         if queued_fail:
             message = f"CRASH_RECOVERY: {reason} before it started"
             error = {"code": "server_restarted", "message": message}
-            moved += self._transition_set_locked(
+            done = self._transition_set_locked(
                 notices, FAIL, now, f"{batch} AND status = '{QUEUED}' AND policy = ?",
                 (*args, "fail"), error=error, message=message,
                 fields={"error": dumps(error), "status_message": message}, groups=queued_fail)
+            tally["fail"] = tally.get("fail", 0) + done
+            moved += done
         if any(s == QUEUED for s, _ in groups.get(None, ())):
             self._conn.execute(f"UPDATE tasks SET owner = NULL WHERE {batch} AND status = ?",
                                (*args, QUEUED))
         return moved
 
     def _owner_dead(self, proc, now):
+        """The rule of recovery: is the registration *proc* (a processes row, or None) dead?
+
+        Recovery (``recover``) and what the admin commands show
+        (``awaiting_recovery``) both ask this, and nothing else.
+        """
         if proc is None:
             return True            # nobody is registered to heartbeat it
         proc_id, pid, host, proc_start, heartbeat_at = proc
@@ -2208,7 +2252,7 @@ class TaskStore:
             try:
                 procs = {r[0]: r for r in conn.execute(
                     "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
-                owned = (QUEUED, *ACTIVE_STATES)
+                owned = _RECOVERABLE
                 # Which statuses and policies each owner has cost no more to
                 # read than the owners alone (the rows are read either way).
                 present = {}
@@ -2218,12 +2262,37 @@ class TaskStore:
                     present.setdefault(owner, []).append((status, policy))
             finally:
                 conn.execute("COMMIT")
-        moved = 0
+        moved, tally = 0, {}
         for proc_id in sorted(present.keys() | procs.keys()):
             if self._owner_dead(procs.get(proc_id), now):
                 moved += self.release(proc_id, "the process running this task stopped",
-                                      present=present.get(proc_id, ()))
+                                      present=present.get(proc_id, ()), tally=tally)
+        if moved:
+            # Once per pass, whoever runs it (a server opening the file, its
+            # reaper, the admin command): a crash should never pass unseen.
+            logger.warning("recovered %d %s of dead processes: %s", moved,
+                           "task" if moved == 1 else "tasks", _describe_recovery(tally))
         return moved
+
+    def awaiting_recovery(self, tasks, now=None):
+        """Return the ids of *tasks* that the next ``recover()`` will hand to their policy.
+
+        Those are the unfinished tasks whose owner is provably dead, by the
+        very rule recovery applies (``_owner_dead``); until some process
+        runs ``recover()`` (any server opening the file, its reaper, or
+        ``taskstore tasks recover``) they still show the status they had
+        when their process died.
+        """
+        now = self._now_ms() if now is None else now
+        owned = [t for t in tasks if t.owner is not None and t.status in _RECOVERABLE]
+        if not owned:
+            return set()
+        with self._reading() as conn:
+            procs = {r[0]: r for r in conn.execute(
+                "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
+        dead = {owner for owner in {t.owner for t in owned}
+                if self._owner_dead(procs.get(owner), now)}
+        return {t.id for t in owned if t.owner in dead}
 
     # -- retention -------------------------------------------------------------
 
@@ -2293,8 +2362,8 @@ class TaskStore:
         """
         with self._writing():
             rows = self._conn.execute(
-                "SELECT id, purge_at, last_seq - first_seq + 1 FROM tasks WHERE purge_at IS NOT "
-                "NULL AND purge_at <= ? ORDER BY purge_at, id LIMIT ?", (now, budget)).fetchall()
+                f"SELECT id, purge_at, last_seq - first_seq + 1 FROM tasks WHERE {_EXPIRED} "
+                "ORDER BY purge_at, id LIMIT ?", (now, budget)).fetchall()
             take, events = 0, 0
             for _, _, count in rows:
                 if events + count > 10 * budget:
@@ -3866,9 +3935,12 @@ class McpServer:
         if requested is None:
             return None if self.allow_unlimited_ttl else capped(cap or self.default_ttl_ms)
         if isinstance(requested, bool) or not isinstance(requested, (int, float)) \
-                or (isinstance(requested, float) and not math.isfinite(requested)) \
-                or requested < 0:
-            raise InvalidParams("task.ttl must be a non-negative number or null", param="ttl")
+                or (isinstance(requested, float) and not math.isfinite(requested)):
+            raise InvalidParams("task.ttl must be a number of milliseconds or null", param="ttl")
+        if requested < 1:
+            # 0 would expire the task before the client could read it: refused, not rounded up.
+            raise InvalidParams(f"task.ttl must be at least 1 millisecond, not {requested!r}",
+                                param="ttl")
         granted = capped(int(requested))
         if granted > MAX_SAFE_INTEGER:      # a huge int fits neither JSON clients nor SQLite
             raise InvalidParams(f"task.ttl must be at most {MAX_SAFE_INTEGER}", param="ttl")
@@ -4134,11 +4206,14 @@ def add_mcp_parser(subparsers):
         description="MCP server with tasks for both eras (2025-11-25 after initialize; "
                     "2026-07-28 with the io.modelcontextprotocol/tasks extension when the "
                     "first request carries the _meta envelope), one JSON-RPC message per "
-                    "line on stdin/stdout; logs go to stderr.")
+                    "line on stdin/stdout; logs go to stderr.  A finished task expires at "
+                    "createdAt + ttl (one that finished later: 60 s after it finished) and "
+                    "answers \"has expired\" from that moment on; its row is deleted by the "
+                    "next reaper pass (every --reap-interval seconds).")
     _add_db_option(p)                   # --db PATH (./taskstore.db), --sync
-    p.add_argument("--default-ttl", metavar="MS", type=_at_least(0), default=DEFAULT_MCP_TTL_MS,
+    p.add_argument("--default-ttl", metavar="MS", type=_at_least(1), default=DEFAULT_MCP_TTL_MS,
                    help="ttl granted to a task request that names none (default: %(default)s)")
-    p.add_argument("--max-ttl", metavar="MS", type=_at_least(0), default=DEFAULT_MAX_TTL_MS,
+    p.add_argument("--max-ttl", metavar="MS", type=_at_least(1), default=DEFAULT_MAX_TTL_MS,
                    help="largest ttl granted; larger requests are capped (default: %(default)s)")
     p.add_argument("--allow-unlimited-ttl", action="store_true",
                    help="grant ttl null (never expires) when asked; otherwise null gets "
@@ -4158,8 +4233,9 @@ def add_mcp_parser(subparsers):
                         "(default: %(default)s)")
     p.add_argument("--reap-interval", metavar="S", type=_at_least(0.001, float),
                    default=DEFAULT_REAP_INTERVAL_S,
-                   help="seconds between passes deleting expired tasks and recovering "
-                        "those of dead processes (default: %(default)s)")
+                   help="seconds between passes deleting expired tasks (they answer "
+                        "\"has expired\" from the moment they expire, deleted or not) and "
+                        "recovering those of dead processes (default: %(default)s)")
     p.set_defaults(func=run_mcp)
     return p
 
@@ -5404,6 +5480,8 @@ def cmd_http(args):
         server.server_close()
         runner.stop(timeout=3.0)
         store.close()
+        # The counterpart of the listening line: the server has let go of the port and the file.
+        print(f"taskstore: stopped listening on {server.url}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -6098,8 +6176,12 @@ def build_parser():
         return sub
 
     sub = verb("list", "List tasks, newest first.")
-    sub.add_argument("--status", action="append", choices=STATES,
-                     help="only this stored status (repeatable; default: all)")
+    sub.add_argument("--status", action="append", type=_status_filter, metavar="WORD",
+                     help="only tasks in this status: a stored status (" + ", ".join(STATES)
+                          + "), or an MCP word (working means queued, loading and running; "
+                          "completed means succeeded); mcp:WORD and lmsp:WORD take a "
+                          "protocol's meaning exactly (lmsp:running includes input_required, "
+                          "mcp:cancelled includes cancelling) (repeatable; default: all)")
     sub.add_argument("--kind", action="append", help="only this kind (repeatable; default: all)")
     sub.add_argument("--principal", help="only this principal's tasks (default: everyone's)")
     sub.add_argument("--limit", type=int, default=50, help="page size (default: %(default)s)")
@@ -6117,6 +6199,60 @@ def build_parser():
     return parser
 
 
+def _status_words():
+    """Return ``{word: stored statuses}`` for every word ``tasks list --status`` takes.
+
+    Built from the two projections (``mcp_status``, ``lmsp_status``) over
+    the stored statuses, never written out by hand: a stored status means
+    itself; ``mcp:W`` and ``lmsp:W`` mean every stored status the protocol
+    shows as W; a bare MCP word that is no stored status (``working``,
+    ``completed``) means what MCP means by it.
+    """
+    words = {state: (state,) for state in STATES}
+    for prefix, project in (("mcp", mcp_status), ("lmsp", lmsp_status)):
+        for state in STATES:
+            word = f"{prefix}:{project(state)}"
+            words[word] = words.get(word, ()) + (state,)
+    for state in STATES:
+        words.setdefault(mcp_status(state), words[f"mcp:{mcp_status(state)}"])
+    return words
+
+
+def _status_filter(text):
+    """argparse type of ``--status``: the stored statuses *text* means."""
+    words = _status_words()
+    if text not in words:
+        raise argparse.ArgumentTypeError(
+            f"unknown status {text!r}; use one of {', '.join(sorted(words))}")
+    return words[text]
+
+
+def _clip(text, width):
+    """*text* cut to *width* characters, an ellipsis marking a cut."""
+    return text if len(text) <= width else text[:width - 1] + "\u2026"
+
+
+def _admin_view(task, awaiting):
+    """The admin commands' view of *task*: as stored, plus both protocols' words.
+
+    ``owner_dead``: the task is unfinished and its owner provably dead
+    (*awaiting*: the ids ``TaskStore.awaiting_recovery`` returned).
+    """
+    view = {}
+    for key, value in task.to_dict().items():
+        view[key] = value
+        if key == "status":
+            view.update(mcp_status=mcp_status(task), lmsp_status=lmsp_status(task),
+                        owner_dead=task.id in awaiting)
+    return view
+
+
+def _status_cell(task, awaiting):
+    if task.id in awaiting:
+        return f"{task.status} (owner dead: will be recovered; `tasks recover` does it now)"
+    return task.status
+
+
 def _print_table(rows, headers):
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(h)
               for i, h in enumerate(headers)]
@@ -6131,33 +6267,41 @@ def _tasks_command(args):
     with TaskStore(args.db, synchronous=args.sync, recover_on_open=False,
                    readonly=not writes) as store:
         if args.verb == "list":
-            tasks, cursor = store.list(status=args.status, kind=args.kind,
+            statuses = None if args.status is None else sorted(
+                {state for states in args.status for state in states})
+            tasks, cursor = store.list(status=statuses, kind=args.kind,
                                        principal=args.principal, limit=args.limit,
                                        cursor=args.cursor)
+            awaiting = store.awaiting_recovery(tasks)
             if args.json:
-                print(dumps({"tasks": [t.to_dict() for t in tasks], "next_cursor": cursor}))
+                print(dumps({"tasks": [_admin_view(t, awaiting) for t in tasks],
+                             "next_cursor": cursor}))
             else:
-                _print_table([(t.id, t.kind, t.status, iso_time(t.created_at),
-                               iso_time(t.updated_at), (t.status_message or "")[:40])
+                _print_table([(t.id, t.kind, _status_cell(t, awaiting), iso_time(t.created_at),
+                               iso_time(t.updated_at), _clip(t.status_message or "", 40))
                               for t in tasks], ("ID", "KIND", "STATUS", "CREATED", "UPDATED",
                                                 "MESSAGE"))
                 if cursor:
                     print(f"next page: --cursor {cursor}")
         elif args.verb in ("show", "cancel"):
             task = (store.get if args.verb == "show" else store.cancel)(args.task_id)
+            awaiting = store.awaiting_recovery([task])
+            view = _admin_view(task, awaiting)
             if args.json:
-                print(dumps(task.to_dict()))
+                print(dumps(view))
             else:
-                for key, value in task.to_dict().items():
+                view["status"] = _status_cell(task, awaiting)
+                for key, value in view.items():
                     if key.endswith("_at") and isinstance(value, int):
                         value = iso_time(value)
                     print(f"{key + ':':16}{value if isinstance(value, str) else dumps(value)}")
         elif args.verb == "events":
             events = store.events(args.task_id, after=args.after)
             if args.json:
-                print(dumps([e._asdict() for e in events]))
+                print(dumps([{"task_id": e.task_id, "seq": e.seq, "type": e.type,
+                              "data": e.data, "created_at": e.created_at} for e in events]))
             else:
-                _print_table([(e.seq, iso_time(e.created_at), e.type, dumps(e.data)[:60])
+                _print_table([(e.seq, iso_time(e.created_at), e.type, _clip(e.data_json, 60))
                               for e in events], ("SEQ", "TIME", "TYPE", "DATA"))
         elif args.verb == "reap":
             counts = store.reap()

@@ -1017,6 +1017,45 @@ class RetentionTests(StoreTestCase):
         with self.assertRaises(taskstore.TaskExpired):
             self.store.get(task.id)
 
+    def test_reads_answer_expired_by_the_reapers_rule_before_any_reap(self):
+        done = self.running_task(ttl_ms=10_000)
+        self.store.emit(done.id, "x")
+        self.store.succeed(done.id, 1)
+        unfinished = self.running_task(ttl_ms=10_000)
+        late = self.running_task(ttl_ms=10_000)
+        kept = self.running_task(retention_ms=100_000)
+        self.store.succeed(kept.id, 2)
+        self.clock.advance(9.999)               # one millisecond before the expiry
+        self.assertEqual(self.store.get(done.id).result, 1)
+        self.assertEqual(len(self.store.events(done.id)), 4)
+        self.assertEqual(self.store.reap(now=self.clock.ms)["tasks"], 0)
+        self.clock.advance(0.001)               # at createdAt + ttl: expired, not yet reaped
+        self.assertEqual(self.store._conn.execute("SELECT count(*) FROM tasks").fetchone()[0], 4)
+        for read in (self.store.get, self.store.events, self.store.cancel,
+                     lambda task_id: self.store.wait(task_id, timeout=TIMEOUT, terminal=True)):
+            with self.subTest(read=read):
+                with self.assertRaises(taskstore.TaskExpired) as cm:
+                    read(done.id)
+                self.assertEqual(str(cm.exception), f"task {done.id} has expired")
+        listed = {t.id for t in self.store.list()[0]}
+        self.assertEqual(listed, {unfinished.id, late.id, kept.id})
+        self.assertEqual(self.store.get(unfinished.id).status, RUNNING, "unfinished: never expires")
+        self.store.succeed(late.id, "late")     # finished after its expiry: 60 s of grace
+        self.assertEqual(self.store.reap()["tasks"], 1, "the reaper deletes exactly what reads hide")
+        with self.assertRaises(taskstore.TaskExpired):
+            self.store.get(done.id)
+        self.clock.advance(59.999)
+        self.assertEqual(self.store.get(late.id).result, "late")
+        self.clock.advance(0.001)
+        with self.assertRaises(taskstore.TaskExpired):
+            self.store.get(late.id)
+        self.assertEqual({t.id for t in self.store.list()[0]}, {unfinished.id, kept.id})
+        self.clock.advance(40)                  # LMSP-style retention: the same rule
+        with self.assertRaises(taskstore.TaskExpired):
+            self.store.get(kept.id)
+        self.assertEqual(self.store.reap()["tasks"], 2)
+        self.assertEqual({t.id for t in self.store.list()[0]}, {unfinished.id})
+
     def test_retention_counts_from_the_terminal_status(self):
         task = self.running_task(retention_ms=1000)
         self.clock.advance(100)
@@ -1171,6 +1210,21 @@ class RecoveryTests(OwnedTaskTestCase):
             self.assertContiguous(task_id)
         self.assertEqual(self.store.recover(), 0)                     # idempotent
 
+    def test_a_recovery_that_moved_tasks_logs_once_how_many_and_by_which_policy(self):
+        owner = self.dead_owner()
+        self.claimed("fail", owner)
+        self.claimed("retry", owner)
+        self.claimed("retry", owner, status=INPUT_REQUIRED)
+        self.claimed("resume", owner, status=CANCELLING)
+        with unittest.mock.patch.object(taskstore, "RELEASE_BATCH", 2), \
+                self.assertLogs("taskstore", "INFO") as logs:
+            self.assertEqual(self.store.recover(), 4)
+        self.assertEqual(logs.output, [
+            "WARNING:taskstore:recovered 4 tasks of dead processes: 1 failed (policy fail), "
+            "2 queued again (policy retry), 1 cancelled (a cancel was under way)"])
+        with self.assertNoLogs("taskstore", "INFO"):
+            self.assertEqual(self.store.recover(), 0)       # nothing moved: nothing said
+
     def test_release_in_many_small_batches_moves_each_task_once(self):
         owner = self.dead_owner()
         done = self.claimed("fail", owner)
@@ -1204,10 +1258,10 @@ class RecoveryTests(OwnedTaskTestCase):
         other = self.claimed("fail", owner)
         release = self.store.release
 
-        def cancel_first(proc_id, reason, *, present=None):
+        def cancel_first(proc_id, reason, *, present=None, **kwargs):
             self.assertEqual(present, [(RUNNING, "fail")])
             self.store.cancel(other)            # running -> cancelling, after the snapshot
-            return release(proc_id, reason, present=present)
+            return release(proc_id, reason, present=present, **kwargs)
         with unittest.mock.patch.object(self.store, "release", cancel_first):
             self.assertEqual(self.store.recover(), 1)
         self.assertEqual(self.store.get(running).status, FAILED)
@@ -1648,7 +1702,7 @@ class PackagingTests(unittest.TestCase):
         self.assertEqual(tops, ["taskstore.py", "test_taskstore.py"])
 
 
-class AdminCommandTests(StoreTestCase):
+class AdminCommandTests(OwnedTaskTestCase):
 
     def run_main(self, *argv):
         out, err = io.StringIO(), io.StringIO()
@@ -1679,6 +1733,116 @@ class AdminCommandTests(StoreTestCase):
         self.assertEqual((code, json.loads(out)["tasks"]), (0, 0))
         code, out, _ = self.run_main("tasks", "recover", "--db", self.path, "--json")
         self.assertEqual((code, json.loads(out)), (0, {"recovered": 0}))
+
+    def test_expired_tasks_have_expired_in_the_cli_before_any_reap(self):
+        self.clock.now = time.time() - 3600     # an hour ago, as the CLI's clock sees it
+        done = self.running_task(ttl_ms=1000)
+        self.store.succeed(done.id, 1)
+        alive = self.running_task(ttl_ms=1000)  # unfinished: never expires
+        for verb in ("show", "events"):
+            with self.subTest(verb=verb):
+                code, out, err = self.run_main("tasks", verb, done.id, "--db", self.path)
+                self.assertEqual((code, out), (1, ""))
+                self.assertEqual(err, f"taskstore: error: task {done.id} has expired\n")
+        code, out, _ = self.run_main("tasks", "list", "--db", self.path, "--json")
+        self.assertEqual([t["id"] for t in json.loads(out)["tasks"]], [alive.id])
+        code, out, _ = self.run_main("tasks", "reap", "--db", self.path, "--json")
+        self.assertEqual(json.loads(out)["tasks"], 1)
+
+    def test_a_task_whose_owner_is_dead_says_so_and_names_tasks_recover(self):
+        dead = self.claimed("fail", self.dead_owner())
+        alive = self.claimed("fail", self.store.register_process())    # this process: live
+        self.store.set_progress(dead, progress=3, total=60, message="step 3/60")
+        code, out, _ = self.run_main("tasks", "list", "--db", self.path)
+        rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+        self.assertIn("running (owner dead: will be recovered; `tasks recover` does it now)",
+                      rows[dead])
+        self.assertIn("step 3/60", rows[dead])
+        self.assertNotIn("owner dead", rows[alive])
+        code, out, _ = self.run_main("tasks", "show", dead, "--db", self.path)
+        self.assertIn("status:         running (owner dead: will be recovered; `tasks recover` "
+                      "does it now)\n", out)
+        for verb in (["list"], ["show", dead], ["show", alive]):
+            with self.subTest(verb=verb):
+                code, out, _ = self.run_main("tasks", *verb, "--db", self.path, "--json")
+                tasks = json.loads(out)["tasks"] if verb == ["list"] else [json.loads(out)]
+                self.assertEqual({t["id"]: t["owner_dead"] for t in tasks},
+                                 {dead: True, alive: False} if verb == ["list"]
+                                 else {verb[1]: verb[1] == dead})
+        code, out, _ = self.run_main("tasks", "recover", "--db", self.path)
+        self.assertEqual(out, "1 tasks recovered\n")
+        code, out, _ = self.run_main("tasks", "show", dead, "--db", self.path, "--json")
+        self.assertEqual((json.loads(out)["status"], json.loads(out)["owner_dead"]),
+                         (FAILED, False))
+
+    def test_list_status_takes_the_words_of_both_protocols(self):
+        queued = self.store.create("k")
+        running = self.running_task()
+        waiting = self.running_task()
+        self.store.require_input(waiting.id, {"q": 1})
+        done = self.running_task()
+        self.store.succeed(done.id, 1)
+        stopping = self.running_task()
+        self.store.cancel(stopping.id)
+        stopped = self.store.create("k")
+        self.store.cancel(stopped.id)
+
+        def listed(*words):
+            argv = ["tasks", "list", "--db", self.path, "--json"]
+            for word in words:
+                argv += ["--status", word]
+            code, out, err = self.run_main(*argv)
+            self.assertEqual(code, 0, err)
+            return {t["id"] for t in json.loads(out)["tasks"]}
+        cases = {("working",): {queued.id, running.id},
+                 ("mcp:working",): {queued.id, running.id},
+                 ("completed",): {done.id},
+                 ("input_required",): {waiting.id},
+                 ("running",): {running.id},                  # the stored word: itself
+                 ("lmsp:running",): {running.id, waiting.id},
+                 ("cancelled",): {stopped.id},
+                 ("mcp:cancelled",): {stopping.id, stopped.id},
+                 ("lmsp:cancelling",): {stopping.id},
+                 ("working", "completed"): {queued.id, running.id, done.id}}
+        for words, expected in cases.items():
+            with self.subTest(words=words):
+                self.assertEqual(listed(*words), expected)
+        code, _, err = self.run_main("tasks", "list", "--db", self.path, "--status", "done")
+        self.assertEqual(code, 2)
+        self.assertIn("unknown status 'done'; use one of", err)
+        self.assertIn("working", err)
+
+    def test_show_prints_both_protocols_words_beside_the_stored_status(self):
+        task = self.running_task()
+        self.store.require_input(task.id, {"q": 1})
+        code, out, _ = self.run_main("tasks", "show", task.id, "--db", self.path)
+        self.assertIn("status:         input_required\nmcp_status:     input_required\n"
+                      "lmsp_status:    running\n", out)
+        code, out, _ = self.run_main("tasks", "show", task.id, "--db", self.path, "--json")
+        view = json.loads(out)
+        self.assertEqual((view["status"], view["mcp_status"], view["lmsp_status"]),
+                         (INPUT_REQUIRED, "input_required", "running"))
+        self.assertEqual(list(view)[list(view).index("status"):][:4],
+                         ["status", "mcp_status", "lmsp_status", "owner_dead"])
+
+    def test_tables_mark_cut_text_and_events_json_has_data_as_json(self):
+        task = self.running_task()
+        self.store.set_progress(task.id, message="m" * 40)
+        short = self.running_task()
+        self.store.set_progress(short.id, message="x" * 41)
+        self.store.emit(task.id, "note", {"text": "é" * 80, "n": [1, 2]})
+        code, out, _ = self.run_main("tasks", "list", "--db", self.path)
+        rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+        self.assertTrue(rows[task.id].endswith(" " + "m" * 40), "40 characters fit: no mark")
+        self.assertTrue(rows[short.id].endswith(" " + "x" * 39 + "\u2026"), rows[short.id])
+        code, out, _ = self.run_main("tasks", "events", task.id, "--db", self.path)
+        note = next(line for line in out.splitlines() if " note " in line)
+        self.assertTrue(note.endswith('{"text":"' + "é" * 50 + "\u2026"), note)
+        code, out, _ = self.run_main("tasks", "events", task.id, "--db", self.path, "--json")
+        events = json.loads(out)
+        self.assertEqual(events[-1]["data"], {"text": "é" * 80, "n": [1, 2]})
+        self.assertEqual(events[0]["data"], {"kind": "k"})
+        self.assertEqual(set(events[0]), {"task_id", "seq", "type", "data", "created_at"})
 
     def test_store_errors_exit_1_with_one_line(self):
         code, out, err = self.run_main("tasks", "show", "task_missing", "--db", self.path)
@@ -3477,15 +3641,36 @@ class LmspRetentionTests(ServerTestCase):
     """B.7: finished tasks are purged after task_retention; keys expire too."""
 
     def test_a_purged_task_is_404_and_its_key_can_be_used_again(self):
-        client = self.start_server(DemoBackend(delay=0), task_retention=0,
-                                   idempotency_retention=0)
+        clock = FakeClock(time.time())
+        client = self.start_server(DemoBackend(delay=0), task_retention=1,
+                                   idempotency_retention=0, store_kwargs={"clock": clock})
         task = client.create(create_body("x"), headers={"Idempotency-Key": "once"})
         self.wait_terminal(task["id"])
+        clock.advance(1)
         self.assertEqual(self.store.reap()["tasks"], 1)
         self.assertProblem(client.request("GET", f"/lmsp/v1/tasks/{task['id']}"), 404,
                            "task_not_found")
         again = client.create(create_body("x"), headers={"Idempotency-Key": "once"})
         self.assertNotEqual(again["id"], task["id"])
+
+
+    def test_a_task_past_its_retention_is_404_before_any_reap(self):
+        clock = FakeClock(time.time())
+        client = self.start_server(DemoBackend(delay=0), task_retention=5,
+                                   store_kwargs={"clock": clock})
+        task = client.create(create_body("x"))
+        other = client.create(create_body("y"))
+        self.wait_terminal(task["id"])
+        self.wait_terminal(other["id"])
+        clock.advance(5)
+        for path in (f"/lmsp/v1/tasks/{task['id']}", f"/lmsp/v1/tasks/{task['id']}/events"):
+            with self.subTest(path=path):
+                body = self.assertProblem(client.request("GET", path), 404, "task_not_found")
+                self.assertEqual(body["detail"], f"task {task['id']} has expired")
+        self.assertProblem(client.request("POST", f"/lmsp/v1/tasks/{task['id']}/cancel"), 404,
+                           "task_not_found")
+        self.assertEqual(client.request("GET", "/lmsp/v1/tasks")[2]["data"], [])
+        self.assertEqual(self.store.reap()["tasks"], 2)
 
 
 class LmspAuthTests(ServerTestCase):
@@ -3697,8 +3882,14 @@ class ServerProcess:
         self.lines = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
-        line = self.lines.get(timeout=TIMEOUT)
-        match = re.fullmatch(r"taskstore: listening on http://(127\.0\.0\.1):(\d+)", line.strip())
+        self.before = []        # what it logged before listening (recovery, say)
+        while True:
+            line = self.lines.get(timeout=TIMEOUT)
+            match = re.fullmatch(r"taskstore: listening on http://(127\.0\.0\.1):(\d+)",
+                                 line.strip())
+            if match or not line.startswith("taskstore: WARNING "):
+                break
+            self.before.append(line.strip())
         test.assertTrue(match, line)
         self.client = Client(match.group(1), int(match.group(2)))
 
@@ -3747,10 +3938,19 @@ class LmspProcessTests(unittest.TestCase):
             server.proc.send_signal(signal.SIGTERM)
             reader.all()                 # returns only when the server ends the stream
         self.assertEqual(server.proc.wait(timeout=5), 0)
+        server.reader.join(TIMEOUT)      # its stderr is at EOF: every line is queued
+        lines = []
+        while not server.lines.empty():
+            lines.append(server.lines.get_nowait().strip())
+        self.assertEqual(lines[-1], f"taskstore: stopped listening on http://127.0.0.1:"
+                                    f"{server.client.port}", "one line when it stops, too")
 
     def test_restart_fail_policy_fails_with_server_restarted(self):
         task, seen = self.start_mid_task("fail")
-        client = self.restart()
+        server = ServerProcess(self, self.db, "--demo-delay", "0")
+        self.assertEqual(server.before, ["taskstore: WARNING recovered 1 task of dead processes: "
+                                         "1 failed (policy fail)"])
+        client = server.client
         got = client.task(task["id"])
         self.assertEqual(got["status"], "failed")
         self.assertEqual((got["error"]["code"], got["error"]["status"]), ("server_restarted", 503))
@@ -3761,7 +3961,10 @@ class LmspProcessTests(unittest.TestCase):
 
     def test_restart_retry_runs_again_with_new_items_and_continuing_numbers(self):
         task, seen = self.start_mid_task("retry")
-        client = self.restart()
+        server = ServerProcess(self, self.db, "--demo-delay", "0")
+        self.assertEqual(server.before, ["taskstore: WARNING recovered 1 task of dead processes: "
+                                         "1 queued again (policy retry)"])
+        client = server.client
         events = client.events(task["id"])
         self.assertEqual([int(e["id"]) for e in events], list(range(len(events))))
         names = [e["event"] for e in events]
@@ -4322,6 +4525,38 @@ class McpProtocolTests(McpTestBase):
         self.assertError(client.call("tasks/get", {"taskId": late}), -32602, "has expired")
         self.assertEqual(client.result("tasks/list")["tasks"], [])
 
+    def test_an_expired_task_has_expired_everywhere_before_the_reaper_runs(self):
+        clock = FakeClock()
+        client, _, store = self.start_server(clock=clock)
+        done = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "x"},
+                                {"ttl": 2000})["taskId"]
+        client.result("tasks/result", {"taskId": done})
+        running = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "y"},
+                                   {"ttl": 2000})["taskId"]
+        clock.advance(3)                    # past createdAt + ttl; no reaper has run
+        for method in ("tasks/get", "tasks/status", "tasks/result", "tasks/cancel"):
+            with self.subTest(method=method):
+                self.assertError(client.call(method, {"taskId": done}), -32602,
+                                 f"task {done} has expired")
+        self.assertEqual([t["taskId"] for t in client.result("tasks/list")["tasks"]], [running])
+        self.assertEqual(client.result("tasks/get", {"taskId": running})["status"], "working")
+        self.assertEqual(store.reap()["tasks"], 1, "the row was still there")
+        self.assertError(client.call("tasks/get", {"taskId": done}), -32602, "has expired")
+
+    def test_a_ttl_below_one_millisecond_is_refused(self):
+        client, _, store = self.start_server()
+        args = {"seconds": 0, "text": "x"}
+        for params in ({"task": {"ttl": 0}}, {"task": {"ttl": -1}}, {"task": {"ttl": 0.5}},
+                       {"_meta": {"task": {"required": True, "ttl": 0}}},
+                       {"_meta": {"modelcontextprotocol.io/task": {"keepAlive": 0}}}):
+            with self.subTest(params=params):
+                response = client.call("tools/call", {"name": "sleep_then_echo",
+                                                      "arguments": args, **params})
+                self.assertError(response, -32602, "task.ttl must be at least 1 millisecond")
+                self.assertEqual(response["error"]["data"]["param"], "ttl")
+        self.assertEqual(store.list()[0], [], "nothing was created")
+        self.assertEqual(self.create_task(client, "sleep_then_echo", args, {"ttl": 1})["ttl"], 1)
+
     def test_unknown_task_id_is_32602_everywhere(self):
         client, _, store = self.start_server()
         for method in ("tasks/get", "tasks/result", "tasks/cancel", "tasks/status"):
@@ -4546,8 +4781,17 @@ class McpCommandTests(McpTestBase):
                 side.wait(task.id, timeout=TIMEOUT, since_version=task.version)
         self.assertError(client.call("tasks/get", {"taskId": task.id}), -32602, "has expired")
 
+    def test_help_says_when_expired_tasks_are_deleted(self):
+        proc = subprocess.run(mcp_server_command("--help"), stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=TIMEOUT, cwd=self.dir)
+        self.assertEqual(proc.returncode, 0)
+        text = " ".join(proc.stdout.decode().split())
+        self.assertIn('answers "has expired" from that moment on; its row is deleted by the '
+                      'next reaper pass (every --reap-interval seconds)', text)
+
     def test_bad_option_values_are_usage_errors(self):
         for args in (["--workers", "0"], ["--page-size", "0"], ["--default-ttl", "-1"],
+                     ["--default-ttl", "0"], ["--max-ttl", "0"],
                      ["--max-line-bytes", "10"], ["--reap-interval", "0"]):
             with self.subTest(args=args):
                 proc = subprocess.run(mcp_server_command(*args), stdin=subprocess.DEVNULL,
@@ -4615,7 +4859,10 @@ class McpCommandTests(McpTestBase):
         self.assertEqual(proc.wait(TIMEOUT), -signal.SIGKILL)
 
         client, proc = self.start_process("--db", self.db)
-        client.initialize()
+        client.initialize()                 # the store was opened (and recovered) before
+        with open(os.path.join(self.dir, "stderr.log"), encoding="utf-8") as log:
+            self.assertIn("taskstore: WARNING recovered 1 task of dead processes: "
+                          "1 failed (policy fail)\n", log.read())
         for task_id in ids:
             with self.subTest(task_id=task_id):
                 self.assertEqual(client.result("tasks/get", {"taskId": task_id}), before[task_id])
