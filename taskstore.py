@@ -71,6 +71,7 @@ __all__ = [
     "run_mcp", "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
     "mcp_task_to_modern_wire", "mcp_jsonrpc_error", "MissingClientCapability",
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
+    "ElicitationMismatch", "elicitation_problems",
     # LMSP HTTP server (section 10)
     "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
@@ -3010,6 +3011,23 @@ class McpError(TaskStoreError):
         self.jsonrpc_code = jsonrpc_code
 
 
+class ElicitationMismatch(McpError):
+    """The user accepted, but what the client sent does not fit the requested schema.
+
+    ``ToolContext.elicit`` raises it (-32602) instead of handing the tool
+    content it did not ask for; ``answer`` is the ElicitResult as received
+    and ``problems`` says what did not match.  A tool may catch it and ask
+    again or make do; uncaught, its message is the tool's answer:
+    "the answer did not match the requested schema: 'answer' must be a
+    string, not 42".
+    """
+
+    def __init__(self, answer, problems):
+        super().__init__(-32602, "the answer did not match the requested schema: "
+                                 + "; ".join(problems))
+        self.answer, self.problems = answer, list(problems)
+
+
 class MissingClientCapability(TaskStoreError):
     """2026-07-28: the request needs a client capability it did not declare (-32021).
 
@@ -3202,6 +3220,120 @@ def check_arguments(tool, arguments):
                                 f"must be of type {' or '.join(types)}", param=name)
 
 
+def _shown(value):
+    """A JSON value as a message shows it: compact, and cut short when long."""
+    try:
+        text = dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "\u2026"
+
+
+def _valid_date(text, pattern):
+    try:
+        time.strptime(text, pattern)
+    except ValueError:
+        return False
+    return True
+
+
+# The string formats MCP elicitation allows, each a test of the whole string.
+_ELICIT_FORMATS = {
+    "email": lambda v: re.fullmatch(r"[^@\s]+@[^@\s]+", v) is not None,
+    "uri": lambda v: re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*:\S*", v) is not None,
+    "date": lambda v: re.fullmatch(r"\d{4}-\d\d-\d\d", v) is not None
+                      and _valid_date(v, "%Y-%m-%d"),
+    "date-time": lambda v: re.fullmatch(
+        r"\d{4}-\d\d-\d\d[Tt]\d\d:\d\d:\d\d(\.\d+)?([Zz]|[+-]\d\d:\d\d)", v) is not None
+                           and _valid_date(v[:19].upper(), "%Y-%m-%dT%H:%M:%S"),
+}
+
+
+def _choices(schema):
+    """The allowed values of an enum schema (``enum``, or ``oneOf``/``anyOf`` of ``const``)."""
+    if isinstance(schema.get("enum"), list):
+        return schema["enum"]
+    for key in ("oneOf", "anyOf"):
+        options = schema.get(key)
+        if isinstance(options, list) and all(isinstance(o, dict) and "const" in o
+                                              for o in options):
+            return [o["const"] for o in options]
+    return None
+
+
+def _value_problems(schema, value):
+    """What in one answered *value* breaks its property *schema*; [] when it fits."""
+    kind = schema.get("type")
+    if kind == "array":                     # a multi-select enum
+        if not isinstance(value, list):
+            return [f"must be an array, not {_shown(value)}"]
+        problems = []
+        if isinstance(schema.get("minItems"), int) and len(value) < schema["minItems"]:
+            problems.append(f"must have at least {schema['minItems']} items, not {len(value)}")
+        if isinstance(schema.get("maxItems"), int) and len(value) > schema["maxItems"]:
+            problems.append(f"must have at most {schema['maxItems']} items, not {len(value)}")
+        items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+        allowed = _choices(items)
+        for item in value:
+            if not isinstance(item, str) or (allowed is not None and item not in allowed):
+                problems.append(f"has {_shown(item)}, which is not one of "
+                                f"{', '.join(_shown(a) for a in allowed or ())}")
+        return problems
+    if isinstance(value, (dict, list)) or value is None or (
+            isinstance(kind, str) and not _type_ok(value, kind)):
+        what = {"integer": "an integer"}.get(kind, f"a {kind}" if isinstance(kind, str)
+                                             else "a string, a number or a boolean")
+        return [f"must be {what}, not {_shown(value)}"]
+    allowed = _choices(schema)
+    if allowed is not None and value not in allowed:
+        return [f"must be one of {', '.join(_shown(a) for a in allowed)}, not {_shown(value)}"]
+    problems = []
+    if isinstance(value, str):
+        if isinstance(schema.get("minLength"), int) and len(value) < schema["minLength"]:
+            problems.append(f"must be at least {schema['minLength']} characters long")
+        if isinstance(schema.get("maxLength"), int) and len(value) > schema["maxLength"]:
+            problems.append(f"must be at most {schema['maxLength']} characters long")
+        check = _ELICIT_FORMATS.get(schema.get("format"))
+        if check is not None and not check(value):
+            problems.append(f"must be a {schema['format']}, not {_shown(value)}")
+    elif not isinstance(value, bool):
+        for key, word, broken in (("minimum", "at least", lambda m: value < m),
+                                  ("maximum", "at most", lambda m: value > m)):
+            limit = schema.get(key)
+            if isinstance(limit, (int, float)) and not isinstance(limit, bool) and broken(limit):
+                problems.append(f"must be {word} {_shown(limit)}, not {_shown(value)}")
+    return problems
+
+
+def elicitation_problems(schema, content):
+    """Return what in *content* does not fit *schema*, a requested elicitation schema.
+
+    MCP restricts ``requestedSchema`` to a flat object of primitive
+    properties; this checks what that subset can say: ``required``, each
+    property's ``type`` (string, number, integer, boolean, or an array of
+    enum strings for a multi-select), ``enum`` (or ``oneOf``/``anyOf`` of
+    ``const``), ``minLength``/``maxLength``, ``format`` (email, uri, date,
+    date-time), ``minimum``/``maximum``, ``minItems``/``maxItems``, and
+    ``additionalProperties: false``.  Other keywords are ignored.  Returns
+    a list of sentences, empty when the content fits.
+    """
+    if not isinstance(schema, dict):
+        return []
+    if not isinstance(content, dict):
+        return [f"content must be an object, not {_shown(content)}"]
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    problems = [f"missing required field {name!r}" for name in required
+                if isinstance(name, str) and name not in content]
+    for name, value in content.items():
+        prop = properties.get(name)
+        if isinstance(prop, dict):
+            problems += [f"{name!r} {problem}" for problem in _value_problems(prop, value)]
+        elif schema.get("additionalProperties") is False:
+            problems.append(f"unexpected field {name!r}")
+    return problems
+
+
 def _task_request(params):
     """Return ``(ttl, legacy)`` when *params* ask for a task, else None.
 
@@ -3368,6 +3500,8 @@ class ToolContext:
 
         Raises:
             McpError: the client did not declare elicitation, or answered with an error.
+            ElicitationMismatch: (an McpError) the user accepted, but the content
+                does not fit *requested_schema*; its message says what did not.
             Cancelled: the task (or inline request) was cancelled while waiting.
         """
         params = {"message": message, "requestedSchema": requested_schema}
@@ -3380,7 +3514,7 @@ class ToolContext:
             # The key is unique for the task's life: never reused after an answer.
             answer = self._task_ctx.ask({"method": "elicitation/create", "params": params,
                                          "key": f"elicit-{secrets.token_hex(8)}"})
-            return self._elicit_result(answer)
+            return self._elicit_result(answer, requested_schema)
         if "elicitation" not in self._server.client_capabilities:
             raise McpError(-32601, "the client does not support elicitation")
         if self._task_ctx is not None and \
@@ -3391,10 +3525,10 @@ class ToolContext:
             answer = self._task_ctx.ask({"method": "elicitation/create", "params": params})
         else:
             answer = self._server._request("elicitation/create", params, self.cancelled)
-        return self._elicit_result(answer)
+        return self._elicit_result(answer, requested_schema)
 
     @staticmethod
-    def _elicit_result(answer):
+    def _elicit_result(answer, requested_schema):
         if not isinstance(answer, dict):
             raise McpError(-32603, "elicitation failed: no answer")
         if "error" in answer:
@@ -3402,7 +3536,14 @@ class ToolContext:
             raise McpError(error.get("code", -32603),
                            f"elicitation failed: {error.get('message', 'error')}")
         result = answer.get("result")
-        return result if isinstance(result, dict) else {}
+        result = result if isinstance(result, dict) else {}
+        if result.get("action") == "accept":
+            # Accepted content the tool did not ask for is a mistake to name, never
+            # to pass on as if the user had answered (or had not).
+            problems = elicitation_problems(requested_schema, result.get("content", {}))
+            if problems:
+                raise ElicitationMismatch(result, problems)
+        return result
 
 
 class McpServer:
@@ -3465,7 +3606,7 @@ class McpServer:
         self._inline = {}                   # client request id -> ToolContext of an inline call
         self._sent = {}                     # task id -> (version, MCP status, progress) notified
         self._threads = set()
-        self._ids = itertools.count(1)
+        self._requests_sent = 0             # our requests' ids are "srv-1", "srv-2", ...
         # method -> fn(params, request_id) -> result
         self._methods = {
             "initialize": self._initialize,
@@ -3611,7 +3752,7 @@ class McpServer:
             with self._lock:
                 entry = self._pending.pop(message["id"], None)
             if entry is None:
-                logger.debug("response to unknown request %r", message["id"])
+                self._answer_not_awaited(message["id"])
             else:                           # its callback may write to the store
                 threading.Thread(target=entry[1], args=(message,), daemon=True,
                                  name="taskstore-mcp-answer").start()
@@ -3675,6 +3816,24 @@ class McpServer:
     def _notify(self, method, params):
         self._send({"jsonrpc": "2.0", "method": method, "params": params})
 
+    def _request_id_locked(self):
+        # A space of their own ("srv-N"), so that a server request's id never
+        # equals one of the client's ids: neither in a log nor in a client's
+        # matching of answers.
+        self._requests_sent += 1
+        return f"srv-{self._requests_sent}"
+
+    def _answer_not_awaited(self, msg_id):
+        """Log a response that no request of ours waits for: a late answer, or a mistake."""
+        number = msg_id[4:] if isinstance(msg_id, str) and msg_id.startswith("srv-") else ""
+        if number.isdigit() and number[0] != "0" and int(number) <= self._requests_sent:
+            # Ours, no longer awaited: answered already, or its task ended first.
+            logger.info("dropped an answer to request %r: it was answered already or its "
+                        "task ended", msg_id)
+        else:
+            logger.warning("dropped an answer to id %r: this server sent no request with that "
+                           "id (its requests have string ids \"srv-1\", \"srv-2\", ...)", msg_id)
+
     def _request(self, method, params, cancelled):
         """Send a request to the client; block until it answers; return the response.
 
@@ -3683,7 +3842,7 @@ class McpServer:
         """
         answers = queue.Queue(1)
         with self._lock:
-            request_id = next(self._ids)
+            request_id = self._request_id_locked()
             self._pending[request_id] = (None, answers.put)
         self._send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
         while True:
@@ -4105,7 +4264,7 @@ class McpServer:
                 logger.debug("input for %s dropped: %s", task.id, exc)
 
         with self._lock:
-            request_id = next(self._ids)
+            request_id = self._request_id_locked()
             self._pending[request_id] = (task.id, answered)
         self._send({"jsonrpc": "2.0", "id": request_id, "method": request["method"],
                     "params": params})
@@ -4153,13 +4312,12 @@ def _demo_ask_user(ctx, args):
         answer = ctx.elicit(args["question"], {
             "type": "object", "required": ["answer"],
             "properties": {"answer": {"type": "string", "title": args["question"]}}})
-    except McpError as exc:
+    except McpError as exc:     # ElicitationMismatch too: its message says what did not match
         return text_result(str(exc), is_error=True)
-    content = answer.get("content") or {}
-    if answer.get("action") != "accept" or not isinstance(content.get("answer"), str):
+    if answer.get("action") != "accept":
         return text_result(f"the user did not answer ({answer.get('action', 'no action')})",
                            is_error=True)
-    return content["answer"]
+    return answer["content"]["answer"]
 
 
 def _schema(**properties):

@@ -4651,8 +4651,184 @@ class McpProtocolTests(McpTestBase):
             server.add_tool("bad", square, task_support="sometimes")
 
 
+class ElicitationSchemaTests(unittest.TestCase):
+    """elicitation_problems: what MCP's restricted requestedSchema can say, checked."""
+
+    SCHEMA = {"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": "string", "minLength": 2, "maxLength": 5},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "score": {"type": "number", "minimum": 0.5},
+        "ok": {"type": "boolean"},
+        "mail": {"type": "string", "format": "email"},
+        "site": {"type": "string", "format": "uri"},
+        "day": {"type": "string", "format": "date"},
+        "at": {"type": "string", "format": "date-time"},
+        "size": {"type": "string", "enum": ["S", "M"]},
+        "tier": {"type": "string", "oneOf": [{"const": "a", "title": "A"},
+                                             {"const": "b", "title": "B"}]},
+        "tags": {"type": "array", "minItems": 1, "maxItems": 2,
+                 "items": {"type": "string", "enum": ["x", "y", "z"]}}}}
+
+    def test_content_that_fits_has_no_problems(self):
+        content = {"name": "Ann", "age": 30, "score": 0.5, "ok": False, "mail": "a@b.example",
+                   "site": "https://example.com/x", "day": "2025-02-28",
+                   "at": "2025-02-28T10:00:00.5+01:00", "size": "M", "tier": "b",
+                   "tags": ["x", "z"], "extra": {"any": "thing"}}
+        self.assertEqual(taskstore.elicitation_problems(self.SCHEMA, content), [])
+        self.assertEqual(taskstore.elicitation_problems(self.SCHEMA, {"name": "Al", "age": 3.0}),
+                         [], "an integral float is an integer")
+
+    def test_each_rule_names_the_field_and_the_value(self):
+        cases = [
+            ({"age": 1}, ["missing required field 'name'"]),
+            ({"name": "A", "age": 1}, ["'name' must be at least 2 characters long"]),
+            ({"name": "Annabel", "age": 1}, ["'name' must be at most 5 characters long"]),
+            ({"name": 7, "age": 1}, ["'name' must be a string, not 7"]),
+            ({"name": "Al", "age": 1.5}, ["'age' must be an integer, not 1.5"]),
+            ({"name": "Al", "age": True}, ["'age' must be an integer, not true"]),
+            ({"name": "Al", "age": -1}, ["'age' must be at least 0, not -1"]),
+            ({"name": "Al", "age": 151}, ["'age' must be at most 150, not 151"]),
+            ({"name": "Al", "age": 1, "score": 0.1}, ["'score' must be at least 0.5, not 0.1"]),
+            ({"name": "Al", "age": 1, "ok": "yes"}, ["'ok' must be a boolean, not \"yes\""]),
+            ({"name": "Al", "age": 1, "mail": "nobody"},
+             ["'mail' must be a email, not \"nobody\""]),
+            ({"name": "Al", "age": 1, "site": "not a uri"},
+             ["'site' must be a uri, not \"not a uri\""]),
+            ({"name": "Al", "age": 1, "day": "2025-02-30"},
+             ["'day' must be a date, not \"2025-02-30\""]),
+            ({"name": "Al", "age": 1, "at": "2025-02-28 10:00"},
+             ["'at' must be a date-time, not \"2025-02-28 10:00\""]),
+            ({"name": "Al", "age": 1, "size": "XL"},
+             ["'size' must be one of \"S\", \"M\", not \"XL\""]),
+            ({"name": "Al", "age": 1, "tier": "c"},
+             ["'tier' must be one of \"a\", \"b\", not \"c\""]),
+            ({"name": "Al", "age": 1, "tags": []}, ["'tags' must have at least 1 items, not 0"]),
+            ({"name": "Al", "age": 1, "tags": ["x", "q"]},
+             ["'tags' has \"q\", which is not one of \"x\", \"y\", \"z\""]),
+            ({"name": "Al", "age": 1, "tags": "x"}, ["'tags' must be an array, not \"x\""]),
+            ({"name": None, "age": {"n": 1}},
+             ["'name' must be a string, not null", "'age' must be an integer, not {\"n\":1}"]),
+            ("text", ["content must be an object, not \"text\""]),
+        ]
+        for content, problems in cases:
+            with self.subTest(content=content):
+                self.assertEqual(taskstore.elicitation_problems(self.SCHEMA, content), problems)
+
+    def test_additional_properties_false_refuses_unknown_fields(self):
+        schema = {"type": "object", "additionalProperties": False,
+                  "properties": {"a": {"type": "string"}}}
+        self.assertEqual(taskstore.elicitation_problems(schema, {"a": "x", "b": 1}),
+                         ["unexpected field 'b'"])
+        self.assertEqual(taskstore.elicitation_problems(None, {"b": 1}), [], "no schema: no rule")
+
+
 class McpElicitationTests(McpTestBase):
     """ask_user: elicitation/create with the related-task _meta; input_required meanwhile."""
+
+    @contextlib.contextmanager
+    def server_log(self):
+        """Yield a function returning what the server has logged (in-process or the command)."""
+        if self.COMMAND:
+            def read():
+                with open(os.path.join(self.dir, "stderr.log"), encoding="utf-8") as log:
+                    return log.read()
+            yield read
+        else:
+            with self.assertLogs("taskstore", "INFO") as logs:
+                yield lambda: "\n".join(logs.output)
+
+    def test_server_requests_have_ids_of_their_own(self):
+        client, _, _ = self.start_server(capabilities={"elicitation": {}})
+        task = self.create_task(client, "ask_user", {"question": "?"})
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        self.assertEqual(ask["id"], "srv-1", "never one of the client's ids")
+        client.send({"jsonrpc": "2.0", "id": ask["id"],
+                     "result": {"action": "accept", "content": {"answer": "a"}}})
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": task["taskId"]})), "a")
+        call = client.request("tools/call", {"name": "ask_user", "arguments": {"question": "?"}})
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        self.assertEqual(ask["id"], "srv-2")
+        client.send({"jsonrpc": "2.0", "id": ask["id"],
+                     "result": {"action": "accept", "content": {"answer": "b"}}})
+        self.assertEqual(_text(client.response(call)["result"]), "b")
+
+    def test_an_answer_to_an_id_the_server_never_used_is_logged_and_changes_nothing(self):
+        client, _, _ = self.start_server(capabilities={"elicitation": {}})
+        task_id = self.create_task(client, "ask_user", {"question": "?"})["taskId"]
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        answer = {"action": "accept", "content": {"answer": "blue"}}
+        with self.server_log() as log:
+            for wrong in (99, 1, "1", "srv-99"):
+                client.send({"jsonrpc": "2.0", "id": wrong, "result": answer})
+            client.flush()                  # the reader has handled every line before the ping
+            text = log()
+        for wrong in (99, 1, "'1'", "'srv-99'"):
+            with self.subTest(wrong=wrong):
+                self.assertRegex(text, rf"WARNING.*dropped an answer to id {wrong}: this server "
+                                       r"sent no request with that id \(its requests have "
+                                       r'string ids "srv-1", "srv-2", ...\)')
+        self.assertEqual(client.result("tasks/get", {"taskId": task_id})["status"],
+                         "input_required")
+        client.send({"jsonrpc": "2.0", "id": ask["id"], "result": answer})
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": task_id})), "blue")
+
+    def test_an_answer_that_does_not_fit_the_schema_says_what_did_not(self):
+        client, _, _ = self.start_server(capabilities={"elicitation": {}})
+        cases = [({"answer": 42}, "'answer' must be a string, not 42"),
+                 ({}, "missing required field 'answer'"),
+                 ([1], "content must be an object, not [1]")]
+        for content, problem in cases:
+            with self.subTest(content=content):
+                task_id = self.create_task(client, "ask_user", {"question": "?"})["taskId"]
+                ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+                client.send({"jsonrpc": "2.0", "id": ask["id"],
+                             "result": {"action": "accept", "content": content}})
+                result = client.result("tasks/result", {"taskId": task_id})
+                self.assertEqual((result["isError"], _text(result)),
+                                 (True, f"the answer did not match the requested schema: "
+                                        f"{problem}"))
+        call = client.request("tools/call", {"name": "ask_user", "arguments": {"question": "?"}})
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        client.send({"jsonrpc": "2.0", "id": ask["id"],
+                     "result": {"action": "accept", "content": {"answer": ["x"]}}})
+        self.assertEqual(_text(client.response(call)["result"]),
+                         "the answer did not match the requested schema: "
+                         "'answer' must be a string, not [\"x\"]")
+
+    def test_a_tool_decides_what_a_mismatched_answer_means(self):
+        def pick(ctx, args):
+            schema = {"type": "object", "required": ["size"],
+                      "properties": {"size": {"type": "string", "enum": ["S", "M", "L"]}}}
+            try:
+                return ctx.elicit("Size?", schema)["content"]["size"]
+            except taskstore.ElicitationMismatch as exc:
+                self.assertEqual(exc.problems, ["'size' must be one of \"S\", \"M\", \"L\", "
+                                                "not \"XL\""])
+                self.assertEqual(exc.answer["content"], {"size": "XL"})
+                return ctx.elicit("Size? (S, M or L)", schema)["content"]["size"]
+
+        def strict(ctx, args):
+            return ctx.elicit("Age?", {"type": "object", "properties": {
+                "age": {"type": "integer", "minimum": 0}}})["content"]
+        client, _, _ = self.start_server(
+            tools=[("pick", pick, {"task_support": "optional"}),
+                   ("strict", strict, {"task_support": "optional"})],
+            capabilities={"elicitation": {}})
+        task_id = self.create_task(client, "pick", {})["taskId"]
+        for size in ("XL", "M"):
+            ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+            client.send({"jsonrpc": "2.0", "id": ask["id"],
+                         "result": {"action": "accept", "content": {"size": size}}})
+        self.assertEqual(ask["params"]["message"], "Size? (S, M or L)")
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": task_id})), "M")
+        # Uncaught, it is the call's JSON-RPC error, inline or replayed for a task.
+        task_id = self.create_task(client, "strict", {})["taskId"]
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        client.send({"jsonrpc": "2.0", "id": ask["id"],
+                     "result": {"action": "accept", "content": {"age": -1}}})
+        self.assertError(client.call("tasks/result", {"taskId": task_id}), -32602,
+                         "the answer did not match the requested schema: 'age' must be at "
+                         "least 0, not -1")
 
     def test_task_is_input_required_until_the_answer_arrives(self):
         client, _, store = self.start_server(capabilities={"elicitation": {}})
@@ -5031,6 +5207,21 @@ class McpSdkInteropTests(McpTestBase):
         self.assertEqual(len(asked), 1)
         self.assertEqual(asked[0].message, "Colour?")
         self.assertEqual(asked[0].meta.model_dump()[taskstore.RELATED_TASK], {"taskId": task_id})
+
+    def test_a_mismatched_elicitation_answer_is_named_in_the_result(self):
+        async def elicit(context, params):
+            return mcp_types.ElicitResult(action="accept", content={"answer": 42})
+
+        async def body(session):
+            created = await session.experimental.call_tool_as_task("ask_user", {"question": "?"})
+            task_id = created.task.taskId
+            self.assertEqual((await self._poll(session, task_id))[-1], "failed")
+            result = await session.experimental.get_task_result(task_id,
+                                                                mcp_types.CallToolResult)
+            self.assertTrue(result.isError)
+            self.assertEqual(result.content[0].text, "the answer did not match the requested "
+                                                     "schema: 'answer' must be a string, not 42")
+        self.run_client(body, elicit=elicit)
 
     def test_restart_keeps_finished_tasks_and_fails_running_ones(self):
         async def first(session):
@@ -6885,6 +7076,19 @@ class Era2ProtocolTests(Era2TestBase):
         got = self.wait_done(client, store, task_id)
         self.assertEqual((got["status"], era2_text(got["result"])), ("completed", "teal"))
         self.assertNoServerRequests(client)
+
+    def test_a_mismatched_input_response_says_what_did_not_match(self):
+        client, _, store = self.start_modern()
+        task_id = self.mcreate(client, "ask_user", {"question": "?"},
+                               capabilities=ERA2_ELICIT)["taskId"]
+        self.wait_store(store, task_id, lambda t: t.status == INPUT_REQUIRED)
+        (key,) = self.mget(client, task_id)["inputRequests"]
+        self.mresult(client, "tasks/update", {"taskId": task_id, "inputResponses": {
+            key: {"action": "accept", "content": {"answer": 42}}}})
+        got = self.wait_done(client, store, task_id)
+        self.assertEqual((got["status"], got["result"]["isError"], era2_text(got["result"])),
+                         ("completed", True, "the answer did not match the requested schema: "
+                                             "'answer' must be a string, not 42"))
 
     def test_declined_or_impossible_elicitation(self):
         client, _, store = self.start_modern()
