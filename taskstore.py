@@ -2967,6 +2967,11 @@ TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
 META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+_LESSON_ID_KEYS = ("taskId", "id")     # the lesson-era methods also take the lesson's "id"
+# 2026-07-28 dropped these methods; the -32601 says where their answer went.
+_MODERN_REPLACED = {"tasks/result": "poll tasks/get: it carries the result (or error) inline",
+                    "tasks/status": "use tasks/get",
+                    "tasks/list": "it has no listing; keep the task ids tools/call returns"}
 _LEGACY = MCP_PROTOCOL_VERSION          # era names: the version each era is named after
 _MODERN = MCP_MODERN_VERSION
 
@@ -3335,27 +3340,32 @@ def elicitation_problems(schema, content):
 
 
 def _task_request(params):
-    """Return ``(ttl, legacy)`` when *params* ask for a task, else None.
+    """Return ``(ttl, legacy, optional)`` when *params* ask for a task, else None.
 
     ``ttl`` is ``_UNSET`` when the request names none.  Precedence follows
     MCP-TASKS.md 2.4: ``params.task``, then the lesson's ``_meta.task``, then
     the SEP draft's ``_meta["modelcontextprotocol.io/task"]`` (its
     ``keepAlive`` is the TTL hint; its client-chosen ``taskId`` is ignored).
+    ``optional`` is True when the lesson's form leaves the choice to the
+    server (``required: false`` or ``optional: true``): a tool that supports
+    tasks becomes one, a forbidden tool runs inline.
     """
     task = params.get("task")
     if task is not None:
         if not isinstance(task, dict):
             raise InvalidParams("task must be an object", param="task")
-        return task.get("ttl", _UNSET), False
+        return task.get("ttl", _UNSET), False, False
     meta = params.get("_meta")
     if not isinstance(meta, dict):
         return None
     lesson = meta.get("task")
-    if isinstance(lesson, dict) and lesson.get("required", True) is not False:
-        return lesson.get("ttl", _UNSET), True
+    if isinstance(lesson, dict):
+        optional = lesson.get("required") is False or (
+            lesson.get("optional") is True and lesson.get("required") is not True)
+        return lesson.get("ttl", _UNSET), True, optional
     draft = meta.get(DRAFT_TASK_KEY)
     if isinstance(draft, dict):
-        return draft.get("keepAlive", _UNSET), True
+        return draft.get("keepAlive", _UNSET), True, False
     return None
 
 
@@ -3950,6 +3960,10 @@ class McpServer:
                                 param=META_CLIENT_CAPABILITIES)
         method = self._modern_methods.get(message.get("method"))
         if method is None:
+            hint = _MODERN_REPLACED.get(message.get("method"))
+            if hint is not None:
+                raise MethodNotFound(f"method not found: {message['method']} is not part of "
+                                     f"MCP {_MODERN}; {hint}")
             raise MethodNotFound(f"method not found: {message.get('method')}")
         result = method(params, message.get("id"), capabilities)
         if result is _NO_RESPONSE:
@@ -4109,6 +4123,8 @@ class McpServer:
         tool, arguments = self._lookup_tool(params)
         name = tool.name
         task_request = _task_request(params)
+        if task_request is not None and task_request[2] and tool.task_support == "forbidden":
+            task_request = None             # the lesson's "the server decides": inline
         # MCP-TASKS.md section 6: taskSupport violations are -32601, never a tool result.
         if task_request is not None and tool.task_support == "forbidden":
             raise MethodNotFound(f"Tool {name} does not support task-augmented execution")
@@ -4179,23 +4195,27 @@ class McpServer:
 
     def _tasks_status(self, params, _):
         # The lesson's poll method: tasks/get plus its id/state mirror fields.
-        wire = mcp_task_to_wire(self._get_task(params, ("taskId", "id")), self.poll_interval_ms)
+        wire = mcp_task_to_wire(self._get_task(params, _LESSON_ID_KEYS), self.poll_interval_ms)
         return {**wire, "id": wire["taskId"], "state": wire["status"]}
 
     def _tasks_result(self, params, _):
-        task = self._get_task(params)
+        task = self._get_task(params, _LESSON_ID_KEYS)
         while mcp_status(task) not in _MCP_TERMINAL:
             if self._stop.is_set():
                 raise StoreClosed("the server is shutting down")
             # Bounded waits so that shutdown is noticed; in-process changes wake it at once.
             task = self.store.wait(task.id, timeout=0.25, since_version=task.version)
+        if self._stop.is_set():
+            # Stopping, and read after the stop began: what the task shows now may be the
+            # shutdown's own CRASH_RECOVERY, so every answer not given yet is this one.
+            raise StoreClosed("the server is shutting down")
         result, error = _task_payload(task)
         if error is not None:
             raise _StoredError(error)
         return result
 
     def _tasks_cancel(self, params, _):
-        task = self._get_task(params)
+        task = self._get_task(params, _LESSON_ID_KEYS)
         try:
             task = self.store.cancel(task.id)
         except NotCancelable as exc:
@@ -4292,10 +4312,10 @@ def _demo_generate_report(ctx, args):
     seconds = max(0.0, args["seconds"])
     steps = max(1, math.ceil(seconds))      # one step per second at most
     for step in range(steps):
-        ctx.progress(step, steps, f"step {step + 1}/{steps}")
+        ctx.progress(step, steps, f"step {step + 1}/{steps}")    # step i/n: working on it
         if ctx.cancelled.wait(seconds / steps):     # wakes at once on cancel
             raise Cancelled()
-    ctx.progress(steps, steps, f"step {steps}/{steps}")
+    ctx.progress(steps, steps, f"all {steps} steps done")
     return f"Report on {args['topic']!r}: {steps} sections written."
 
 

@@ -4483,6 +4483,25 @@ class McpProtocolTests(McpTestBase):
         values = [m["params"]["progress"] for m in progress]
         self.assertEqual(values, sorted(set(values)), "progress only increases")
 
+    def test_generate_report_reports_each_step_once(self):
+        calls = []
+
+        class Recorder:
+            cancelled = threading.Event()
+
+            def progress(self, value, total=None, message=None):
+                calls.append((value, total, message))
+        for seconds in (0, 2):
+            calls.clear()
+            with self.subTest(seconds=seconds), \
+                    unittest.mock.patch.object(Recorder.cancelled, "wait", return_value=False):
+                taskstore._demo_generate_report(Recorder(), {"topic": "t", "seconds": seconds})
+                messages = [m for _, _, m in calls]
+                self.assertEqual(len(messages), len(set(messages)), messages)
+                steps = max(1, seconds)
+                self.assertEqual(calls, [(i, steps, f"step {i + 1}/{steps}") for i in range(steps)]
+                                 + [(steps, steps, f"all {steps} steps done")])
+
     def test_tasks_list_pages_with_opaque_cursors(self):
         client, _, _ = self.start_server(page_size=2)
         ids = [self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": str(i)})["taskId"]
@@ -4589,6 +4608,55 @@ class McpProtocolTests(McpTestBase):
         # A spec-form creation has no lesson mirror.
         self.assertNotIn("_meta", client.result("tools/call", {
             "name": "sleep_then_echo", "arguments": {"seconds": 0, "text": "z"}, "task": {}}))
+
+    def test_lesson_era_methods_take_the_lessons_id_too(self):
+        client, _, _ = self.start_server()
+        done = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "x"})["taskId"]
+        self.assertEqual(_text(client.result("tasks/result", {"id": done})), "x")
+        self.assertEqual(client.result("tasks/status", {"id": done})["state"], "completed")
+        self.assertError(client.call("tasks/cancel", {"id": done}), -32602, "completed")
+        running = self.create_task(client, "sleep_then_echo",
+                                   {"seconds": 600, "text": "y"})["taskId"]
+        self.assertEqual(client.result("tasks/cancel", {"id": running})["status"], "cancelled")
+        self.assertEqual(client.result("tasks/result", {"taskId": running, "id": done})["_meta"],
+                         {taskstore.RELATED_TASK: {"taskId": running}}, "taskId wins")
+        for method in ("tasks/result", "tasks/cancel", "tasks/status"):
+            with self.subTest(method=method):
+                self.assertError(client.call(method, {}), -32602, "taskId must be a string")
+
+    def test_lesson_optional_task_lets_the_server_decide(self):
+        client, _, store = self.start_server()
+        for form in ({"optional": True}, {"required": False}, {"optional": True, "ttl": 5000}):
+            with self.subTest(form=form):
+                # A forbidden tool: the server decides for inline, and answers the result.
+                result = client.result("tools/call", {"name": "echo", "arguments": {"text": "a"},
+                                                      "_meta": {"task": form}})
+                self.assertEqual(result, {"content": [{"type": "text", "text": "a"}],
+                                          "isError": False})
+                # A tool that supports tasks: it becomes one, with the lesson's mirror.
+                for name, args in (("sleep_then_echo", {"seconds": 0, "text": "b"}),
+                                   ("generate_report", {"topic": "t", "seconds": 0})):
+                    result = client.result("tools/call", {"name": name, "arguments": args,
+                                                          "_meta": {"task": form}})
+                    self.assertEqual(result["_meta"]["task"]["id"], result["task"]["taskId"])
+                    self.assertEqual(result["task"]["ttl"], form.get("ttl", 3600000))
+        self.assertEqual(len(store.list()[0]), 6, "the echo calls made no task")
+        for form in ({"required": True}, {}, {"optional": True, "required": True}):
+            with self.subTest(form=form):     # the client insists on a task: -32601 as before
+                self.assertError(client.call("tools/call", {"name": "echo", "arguments": {
+                    "text": "a"}, "_meta": {"task": form}}), -32601, "echo")
+
+    def test_a_pending_tasks_result_is_answered_shutting_down_at_eof(self):
+        client, _, store = self.start_server()
+        task_id = self.create_task(client, "sleep_then_echo",
+                                   {"seconds": 600, "text": "x"})["taskId"]
+        waiting = client.request("tasks/result", {"taskId": task_id})
+        client.flush()
+        client.close()                      # EOF: the server stops, failing the task
+        self.assertError(client.response(waiting), -32603, "the server is shutting down")
+        self.assertTrue(client.wait_eof())
+        task = store.wait(task_id, timeout=TIMEOUT, terminal=True)
+        self.assertTrue(task.status_message.startswith("CRASH_RECOVERY"), task.status_message)
 
     def test_transport_errors_never_stop_the_server(self):
         client, _, _ = self.start_server(max_line_bytes=1024)
@@ -6928,6 +6996,16 @@ class Era2ProtocolTests(Era2TestBase):
         for method in ("tasks/result", "tasks/list", "tasks/status", "ping"):
             with self.subTest(method=method):
                 self.assertError(self.mcall(client, method, {"taskId": "task_x"}), -32601)
+        # The ones a 2025-11-25 client knows say where their answer went.
+        for method, text in (("tasks/result", "method not found: tasks/result is not part of "
+                              "MCP 2026-07-28; poll tasks/get: it carries the result (or error) "
+                              "inline"),
+                             ("tasks/status", "tasks/status is not part of MCP 2026-07-28; use "
+                              "tasks/get"),
+                             ("tasks/list", "tasks/list is not part of MCP 2026-07-28; it has "
+                              "no listing")):
+            with self.subTest(method=method):
+                self.assertError(self.mcall(client, method, {"taskId": "task_x"}), -32601, text)
         self.assertEqual(self.discover(client)["resultType"], "complete", "still serving")
 
     def test_legacy_era_is_locked(self):
