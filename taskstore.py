@@ -2851,7 +2851,11 @@ class Runner:
         except InvalidTransition:
             # Someone moved the task first.  MCP and LMSP: a cancel committed
             # before the outcome wins, and the late outcome is dropped.
-            task = store.get(task_id)
+            try:
+                task = store.get(task_id)
+            except TaskNotFound:            # finished by another and expired already
+                logger.debug("late outcome of task %s ignored: it has expired", task_id)
+                return
             if task.status == CANCELLING and task.attempt == attempt:
                 # A cancel won; whatever the handler returned is kept as the
                 # partial result, never as a success.
@@ -3300,7 +3304,8 @@ def _value_problems(schema, value):
             problems.append(f"must be at most {schema['maxLength']} characters long")
         check = _ELICIT_FORMATS.get(schema.get("format"))
         if check is not None and not check(value):
-            problems.append(f"must be a {schema['format']}, not {_shown(value)}")
+            article = "an" if schema["format"] == "email" else "a"
+            problems.append(f"must be {article} {schema['format']}, not {_shown(value)}")
     elif not isinstance(value, bool):
         for key, word, broken in (("minimum", "at least", lambda m: value < m),
                                   ("maximum", "at most", lambda m: value > m)):
@@ -6487,7 +6492,8 @@ def _tasks_command(args):
                   ", ".join(f"{v} {k}" for k, v in counts.items()) + " deleted")
         elif args.verb == "recover":
             moved = store.recover()
-            print(dumps({"recovered": moved}) if args.json else f"{moved} tasks recovered")
+            print(dumps({"recovered": moved}) if args.json else
+                  f"{moved} {'task' if moved == 1 else 'tasks'} recovered")
     return 0
 
 

@@ -1770,7 +1770,7 @@ class AdminCommandTests(OwnedTaskTestCase):
                                  {dead: True, alive: False} if verb == ["list"]
                                  else {verb[1]: verb[1] == dead})
         code, out, _ = self.run_main("tasks", "recover", "--db", self.path)
-        self.assertEqual(out, "1 tasks recovered\n")
+        self.assertEqual(out, "1 task recovered\n")
         code, out, _ = self.run_main("tasks", "show", dead, "--db", self.path, "--json")
         self.assertEqual((json.loads(out)["status"], json.loads(out)["owner_dead"]),
                          (FAILED, False))
@@ -4759,7 +4759,7 @@ class ElicitationSchemaTests(unittest.TestCase):
             ({"name": "Al", "age": 1, "score": 0.1}, ["'score' must be at least 0.5, not 0.1"]),
             ({"name": "Al", "age": 1, "ok": "yes"}, ["'ok' must be a boolean, not \"yes\""]),
             ({"name": "Al", "age": 1, "mail": "nobody"},
-             ["'mail' must be a email, not \"nobody\""]),
+             ["'mail' must be an email, not \"nobody\""]),
             ({"name": "Al", "age": 1, "site": "not a uri"},
              ["'site' must be a uri, not \"not a uri\""]),
             ({"name": "Al", "age": 1, "day": "2025-02-30"},
