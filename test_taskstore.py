@@ -417,6 +417,37 @@ class RunnerTests(StoreTestCase):
         self.assertEqual([e.data.get("status", e.type) for e in events],
                          ["created", RUNNING, "note", SUCCEEDED])
 
+    def test_a_late_outcome_for_a_task_expired_meanwhile_is_dropped_quietly(self):
+        started, release = threading.Event(), threading.Event()
+        records = queue.Queue()
+
+        class Collect(logging.Handler):
+            def emit(self, record):
+                records.put(record)
+        log = logging.getLogger("taskstore")
+        collect, level = Collect(logging.DEBUG), log.level
+        log.addHandler(collect)
+        log.setLevel(logging.DEBUG)
+        self.addCleanup(log.setLevel, level)
+        self.addCleanup(log.removeHandler, collect)
+
+        def handler(ctx, payload):
+            started.set()
+            release.wait(TIMEOUT)
+            return "late"
+        self.start_runner({"slow": handler})
+        task = self.store.create("slow", retention_ms=0)
+        self.assertTrue(started.wait(TIMEOUT))
+        # Failed by someone else, and expired at once (retention 0): the outcome has no task.
+        self.store.fail(task.id, {"code": "elsewhere", "message": "failed elsewhere"})
+        release.set()
+        while True:
+            record = records.get(timeout=TIMEOUT)
+            if task.id in record.getMessage():
+                break
+        self.assertEqual((record.levelname, record.getMessage()),
+                         ("DEBUG", f"late outcome of task {task.id} ignored: it has expired"))
+
     def test_a_handler_with_a_loading_phase_is_loading_until_it_runs(self):
         seen = queue.Queue()
 
