@@ -71,6 +71,7 @@ __all__ = [
     "run_mcp", "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
     "mcp_task_to_modern_wire", "mcp_jsonrpc_error", "MissingClientCapability",
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
+    "ElicitationMismatch", "elicitation_problems",
     # LMSP HTTP server (section 10)
     "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
@@ -821,6 +822,24 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
     return None
 
 
+# Expired: the one rule, in SQL (its parameter is now, in epoch ms).  Only a
+# terminal task has a purge_at, so an unfinished task never expires, and a
+# late finisher's grace period is in its purge_at.  reap() deletes exactly
+# these rows, in batches; until it does, every read (get, list, events, wait,
+# cancel) answers as if it had: expiry shows when it happens, not when the
+# reaper comes by.
+_EXPIRED = "purge_at IS NOT NULL AND purge_at <= ?"
+
+
+def _describe_recovery(tally):
+    """Say what recovery did, per policy: ``2 failed (policy fail), 1 queued again (retry)``."""
+    words = {"fail": "failed (policy fail)", "retry": "queued again (policy retry)",
+             "resume": "queued again (policy resume)",
+             CANCELLING: "cancelled (a cancel was under way)"}
+    return ", ".join(f"{tally[key]} {words[key]}" for key in (*POLICIES, CANCELLING)
+                     if tally.get(key))
+
+
 def _status_data(status, new, message, error):
     data = {"status": new, "from": status}
     if message is not None:
@@ -833,8 +852,11 @@ def _status_data(status, new, message, error):
 _JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
 _PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
 _SELECT_TASK_BY_ID = _SELECT_TASK + " WHERE id = ?"
+# A task and whether it has expired (the row's last column): (now, id).
+_SELECT_TASK_AT = f"SELECT {', '.join(_TASK_COLUMNS)}, {_EXPIRED} FROM tasks WHERE id = ?"
 
 _LIVE_PROCESS_IDS = set()    # registrations of runners alive in this process
+_RECOVERABLE = (QUEUED, *ACTIVE_STATES)   # an owner's tasks recovery hands to their policy
 _HOST = socket.gethostname
 
 
@@ -1253,13 +1275,15 @@ class TaskStore:
             raise InvalidParams("task id must be a string", param="task_id")
         if not task_id.isascii():
             raise TaskNotFound(task_id.encode("utf-8", "backslashreplace").decode("ascii"))
-        task = self._read_locked(task_id)
-        if task is None or (principal is not None and task.principal != principal):
-            if task is None and self._conn.execute(
+        row = self._conn.execute(_SELECT_TASK_AT, (self._now_ms(), task_id)).fetchone()
+        if row is None or (principal is not None and row[_PRINCIPAL_INDEX] != principal):
+            if row is None and self._conn.execute(
                     "SELECT 1 FROM tombstones WHERE id = ?", (task_id,)).fetchone():
                 raise TaskExpired(task_id)
             raise TaskNotFound(task_id)
-        return task
+        if row[-1]:
+            raise TaskExpired(task_id)     # not reaped yet, expired all the same
+        return _task_from_row(row[:-1])
 
     def _transition_locked(self, notices, task, event, now, *, attempt=None, fields=None,
                            message=None, error=None):
@@ -1506,9 +1530,10 @@ class TaskStore:
         if row is not None and (row[2] is None or row[2] > now):
             if row[0] != fprint:
                 raise IdempotencyMismatch(key)
-            task = self._read_locked(row[1])
-            if task is None:
-                raise TaskExpired(row[1])
+            try:
+                task = self._get_locked(row[1])
+            except TaskNotFound:
+                raise TaskExpired(row[1]) from None
             return task._replace(replayed=True)
         task = self._insert_tasks_locked(notices, [spec], now)[0]
         self._conn.execute(
@@ -1740,18 +1765,21 @@ class TaskStore:
 
         Raises:
             TaskNotFound: no such task, or it belongs to another principal.
-            TaskExpired: it existed and was purged (for a while after).
+            TaskExpired: its retention is over (``reap`` has deleted it, or
+                will: the answer is the same either way), for a while after.
         """
         if isinstance(task_id, str) and task_id.isascii():
             # The hot path: one lookup under the lock, decoding outside it.
+            now = self._now_ms()
             with self._lock:
                 self._check_open()
                 try:
-                    row = self._conn.execute(_SELECT_TASK_BY_ID, (task_id,)).fetchone()
+                    row = self._conn.execute(_SELECT_TASK_AT, (now, task_id)).fetchone()
                 except sqlite3.Error as exc:
                     raise self._unavailable(exc) from None
-            if row is not None and (principal is None or row[_PRINCIPAL_INDEX] == principal):
-                return _task_from_row(row)
+            if row is not None and not row[-1] and (
+                    principal is None or row[_PRINCIPAL_INDEX] == principal):
+                return _task_from_row(row[:-1])
         with self._reading():
             return self._get_locked(task_id, principal)      # raises the right error
 
@@ -1759,7 +1787,7 @@ class TaskStore:
         """Return ``(tasks, next_cursor)``, newest first; filters combine with AND.
 
         *status* and *kind* take one value or several.  ``next_cursor`` is
-        None on the last page.
+        None on the last page.  Expired tasks are never listed, reaped or not.
 
         Raises:
             InvalidParams: a bad filter or limit.
@@ -1769,7 +1797,7 @@ class TaskStore:
         kinds = _as_tuple(kind, "kind")
         _check_str(principal, "principal")
         limit = _check_int(limit, "limit", minimum=1, allow_none=False)
-        where, args = [], []
+        where, args = [f"NOT ({_EXPIRED})"], [self._now_ms()]
         for column, values in (("status", statuses), ("kind", kinds)):
             if values is not None:
                 where.append(f"{column} IN ({', '.join('?' * len(values))})")
@@ -1780,7 +1808,7 @@ class TaskStore:
         if cursor is not None:
             where.append("id < ?")
             args.append(_decode_cursor(cursor))
-        sql = _SELECT_TASK + (" WHERE " + " AND ".join(where) if where else "")
+        sql = _SELECT_TASK + " WHERE " + " AND ".join(where)
         with self._reading() as conn:
             rows = conn.execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit + 1)).fetchall()
         tasks = [_task_from_row(r) for r in rows[:limit]]
@@ -1798,11 +1826,11 @@ class TaskStore:
             raise InvalidCursor("after must be a non-negative integer", param="after")
         limit = _check_int(limit, "limit", minimum=1)
         with self._reading() as conn:
-            row = conn.execute("SELECT principal, last_seq, first_seq FROM tasks WHERE id = ?",
-                               (task_id,)).fetchone()
-            if row is None or (principal is not None and row[0] != principal):
+            row = conn.execute(f"SELECT principal, last_seq, first_seq, {_EXPIRED} FROM tasks "
+                               "WHERE id = ?", (self._now_ms(), task_id)).fetchone()
+            if row is None or (principal is not None and row[0] != principal) or row[3]:
                 self._get_locked(task_id, principal)       # raises the right not-found error
-            _, last_seq, first_seq = row
+            _, last_seq, first_seq, _ = row
             if after is not None and after > last_seq:
                 raise InvalidCursor(f"after {after} is beyond the last event {last_seq}",
                                     param="after")
@@ -2082,7 +2110,8 @@ class TaskStore:
             return {r[0] for r in conn.execute(
                 "SELECT id FROM tasks WHERE owner = ? AND status = ?", (proc_id, CANCELLING))}
 
-    def release(self, proc_id, reason="the process running this task stopped", *, present=None):
+    def release(self, proc_id, reason="the process running this task stopped", *, present=None,
+                tally=None):
         """Apply the restart policy to every unfinished task *proc_id* owns; unregister it.
 
         A runner calls this when it shuts down; ``recover`` calls it for
@@ -2092,7 +2121,8 @@ class TaskStore:
         meanwhile, is left to the next ``recover``: the task still names the
         owner, whose registration is gone by then.)  Works set-based, in
         transactions of at most ``RELEASE_BATCH`` tasks.  Returns how many
-        tasks it moved.
+        tasks it moved; *tally*, a dict, gets how many of them each policy
+        moved added to it (key ``cancelling`` for cancels completed).
         """
         _LIVE_PROCESS_IDS.discard(proc_id)
         # A batch is a key range of the tasks_owner index: this owner's ids
@@ -2114,20 +2144,24 @@ class TaskStore:
                         "LIMIT 1 OFFSET ?", (proc_id, after, RELEASE_BATCH - 1)).fetchone()
                     if last is None:
                         moved += self._restart_batch_locked(notices, now, reason, owned,
-                                                            (proc_id, after), present)
+                                                            (proc_id, after), present, tally)
                         self._conn.execute("DELETE FROM processes WHERE id = ?", (proc_id,))
                         return moved
                     moved += self._restart_batch_locked(
                         notices, now, reason, f"{owned} AND id <= ?", (proc_id, after, last[0]),
-                        present)
+                        present, tally)
                     after = last[0]
 
-    def _restart_batch_locked(self, notices, now, reason, batch, args, present=None):
+    def _restart_batch_locked(self, notices, now, reason, batch, args, present=None,
+                              tally=None):
         """Apply the restart policy (DESIGN.md, LMSP A.5) to the tasks *batch* selects; return the count.
 
         *present*: the ``(status, policy)`` pairs the batch may hold, when
         the caller knows them (then nothing is counted); None: counted here.
+        *tally*: a dict that gets the moves added per policy (``cancelling``
+        for the cancels completed).
         """
+        tally = {} if tally is None else tally
         if present is None:
             rows = self._conn.execute(
                 f"SELECT status, policy, count(*) FROM tasks WHERE {batch} GROUP BY status, policy",
@@ -2142,9 +2176,11 @@ class TaskStore:
         # A cancel that was under way completes, whatever the policy.
         counts = [c for t, c in groups.get(None, ()) if t == CANCELLING]
         if counts:
-            moved += self._transition_set_locked(
+            done = self._transition_set_locked(
                 notices, CONFIRM_CANCEL, now, f"{batch} AND status = ?", (*args, CANCELLING),
                 message=reason, groups=[(CANCELLING, None if None in counts else sum(counts))])
+            tally[CANCELLING] = tally.get(CANCELLING, 0) + done
+            moved += done
         active = f"{batch} AND status IN ('{LOADING}', '{RUNNING}', '{INPUT_REQUIRED}') " \
                  "AND policy = ?"
         message = f"CRASH_RECOVERY: {reason} before it finished"
@@ -2154,17 +2190,19 @@ class TaskStore:
             if not present:
                 continue
             if policy == "fail":
-                moved += self._transition_set_locked(
+                done = self._transition_set_locked(
                     notices, FAIL, now, active, (*args, policy), error=error, message=message,
                     fields={"error": dumps(error), "status_message": message}, groups=present)
-                continue
-            fields = {"owner": None, "attempt": _Sql("attempt + 1"), "input_request": None,
-                      "input_answer": None, "status_message": None}
-            if policy == "retry":
-                fields["snapshot"] = None      # retry starts from the beginning
-            moved += self._transition_set_locked(
-                notices, REQUEUE, now, active, (*args, policy), fields=fields,
-                message=f"requeued ({policy}): {reason}", groups=present)
+            else:
+                fields = {"owner": None, "attempt": _Sql("attempt + 1"), "input_request": None,
+                          "input_answer": None, "status_message": None}
+                if policy == "retry":
+                    fields["snapshot"] = None      # retry starts from the beginning
+                done = self._transition_set_locked(
+                    notices, REQUEUE, now, active, (*args, policy), fields=fields,
+                    message=f"requeued ({policy}): {reason}", groups=present)
+            tally[policy] = tally.get(policy, 0) + done
+            moved += done
         # Queued tasks whose creator vouched for them (create(owner=...)): a
         # `fail` task fails now, as a started one would; the others simply
         # stay queued for any runner.
@@ -2172,16 +2210,23 @@ class TaskStore:
         if queued_fail:
             message = f"CRASH_RECOVERY: {reason} before it started"
             error = {"code": "server_restarted", "message": message}
-            moved += self._transition_set_locked(
+            done = self._transition_set_locked(
                 notices, FAIL, now, f"{batch} AND status = '{QUEUED}' AND policy = ?",
                 (*args, "fail"), error=error, message=message,
                 fields={"error": dumps(error), "status_message": message}, groups=queued_fail)
+            tally["fail"] = tally.get("fail", 0) + done
+            moved += done
         if any(s == QUEUED for s, _ in groups.get(None, ())):
             self._conn.execute(f"UPDATE tasks SET owner = NULL WHERE {batch} AND status = ?",
                                (*args, QUEUED))
         return moved
 
     def _owner_dead(self, proc, now):
+        """The rule of recovery: is the registration *proc* (a processes row, or None) dead?
+
+        Recovery (``recover``) and what the admin commands show
+        (``awaiting_recovery``) both ask this, and nothing else.
+        """
         if proc is None:
             return True            # nobody is registered to heartbeat it
         proc_id, pid, host, proc_start, heartbeat_at = proc
@@ -2210,7 +2255,7 @@ class TaskStore:
             try:
                 procs = {r[0]: r for r in conn.execute(
                     "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
-                owned = (QUEUED, *ACTIVE_STATES)
+                owned = _RECOVERABLE
                 # Which statuses and policies each owner has cost no more to
                 # read than the owners alone (the rows are read either way).
                 present = {}
@@ -2220,12 +2265,37 @@ class TaskStore:
                     present.setdefault(owner, []).append((status, policy))
             finally:
                 conn.execute("COMMIT")
-        moved = 0
+        moved, tally = 0, {}
         for proc_id in sorted(present.keys() | procs.keys()):
             if self._owner_dead(procs.get(proc_id), now):
                 moved += self.release(proc_id, "the process running this task stopped",
-                                      present=present.get(proc_id, ()))
+                                      present=present.get(proc_id, ()), tally=tally)
+        if moved:
+            # Once per pass, whoever runs it (a server opening the file, its
+            # reaper, the admin command): a crash should never pass unseen.
+            logger.warning("recovered %d %s of dead processes: %s", moved,
+                           "task" if moved == 1 else "tasks", _describe_recovery(tally))
         return moved
+
+    def awaiting_recovery(self, tasks, now=None):
+        """Return the ids of *tasks* that the next ``recover()`` will hand to their policy.
+
+        Those are the unfinished tasks whose owner is provably dead, by the
+        very rule recovery applies (``_owner_dead``); until some process
+        runs ``recover()`` (any server opening the file, its reaper, or
+        ``taskstore tasks recover``) they still show the status they had
+        when their process died.
+        """
+        now = self._now_ms() if now is None else now
+        owned = [t for t in tasks if t.owner is not None and t.status in _RECOVERABLE]
+        if not owned:
+            return set()
+        with self._reading() as conn:
+            procs = {r[0]: r for r in conn.execute(
+                "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
+        dead = {owner for owner in {t.owner for t in owned}
+                if self._owner_dead(procs.get(owner), now)}
+        return {t.id for t in owned if t.owner in dead}
 
     # -- retention -------------------------------------------------------------
 
@@ -2295,8 +2365,8 @@ class TaskStore:
         """
         with self._writing():
             rows = self._conn.execute(
-                "SELECT id, purge_at, last_seq - first_seq + 1 FROM tasks WHERE purge_at IS NOT "
-                "NULL AND purge_at <= ? ORDER BY purge_at, id LIMIT ?", (now, budget)).fetchall()
+                f"SELECT id, purge_at, last_seq - first_seq + 1 FROM tasks WHERE {_EXPIRED} "
+                "ORDER BY purge_at, id LIMIT ?", (now, budget)).fetchall()
             take, events = 0, 0
             for _, _, count in rows:
                 if events + count > 10 * budget:
@@ -2783,7 +2853,11 @@ class Runner:
         except InvalidTransition:
             # Someone moved the task first.  MCP and LMSP: a cancel committed
             # before the outcome wins, and the late outcome is dropped.
-            task = store.get(task_id)
+            try:
+                task = store.get(task_id)
+            except TaskNotFound:            # finished by another and expired already
+                logger.debug("late outcome of task %s ignored: it has expired", task_id)
+                return
             if task.status == CANCELLING and task.attempt == attempt:
                 # A cancel won; whatever the handler returned is kept as the
                 # partial result, never as a success.
@@ -2899,6 +2973,11 @@ TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
 META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+_LESSON_ID_KEYS = ("taskId", "id")     # the lesson-era methods also take the lesson's "id"
+# 2026-07-28 dropped these methods; the -32601 says where their answer went.
+_MODERN_REPLACED = {"tasks/result": "poll tasks/get: it carries the result (or error) inline",
+                    "tasks/status": "use tasks/get",
+                    "tasks/list": "it has no listing; keep the task ids tools/call returns"}
 _LEGACY = MCP_PROTOCOL_VERSION          # era names: the version each era is named after
 _MODERN = MCP_MODERN_VERSION
 
@@ -2941,6 +3020,23 @@ class McpError(TaskStoreError):
     def __init__(self, jsonrpc_code, message):
         super().__init__(message)
         self.jsonrpc_code = jsonrpc_code
+
+
+class ElicitationMismatch(McpError):
+    """The user accepted, but what the client sent does not fit the requested schema.
+
+    ``ToolContext.elicit`` raises it (-32602) instead of handing the tool
+    content it did not ask for; ``answer`` is the ElicitResult as received
+    and ``problems`` says what did not match.  A tool may catch it and ask
+    again or make do; uncaught, its message is the tool's answer:
+    "the answer did not match the requested schema: 'answer' must be a
+    string, not 42".
+    """
+
+    def __init__(self, answer, problems):
+        super().__init__(-32602, "the answer did not match the requested schema: "
+                                 + "; ".join(problems))
+        self.answer, self.problems = answer, list(problems)
 
 
 class MissingClientCapability(TaskStoreError):
@@ -3135,28 +3231,148 @@ def check_arguments(tool, arguments):
                                 f"must be of type {' or '.join(types)}", param=name)
 
 
+def _shown(value):
+    """A JSON value as a message shows it: compact, and cut short when long."""
+    try:
+        text = dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "\u2026"
+
+
+def _valid_date(text, pattern):
+    try:
+        time.strptime(text, pattern)
+    except ValueError:
+        return False
+    return True
+
+
+# The string formats MCP elicitation allows, each a test of the whole string.
+_ELICIT_FORMATS = {
+    "email": lambda v: re.fullmatch(r"[^@\s]+@[^@\s]+", v) is not None,
+    "uri": lambda v: re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*:\S*", v) is not None,
+    "date": lambda v: re.fullmatch(r"\d{4}-\d\d-\d\d", v) is not None
+                      and _valid_date(v, "%Y-%m-%d"),
+    "date-time": lambda v: re.fullmatch(
+        r"\d{4}-\d\d-\d\d[Tt]\d\d:\d\d:\d\d(\.\d+)?([Zz]|[+-]\d\d:\d\d)", v) is not None
+                           and _valid_date(v[:19].upper(), "%Y-%m-%dT%H:%M:%S"),
+}
+
+
+def _choices(schema):
+    """The allowed values of an enum schema (``enum``, or ``oneOf``/``anyOf`` of ``const``)."""
+    if isinstance(schema.get("enum"), list):
+        return schema["enum"]
+    for key in ("oneOf", "anyOf"):
+        options = schema.get(key)
+        if isinstance(options, list) and all(isinstance(o, dict) and "const" in o
+                                              for o in options):
+            return [o["const"] for o in options]
+    return None
+
+
+def _value_problems(schema, value):
+    """What in one answered *value* breaks its property *schema*; [] when it fits."""
+    kind = schema.get("type")
+    if kind == "array":                     # a multi-select enum
+        if not isinstance(value, list):
+            return [f"must be an array, not {_shown(value)}"]
+        problems = []
+        if isinstance(schema.get("minItems"), int) and len(value) < schema["minItems"]:
+            problems.append(f"must have at least {schema['minItems']} items, not {len(value)}")
+        if isinstance(schema.get("maxItems"), int) and len(value) > schema["maxItems"]:
+            problems.append(f"must have at most {schema['maxItems']} items, not {len(value)}")
+        items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+        allowed = _choices(items)
+        for item in value:
+            if not isinstance(item, str) or (allowed is not None and item not in allowed):
+                problems.append(f"has {_shown(item)}, which is not one of "
+                                f"{', '.join(_shown(a) for a in allowed or ())}")
+        return problems
+    if isinstance(value, (dict, list)) or value is None or (
+            isinstance(kind, str) and not _type_ok(value, kind)):
+        what = {"integer": "an integer"}.get(kind, f"a {kind}" if isinstance(kind, str)
+                                             else "a string, a number or a boolean")
+        return [f"must be {what}, not {_shown(value)}"]
+    allowed = _choices(schema)
+    if allowed is not None and value not in allowed:
+        return [f"must be one of {', '.join(_shown(a) for a in allowed)}, not {_shown(value)}"]
+    problems = []
+    if isinstance(value, str):
+        if isinstance(schema.get("minLength"), int) and len(value) < schema["minLength"]:
+            problems.append(f"must be at least {schema['minLength']} characters long")
+        if isinstance(schema.get("maxLength"), int) and len(value) > schema["maxLength"]:
+            problems.append(f"must be at most {schema['maxLength']} characters long")
+        check = _ELICIT_FORMATS.get(schema.get("format"))
+        if check is not None and not check(value):
+            article = "an" if schema["format"] == "email" else "a"
+            problems.append(f"must be {article} {schema['format']}, not {_shown(value)}")
+    elif not isinstance(value, bool):
+        for key, word, broken in (("minimum", "at least", lambda m: value < m),
+                                  ("maximum", "at most", lambda m: value > m)):
+            limit = schema.get(key)
+            if isinstance(limit, (int, float)) and not isinstance(limit, bool) and broken(limit):
+                problems.append(f"must be {word} {_shown(limit)}, not {_shown(value)}")
+    return problems
+
+
+def elicitation_problems(schema, content):
+    """Return what in *content* does not fit *schema*, a requested elicitation schema.
+
+    MCP restricts ``requestedSchema`` to a flat object of primitive
+    properties; this checks what that subset can say: ``required``, each
+    property's ``type`` (string, number, integer, boolean, or an array of
+    enum strings for a multi-select), ``enum`` (or ``oneOf``/``anyOf`` of
+    ``const``), ``minLength``/``maxLength``, ``format`` (email, uri, date,
+    date-time), ``minimum``/``maximum``, ``minItems``/``maxItems``, and
+    ``additionalProperties: false``.  Other keywords are ignored.  Returns
+    a list of sentences, empty when the content fits.
+    """
+    if not isinstance(schema, dict):
+        return []
+    if not isinstance(content, dict):
+        return [f"content must be an object, not {_shown(content)}"]
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    problems = [f"missing required field {name!r}" for name in required
+                if isinstance(name, str) and name not in content]
+    for name, value in content.items():
+        prop = properties.get(name)
+        if isinstance(prop, dict):
+            problems += [f"{name!r} {problem}" for problem in _value_problems(prop, value)]
+        elif schema.get("additionalProperties") is False:
+            problems.append(f"unexpected field {name!r}")
+    return problems
+
+
 def _task_request(params):
-    """Return ``(ttl, legacy)`` when *params* ask for a task, else None.
+    """Return ``(ttl, legacy, optional)`` when *params* ask for a task, else None.
 
     ``ttl`` is ``_UNSET`` when the request names none.  Precedence follows
     MCP-TASKS.md 2.4: ``params.task``, then the lesson's ``_meta.task``, then
     the SEP draft's ``_meta["modelcontextprotocol.io/task"]`` (its
     ``keepAlive`` is the TTL hint; its client-chosen ``taskId`` is ignored).
+    ``optional`` is True when the lesson's form leaves the choice to the
+    server (``required: false`` or ``optional: true``): a tool that supports
+    tasks becomes one, a forbidden tool runs inline.
     """
     task = params.get("task")
     if task is not None:
         if not isinstance(task, dict):
             raise InvalidParams("task must be an object", param="task")
-        return task.get("ttl", _UNSET), False
+        return task.get("ttl", _UNSET), False, False
     meta = params.get("_meta")
     if not isinstance(meta, dict):
         return None
     lesson = meta.get("task")
-    if isinstance(lesson, dict) and lesson.get("required", True) is not False:
-        return lesson.get("ttl", _UNSET), True
+    if isinstance(lesson, dict):
+        optional = lesson.get("required") is False or (
+            lesson.get("optional") is True and lesson.get("required") is not True)
+        return lesson.get("ttl", _UNSET), True, optional
     draft = meta.get(DRAFT_TASK_KEY)
     if isinstance(draft, dict):
-        return draft.get("keepAlive", _UNSET), True
+        return draft.get("keepAlive", _UNSET), True, False
     return None
 
 
@@ -3301,6 +3517,8 @@ class ToolContext:
 
         Raises:
             McpError: the client did not declare elicitation, or answered with an error.
+            ElicitationMismatch: (an McpError) the user accepted, but the content
+                does not fit *requested_schema*; its message says what did not.
             Cancelled: the task (or inline request) was cancelled while waiting.
         """
         params = {"message": message, "requestedSchema": requested_schema}
@@ -3313,7 +3531,7 @@ class ToolContext:
             # The key is unique for the task's life: never reused after an answer.
             answer = self._task_ctx.ask({"method": "elicitation/create", "params": params,
                                          "key": f"elicit-{secrets.token_hex(8)}"})
-            return self._elicit_result(answer)
+            return self._elicit_result(answer, requested_schema)
         if "elicitation" not in self._server.client_capabilities:
             raise McpError(-32601, "the client does not support elicitation")
         if self._task_ctx is not None and \
@@ -3324,10 +3542,10 @@ class ToolContext:
             answer = self._task_ctx.ask({"method": "elicitation/create", "params": params})
         else:
             answer = self._server._request("elicitation/create", params, self.cancelled)
-        return self._elicit_result(answer)
+        return self._elicit_result(answer, requested_schema)
 
     @staticmethod
-    def _elicit_result(answer):
+    def _elicit_result(answer, requested_schema):
         if not isinstance(answer, dict):
             raise McpError(-32603, "elicitation failed: no answer")
         if "error" in answer:
@@ -3335,7 +3553,14 @@ class ToolContext:
             raise McpError(error.get("code", -32603),
                            f"elicitation failed: {error.get('message', 'error')}")
         result = answer.get("result")
-        return result if isinstance(result, dict) else {}
+        result = result if isinstance(result, dict) else {}
+        if result.get("action") == "accept":
+            # Accepted content the tool did not ask for is a mistake to name, never
+            # to pass on as if the user had answered (or had not).
+            problems = elicitation_problems(requested_schema, result.get("content", {}))
+            if problems:
+                raise ElicitationMismatch(result, problems)
+        return result
 
 
 class McpServer:
@@ -3398,7 +3623,7 @@ class McpServer:
         self._inline = {}                   # client request id -> ToolContext of an inline call
         self._sent = {}                     # task id -> (version, MCP status, progress) notified
         self._threads = set()
-        self._ids = itertools.count(1)
+        self._requests_sent = 0             # our requests' ids are "srv-1", "srv-2", ...
         # method -> fn(params, request_id) -> result
         self._methods = {
             "initialize": self._initialize,
@@ -3544,7 +3769,7 @@ class McpServer:
             with self._lock:
                 entry = self._pending.pop(message["id"], None)
             if entry is None:
-                logger.debug("response to unknown request %r", message["id"])
+                self._answer_not_awaited(message["id"])
             else:                           # its callback may write to the store
                 threading.Thread(target=entry[1], args=(message,), daemon=True,
                                  name="taskstore-mcp-answer").start()
@@ -3608,6 +3833,24 @@ class McpServer:
     def _notify(self, method, params):
         self._send({"jsonrpc": "2.0", "method": method, "params": params})
 
+    def _request_id_locked(self):
+        # A space of their own ("srv-N"), so that a server request's id never
+        # equals one of the client's ids: neither in a log nor in a client's
+        # matching of answers.
+        self._requests_sent += 1
+        return f"srv-{self._requests_sent}"
+
+    def _answer_not_awaited(self, msg_id):
+        """Log a response that no request of ours waits for: a late answer, or a mistake."""
+        number = msg_id[4:] if isinstance(msg_id, str) and msg_id.startswith("srv-") else ""
+        if number.isdigit() and number[0] != "0" and int(number) <= self._requests_sent:
+            # Ours, no longer awaited: answered already, or its task ended first.
+            logger.info("dropped an answer to request %r: it was answered already or its "
+                        "task ended", msg_id)
+        else:
+            logger.warning("dropped an answer to id %r: this server sent no request with that "
+                           "id (its requests have string ids \"srv-1\", \"srv-2\", ...)", msg_id)
+
     def _request(self, method, params, cancelled):
         """Send a request to the client; block until it answers; return the response.
 
@@ -3616,7 +3859,7 @@ class McpServer:
         """
         answers = queue.Queue(1)
         with self._lock:
-            request_id = next(self._ids)
+            request_id = self._request_id_locked()
             self._pending[request_id] = (None, answers.put)
         self._send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
         while True:
@@ -3724,6 +3967,10 @@ class McpServer:
                                 param=META_CLIENT_CAPABILITIES)
         method = self._modern_methods.get(message.get("method"))
         if method is None:
+            hint = _MODERN_REPLACED.get(message.get("method"))
+            if hint is not None:
+                raise MethodNotFound(f"method not found: {message['method']} is not part of "
+                                     f"MCP {_MODERN}; {hint}")
             raise MethodNotFound(f"method not found: {message.get('method')}")
         result = method(params, message.get("id"), capabilities)
         if result is _NO_RESPONSE:
@@ -3868,9 +4115,12 @@ class McpServer:
         if requested is None:
             return None if self.allow_unlimited_ttl else capped(cap or self.default_ttl_ms)
         if isinstance(requested, bool) or not isinstance(requested, (int, float)) \
-                or (isinstance(requested, float) and not math.isfinite(requested)) \
-                or requested < 0:
-            raise InvalidParams("task.ttl must be a non-negative number or null", param="ttl")
+                or (isinstance(requested, float) and not math.isfinite(requested)):
+            raise InvalidParams("task.ttl must be a number of milliseconds or null", param="ttl")
+        if requested < 1:
+            # 0 would expire the task before the client could read it: refused, not rounded up.
+            raise InvalidParams(f"task.ttl must be at least 1 millisecond, not {requested!r}",
+                                param="ttl")
         granted = capped(int(requested))
         if granted > MAX_SAFE_INTEGER:      # a huge int fits neither JSON clients nor SQLite
             raise InvalidParams(f"task.ttl must be at most {MAX_SAFE_INTEGER}", param="ttl")
@@ -3880,6 +4130,8 @@ class McpServer:
         tool, arguments = self._lookup_tool(params)
         name = tool.name
         task_request = _task_request(params)
+        if task_request is not None and task_request[2] and tool.task_support == "forbidden":
+            task_request = None             # the lesson's "the server decides": inline
         # MCP-TASKS.md section 6: taskSupport violations are -32601, never a tool result.
         if task_request is not None and tool.task_support == "forbidden":
             raise MethodNotFound(f"Tool {name} does not support task-augmented execution")
@@ -3950,23 +4202,27 @@ class McpServer:
 
     def _tasks_status(self, params, _):
         # The lesson's poll method: tasks/get plus its id/state mirror fields.
-        wire = mcp_task_to_wire(self._get_task(params, ("taskId", "id")), self.poll_interval_ms)
+        wire = mcp_task_to_wire(self._get_task(params, _LESSON_ID_KEYS), self.poll_interval_ms)
         return {**wire, "id": wire["taskId"], "state": wire["status"]}
 
     def _tasks_result(self, params, _):
-        task = self._get_task(params)
+        task = self._get_task(params, _LESSON_ID_KEYS)
         while mcp_status(task) not in _MCP_TERMINAL:
             if self._stop.is_set():
                 raise StoreClosed("the server is shutting down")
             # Bounded waits so that shutdown is noticed; in-process changes wake it at once.
             task = self.store.wait(task.id, timeout=0.25, since_version=task.version)
+        if self._stop.is_set():
+            # Stopping, and read after the stop began: what the task shows now may be the
+            # shutdown's own CRASH_RECOVERY, so every answer not given yet is this one.
+            raise StoreClosed("the server is shutting down")
         result, error = _task_payload(task)
         if error is not None:
             raise _StoredError(error)
         return result
 
     def _tasks_cancel(self, params, _):
-        task = self._get_task(params)
+        task = self._get_task(params, _LESSON_ID_KEYS)
         try:
             task = self.store.cancel(task.id)
         except NotCancelable as exc:
@@ -4035,7 +4291,7 @@ class McpServer:
                 logger.debug("input for %s dropped: %s", task.id, exc)
 
         with self._lock:
-            request_id = next(self._ids)
+            request_id = self._request_id_locked()
             self._pending[request_id] = (task.id, answered)
         self._send({"jsonrpc": "2.0", "id": request_id, "method": request["method"],
                     "params": params})
@@ -4063,10 +4319,10 @@ def _demo_generate_report(ctx, args):
     seconds = max(0.0, args["seconds"])
     steps = max(1, math.ceil(seconds))      # one step per second at most
     for step in range(steps):
-        ctx.progress(step, steps, f"step {step + 1}/{steps}")
+        ctx.progress(step, steps, f"step {step + 1}/{steps}")    # step i/n: working on it
         if ctx.cancelled.wait(seconds / steps):     # wakes at once on cancel
             raise Cancelled()
-    ctx.progress(steps, steps, f"step {steps}/{steps}")
+    ctx.progress(steps, steps, f"all {steps} steps done")
     return f"Report on {args['topic']!r}: {steps} sections written."
 
 
@@ -4083,13 +4339,12 @@ def _demo_ask_user(ctx, args):
         answer = ctx.elicit(args["question"], {
             "type": "object", "required": ["answer"],
             "properties": {"answer": {"type": "string", "title": args["question"]}}})
-    except McpError as exc:
+    except McpError as exc:     # ElicitationMismatch too: its message says what did not match
         return text_result(str(exc), is_error=True)
-    content = answer.get("content") or {}
-    if answer.get("action") != "accept" or not isinstance(content.get("answer"), str):
+    if answer.get("action") != "accept":
         return text_result(f"the user did not answer ({answer.get('action', 'no action')})",
                            is_error=True)
-    return content["answer"]
+    return answer["content"]["answer"]
 
 
 def _schema(**properties):
@@ -4136,11 +4391,14 @@ def add_mcp_parser(subparsers):
         description="MCP server with tasks for both eras (2025-11-25 after initialize; "
                     "2026-07-28 with the io.modelcontextprotocol/tasks extension when the "
                     "first request carries the _meta envelope), one JSON-RPC message per "
-                    "line on stdin/stdout; logs go to stderr.")
+                    "line on stdin/stdout; logs go to stderr.  A finished task expires at "
+                    "createdAt + ttl (one that finished later: 60 s after it finished) and "
+                    "answers \"has expired\" from that moment on; its row is deleted by the "
+                    "next reaper pass (every --reap-interval seconds).")
     _add_db_option(p)                   # --db PATH (./taskstore.db), --sync
-    p.add_argument("--default-ttl", metavar="MS", type=_at_least(0), default=DEFAULT_MCP_TTL_MS,
+    p.add_argument("--default-ttl", metavar="MS", type=_at_least(1), default=DEFAULT_MCP_TTL_MS,
                    help="ttl granted to a task request that names none (default: %(default)s)")
-    p.add_argument("--max-ttl", metavar="MS", type=_at_least(0), default=DEFAULT_MAX_TTL_MS,
+    p.add_argument("--max-ttl", metavar="MS", type=_at_least(1), default=DEFAULT_MAX_TTL_MS,
                    help="largest ttl granted; larger requests are capped (default: %(default)s)")
     p.add_argument("--allow-unlimited-ttl", action="store_true",
                    help="grant ttl null (never expires) when asked; otherwise null gets "
@@ -4160,8 +4418,9 @@ def add_mcp_parser(subparsers):
                         "(default: %(default)s)")
     p.add_argument("--reap-interval", metavar="S", type=_at_least(0.001, float),
                    default=DEFAULT_REAP_INTERVAL_S,
-                   help="seconds between passes deleting expired tasks and recovering "
-                        "those of dead processes (default: %(default)s)")
+                   help="seconds between passes deleting expired tasks (they answer "
+                        "\"has expired\" from the moment they expire, deleted or not) and "
+                        "recovering those of dead processes (default: %(default)s)")
     p.set_defaults(func=run_mcp)
     return p
 
@@ -5801,6 +6060,8 @@ def cmd_http(args):
         server.server_close()
         runner.stop(timeout=3.0)
         store.close()
+        # The counterpart of the listening line: the server has let go of the port and the file.
+        print(f"taskstore: stopped listening on {server.url}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -6495,8 +6756,12 @@ def build_parser():
         return sub
 
     sub = verb("list", "List tasks, newest first.")
-    sub.add_argument("--status", action="append", choices=STATES,
-                     help="only this stored status (repeatable; default: all)")
+    sub.add_argument("--status", action="append", type=_status_filter, metavar="WORD",
+                     help="only tasks in this status: a stored status (" + ", ".join(STATES)
+                          + "), or an MCP word (working means queued, loading and running; "
+                          "completed means succeeded); mcp:WORD and lmsp:WORD take a "
+                          "protocol's meaning exactly (lmsp:running includes input_required, "
+                          "mcp:cancelled includes cancelling) (repeatable; default: all)")
     sub.add_argument("--kind", action="append", help="only this kind (repeatable; default: all)")
     sub.add_argument("--principal", help="only this principal's tasks (default: everyone's)")
     sub.add_argument("--limit", type=int, default=50, help="page size (default: %(default)s)")
@@ -6514,6 +6779,60 @@ def build_parser():
     return parser
 
 
+def _status_words():
+    """Return ``{word: stored statuses}`` for every word ``tasks list --status`` takes.
+
+    Built from the two projections (``mcp_status``, ``lmsp_status``) over
+    the stored statuses, never written out by hand: a stored status means
+    itself; ``mcp:W`` and ``lmsp:W`` mean every stored status the protocol
+    shows as W; a bare MCP word that is no stored status (``working``,
+    ``completed``) means what MCP means by it.
+    """
+    words = {state: (state,) for state in STATES}
+    for prefix, project in (("mcp", mcp_status), ("lmsp", lmsp_status)):
+        for state in STATES:
+            word = f"{prefix}:{project(state)}"
+            words[word] = words.get(word, ()) + (state,)
+    for state in STATES:
+        words.setdefault(mcp_status(state), words[f"mcp:{mcp_status(state)}"])
+    return words
+
+
+def _status_filter(text):
+    """argparse type of ``--status``: the stored statuses *text* means."""
+    words = _status_words()
+    if text not in words:
+        raise argparse.ArgumentTypeError(
+            f"unknown status {text!r}; use one of {', '.join(sorted(words))}")
+    return words[text]
+
+
+def _clip(text, width):
+    """*text* cut to *width* characters, an ellipsis marking a cut."""
+    return text if len(text) <= width else text[:width - 1] + "\u2026"
+
+
+def _admin_view(task, awaiting):
+    """The admin commands' view of *task*: as stored, plus both protocols' words.
+
+    ``owner_dead``: the task is unfinished and its owner provably dead
+    (*awaiting*: the ids ``TaskStore.awaiting_recovery`` returned).
+    """
+    view = {}
+    for key, value in task.to_dict().items():
+        view[key] = value
+        if key == "status":
+            view.update(mcp_status=mcp_status(task), lmsp_status=lmsp_status(task),
+                        owner_dead=task.id in awaiting)
+    return view
+
+
+def _status_cell(task, awaiting):
+    if task.id in awaiting:
+        return f"{task.status} (owner dead: will be recovered; `tasks recover` does it now)"
+    return task.status
+
+
 def _print_table(rows, headers):
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(h)
               for i, h in enumerate(headers)]
@@ -6528,33 +6847,41 @@ def _tasks_command(args):
     with TaskStore(args.db, synchronous=args.sync, recover_on_open=False,
                    readonly=not writes) as store:
         if args.verb == "list":
-            tasks, cursor = store.list(status=args.status, kind=args.kind,
+            statuses = None if args.status is None else sorted(
+                {state for states in args.status for state in states})
+            tasks, cursor = store.list(status=statuses, kind=args.kind,
                                        principal=args.principal, limit=args.limit,
                                        cursor=args.cursor)
+            awaiting = store.awaiting_recovery(tasks)
             if args.json:
-                print(dumps({"tasks": [t.to_dict() for t in tasks], "next_cursor": cursor}))
+                print(dumps({"tasks": [_admin_view(t, awaiting) for t in tasks],
+                             "next_cursor": cursor}))
             else:
-                _print_table([(t.id, t.kind, t.status, iso_time(t.created_at),
-                               iso_time(t.updated_at), (t.status_message or "")[:40])
+                _print_table([(t.id, t.kind, _status_cell(t, awaiting), iso_time(t.created_at),
+                               iso_time(t.updated_at), _clip(t.status_message or "", 40))
                               for t in tasks], ("ID", "KIND", "STATUS", "CREATED", "UPDATED",
                                                 "MESSAGE"))
                 if cursor:
                     print(f"next page: --cursor {cursor}")
         elif args.verb in ("show", "cancel"):
             task = (store.get if args.verb == "show" else store.cancel)(args.task_id)
+            awaiting = store.awaiting_recovery([task])
+            view = _admin_view(task, awaiting)
             if args.json:
-                print(dumps(task.to_dict()))
+                print(dumps(view))
             else:
-                for key, value in task.to_dict().items():
+                view["status"] = _status_cell(task, awaiting)
+                for key, value in view.items():
                     if key.endswith("_at") and isinstance(value, int):
                         value = iso_time(value)
                     print(f"{key + ':':16}{value if isinstance(value, str) else dumps(value)}")
         elif args.verb == "events":
             events = store.events(args.task_id, after=args.after)
             if args.json:
-                print(dumps([e._asdict() for e in events]))
+                print(dumps([{"task_id": e.task_id, "seq": e.seq, "type": e.type,
+                              "data": e.data, "created_at": e.created_at} for e in events]))
             else:
-                _print_table([(e.seq, iso_time(e.created_at), e.type, dumps(e.data)[:60])
+                _print_table([(e.seq, iso_time(e.created_at), e.type, _clip(e.data_json, 60))
                               for e in events], ("SEQ", "TIME", "TYPE", "DATA"))
         elif args.verb == "reap":
             counts = store.reap()
@@ -6562,7 +6889,8 @@ def _tasks_command(args):
                   ", ".join(f"{v} {k}" for k, v in counts.items()) + " deleted")
         elif args.verb == "recover":
             moved = store.recover()
-            print(dumps({"recovered": moved}) if args.json else f"{moved} tasks recovered")
+            print(dumps({"recovered": moved}) if args.json else
+                  f"{moved} {'task' if moved == 1 else 'tasks'} recovered")
     return 0
 
 

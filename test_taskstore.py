@@ -433,6 +433,37 @@ class RunnerTests(StoreTestCase):
         self.assertEqual([e.data.get("status", e.type) for e in events],
                          ["created", RUNNING, "note", SUCCEEDED])
 
+    def test_a_late_outcome_for_a_task_expired_meanwhile_is_dropped_quietly(self):
+        started, release = threading.Event(), threading.Event()
+        records = queue.Queue()
+
+        class Collect(logging.Handler):
+            def emit(self, record):
+                records.put(record)
+        log = logging.getLogger("taskstore")
+        collect, level = Collect(logging.DEBUG), log.level
+        log.addHandler(collect)
+        log.setLevel(logging.DEBUG)
+        self.addCleanup(log.setLevel, level)
+        self.addCleanup(log.removeHandler, collect)
+
+        def handler(ctx, payload):
+            started.set()
+            release.wait(TIMEOUT)
+            return "late"
+        self.start_runner({"slow": handler})
+        task = self.store.create("slow", retention_ms=0)
+        self.assertTrue(started.wait(TIMEOUT))
+        # Failed by someone else, and expired at once (retention 0): the outcome has no task.
+        self.store.fail(task.id, {"code": "elsewhere", "message": "failed elsewhere"})
+        release.set()
+        while True:
+            record = records.get(timeout=TIMEOUT)
+            if task.id in record.getMessage():
+                break
+        self.assertEqual((record.levelname, record.getMessage()),
+                         ("DEBUG", f"late outcome of task {task.id} ignored: it has expired"))
+
     def test_a_handler_with_a_loading_phase_is_loading_until_it_runs(self):
         seen = queue.Queue()
 
@@ -1033,6 +1064,45 @@ class RetentionTests(StoreTestCase):
         with self.assertRaises(taskstore.TaskExpired):
             self.store.get(task.id)
 
+    def test_reads_answer_expired_by_the_reapers_rule_before_any_reap(self):
+        done = self.running_task(ttl_ms=10_000)
+        self.store.emit(done.id, "x")
+        self.store.succeed(done.id, 1)
+        unfinished = self.running_task(ttl_ms=10_000)
+        late = self.running_task(ttl_ms=10_000)
+        kept = self.running_task(retention_ms=100_000)
+        self.store.succeed(kept.id, 2)
+        self.clock.advance(9.999)               # one millisecond before the expiry
+        self.assertEqual(self.store.get(done.id).result, 1)
+        self.assertEqual(len(self.store.events(done.id)), 4)
+        self.assertEqual(self.store.reap(now=self.clock.ms)["tasks"], 0)
+        self.clock.advance(0.001)               # at createdAt + ttl: expired, not yet reaped
+        self.assertEqual(self.store._conn.execute("SELECT count(*) FROM tasks").fetchone()[0], 4)
+        for read in (self.store.get, self.store.events, self.store.cancel,
+                     lambda task_id: self.store.wait(task_id, timeout=TIMEOUT, terminal=True)):
+            with self.subTest(read=read):
+                with self.assertRaises(taskstore.TaskExpired) as cm:
+                    read(done.id)
+                self.assertEqual(str(cm.exception), f"task {done.id} has expired")
+        listed = {t.id for t in self.store.list()[0]}
+        self.assertEqual(listed, {unfinished.id, late.id, kept.id})
+        self.assertEqual(self.store.get(unfinished.id).status, RUNNING, "unfinished: never expires")
+        self.store.succeed(late.id, "late")     # finished after its expiry: 60 s of grace
+        self.assertEqual(self.store.reap()["tasks"], 1, "the reaper deletes exactly what reads hide")
+        with self.assertRaises(taskstore.TaskExpired):
+            self.store.get(done.id)
+        self.clock.advance(59.999)
+        self.assertEqual(self.store.get(late.id).result, "late")
+        self.clock.advance(0.001)
+        with self.assertRaises(taskstore.TaskExpired):
+            self.store.get(late.id)
+        self.assertEqual({t.id for t in self.store.list()[0]}, {unfinished.id, kept.id})
+        self.clock.advance(40)                  # LMSP-style retention: the same rule
+        with self.assertRaises(taskstore.TaskExpired):
+            self.store.get(kept.id)
+        self.assertEqual(self.store.reap()["tasks"], 2)
+        self.assertEqual({t.id for t in self.store.list()[0]}, {unfinished.id})
+
     def test_retention_counts_from_the_terminal_status(self):
         task = self.running_task(retention_ms=1000)
         self.clock.advance(100)
@@ -1187,6 +1257,21 @@ class RecoveryTests(OwnedTaskTestCase):
             self.assertContiguous(task_id)
         self.assertEqual(self.store.recover(), 0)                     # idempotent
 
+    def test_a_recovery_that_moved_tasks_logs_once_how_many_and_by_which_policy(self):
+        owner = self.dead_owner()
+        self.claimed("fail", owner)
+        self.claimed("retry", owner)
+        self.claimed("retry", owner, status=INPUT_REQUIRED)
+        self.claimed("resume", owner, status=CANCELLING)
+        with unittest.mock.patch.object(taskstore, "RELEASE_BATCH", 2), \
+                self.assertLogs("taskstore", "INFO") as logs:
+            self.assertEqual(self.store.recover(), 4)
+        self.assertEqual(logs.output, [
+            "WARNING:taskstore:recovered 4 tasks of dead processes: 1 failed (policy fail), "
+            "2 queued again (policy retry), 1 cancelled (a cancel was under way)"])
+        with self.assertNoLogs("taskstore", "INFO"):
+            self.assertEqual(self.store.recover(), 0)       # nothing moved: nothing said
+
     def test_release_in_many_small_batches_moves_each_task_once(self):
         owner = self.dead_owner()
         done = self.claimed("fail", owner)
@@ -1220,10 +1305,10 @@ class RecoveryTests(OwnedTaskTestCase):
         other = self.claimed("fail", owner)
         release = self.store.release
 
-        def cancel_first(proc_id, reason, *, present=None):
+        def cancel_first(proc_id, reason, *, present=None, **kwargs):
             self.assertEqual(present, [(RUNNING, "fail")])
             self.store.cancel(other)            # running -> cancelling, after the snapshot
-            return release(proc_id, reason, present=present)
+            return release(proc_id, reason, present=present, **kwargs)
         with unittest.mock.patch.object(self.store, "release", cancel_first):
             self.assertEqual(self.store.recover(), 1)
         self.assertEqual(self.store.get(running).status, FAILED)
@@ -1664,7 +1749,7 @@ class PackagingTests(unittest.TestCase):
         self.assertEqual(tops, ["taskstore.py", "test_taskstore.py"])
 
 
-class AdminCommandTests(StoreTestCase):
+class AdminCommandTests(OwnedTaskTestCase):
 
     def run_main(self, *argv):
         out, err = io.StringIO(), io.StringIO()
@@ -1695,6 +1780,116 @@ class AdminCommandTests(StoreTestCase):
         self.assertEqual((code, json.loads(out)["tasks"]), (0, 0))
         code, out, _ = self.run_main("tasks", "recover", "--db", self.path, "--json")
         self.assertEqual((code, json.loads(out)), (0, {"recovered": 0}))
+
+    def test_expired_tasks_have_expired_in_the_cli_before_any_reap(self):
+        self.clock.now = time.time() - 3600     # an hour ago, as the CLI's clock sees it
+        done = self.running_task(ttl_ms=1000)
+        self.store.succeed(done.id, 1)
+        alive = self.running_task(ttl_ms=1000)  # unfinished: never expires
+        for verb in ("show", "events"):
+            with self.subTest(verb=verb):
+                code, out, err = self.run_main("tasks", verb, done.id, "--db", self.path)
+                self.assertEqual((code, out), (1, ""))
+                self.assertEqual(err, f"taskstore: error: task {done.id} has expired\n")
+        code, out, _ = self.run_main("tasks", "list", "--db", self.path, "--json")
+        self.assertEqual([t["id"] for t in json.loads(out)["tasks"]], [alive.id])
+        code, out, _ = self.run_main("tasks", "reap", "--db", self.path, "--json")
+        self.assertEqual(json.loads(out)["tasks"], 1)
+
+    def test_a_task_whose_owner_is_dead_says_so_and_names_tasks_recover(self):
+        dead = self.claimed("fail", self.dead_owner())
+        alive = self.claimed("fail", self.store.register_process())    # this process: live
+        self.store.set_progress(dead, progress=3, total=60, message="step 3/60")
+        code, out, _ = self.run_main("tasks", "list", "--db", self.path)
+        rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+        self.assertIn("running (owner dead: will be recovered; `tasks recover` does it now)",
+                      rows[dead])
+        self.assertIn("step 3/60", rows[dead])
+        self.assertNotIn("owner dead", rows[alive])
+        code, out, _ = self.run_main("tasks", "show", dead, "--db", self.path)
+        self.assertIn("status:         running (owner dead: will be recovered; `tasks recover` "
+                      "does it now)\n", out)
+        for verb in (["list"], ["show", dead], ["show", alive]):
+            with self.subTest(verb=verb):
+                code, out, _ = self.run_main("tasks", *verb, "--db", self.path, "--json")
+                tasks = json.loads(out)["tasks"] if verb == ["list"] else [json.loads(out)]
+                self.assertEqual({t["id"]: t["owner_dead"] for t in tasks},
+                                 {dead: True, alive: False} if verb == ["list"]
+                                 else {verb[1]: verb[1] == dead})
+        code, out, _ = self.run_main("tasks", "recover", "--db", self.path)
+        self.assertEqual(out, "1 task recovered\n")
+        code, out, _ = self.run_main("tasks", "show", dead, "--db", self.path, "--json")
+        self.assertEqual((json.loads(out)["status"], json.loads(out)["owner_dead"]),
+                         (FAILED, False))
+
+    def test_list_status_takes_the_words_of_both_protocols(self):
+        queued = self.store.create("k")
+        running = self.running_task()
+        waiting = self.running_task()
+        self.store.require_input(waiting.id, {"q": 1})
+        done = self.running_task()
+        self.store.succeed(done.id, 1)
+        stopping = self.running_task()
+        self.store.cancel(stopping.id)
+        stopped = self.store.create("k")
+        self.store.cancel(stopped.id)
+
+        def listed(*words):
+            argv = ["tasks", "list", "--db", self.path, "--json"]
+            for word in words:
+                argv += ["--status", word]
+            code, out, err = self.run_main(*argv)
+            self.assertEqual(code, 0, err)
+            return {t["id"] for t in json.loads(out)["tasks"]}
+        cases = {("working",): {queued.id, running.id},
+                 ("mcp:working",): {queued.id, running.id},
+                 ("completed",): {done.id},
+                 ("input_required",): {waiting.id},
+                 ("running",): {running.id},                  # the stored word: itself
+                 ("lmsp:running",): {running.id, waiting.id},
+                 ("cancelled",): {stopped.id},
+                 ("mcp:cancelled",): {stopping.id, stopped.id},
+                 ("lmsp:cancelling",): {stopping.id},
+                 ("working", "completed"): {queued.id, running.id, done.id}}
+        for words, expected in cases.items():
+            with self.subTest(words=words):
+                self.assertEqual(listed(*words), expected)
+        code, _, err = self.run_main("tasks", "list", "--db", self.path, "--status", "done")
+        self.assertEqual(code, 2)
+        self.assertIn("unknown status 'done'; use one of", err)
+        self.assertIn("working", err)
+
+    def test_show_prints_both_protocols_words_beside_the_stored_status(self):
+        task = self.running_task()
+        self.store.require_input(task.id, {"q": 1})
+        code, out, _ = self.run_main("tasks", "show", task.id, "--db", self.path)
+        self.assertIn("status:         input_required\nmcp_status:     input_required\n"
+                      "lmsp_status:    running\n", out)
+        code, out, _ = self.run_main("tasks", "show", task.id, "--db", self.path, "--json")
+        view = json.loads(out)
+        self.assertEqual((view["status"], view["mcp_status"], view["lmsp_status"]),
+                         (INPUT_REQUIRED, "input_required", "running"))
+        self.assertEqual(list(view)[list(view).index("status"):][:4],
+                         ["status", "mcp_status", "lmsp_status", "owner_dead"])
+
+    def test_tables_mark_cut_text_and_events_json_has_data_as_json(self):
+        task = self.running_task()
+        self.store.set_progress(task.id, message="m" * 40)
+        short = self.running_task()
+        self.store.set_progress(short.id, message="x" * 41)
+        self.store.emit(task.id, "note", {"text": "é" * 80, "n": [1, 2]})
+        code, out, _ = self.run_main("tasks", "list", "--db", self.path)
+        rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+        self.assertTrue(rows[task.id].endswith(" " + "m" * 40), "40 characters fit: no mark")
+        self.assertTrue(rows[short.id].endswith(" " + "x" * 39 + "\u2026"), rows[short.id])
+        code, out, _ = self.run_main("tasks", "events", task.id, "--db", self.path)
+        note = next(line for line in out.splitlines() if " note " in line)
+        self.assertTrue(note.endswith('{"text":"' + "é" * 50 + "\u2026"), note)
+        code, out, _ = self.run_main("tasks", "events", task.id, "--db", self.path, "--json")
+        events = json.loads(out)
+        self.assertEqual(events[-1]["data"], {"text": "é" * 80, "n": [1, 2]})
+        self.assertEqual(events[0]["data"], {"kind": "k"})
+        self.assertEqual(set(events[0]), {"task_id", "seq", "type", "data", "created_at"})
 
     def test_store_errors_exit_1_with_one_line(self):
         code, out, err = self.run_main("tasks", "show", "task_missing", "--db", self.path)
@@ -3577,15 +3772,36 @@ class LmspRetentionTests(ServerTestCase):
     """B.7: finished tasks are purged after task_retention; keys expire too."""
 
     def test_a_purged_task_is_404_and_its_key_can_be_used_again(self):
-        client = self.start_server(DemoBackend(delay=0), task_retention=0,
-                                   idempotency_retention=0)
+        clock = FakeClock(time.time())
+        client = self.start_server(DemoBackend(delay=0), task_retention=1,
+                                   idempotency_retention=0, store_kwargs={"clock": clock})
         task = client.create(create_body("x"), headers={"Idempotency-Key": "once"})
         self.wait_terminal(task["id"])
+        clock.advance(1)
         self.assertEqual(self.store.reap()["tasks"], 1)
         self.assertProblem(client.request("GET", f"/lmsp/v1/tasks/{task['id']}"), 404,
                            "task_not_found")
         again = client.create(create_body("x"), headers={"Idempotency-Key": "once"})
         self.assertNotEqual(again["id"], task["id"])
+
+
+    def test_a_task_past_its_retention_is_404_before_any_reap(self):
+        clock = FakeClock(time.time())
+        client = self.start_server(DemoBackend(delay=0), task_retention=5,
+                                   store_kwargs={"clock": clock})
+        task = client.create(create_body("x"))
+        other = client.create(create_body("y"))
+        self.wait_terminal(task["id"])
+        self.wait_terminal(other["id"])
+        clock.advance(5)
+        for path in (f"/lmsp/v1/tasks/{task['id']}", f"/lmsp/v1/tasks/{task['id']}/events"):
+            with self.subTest(path=path):
+                body = self.assertProblem(client.request("GET", path), 404, "task_not_found")
+                self.assertEqual(body["detail"], f"task {task['id']} has expired")
+        self.assertProblem(client.request("POST", f"/lmsp/v1/tasks/{task['id']}/cancel"), 404,
+                           "task_not_found")
+        self.assertEqual(client.request("GET", "/lmsp/v1/tasks")[2]["data"], [])
+        self.assertEqual(self.store.reap()["tasks"], 2)
 
 
 class LmspAuthTests(ServerTestCase):
@@ -4286,12 +4502,19 @@ class ServerProcess:
         self.lines = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
-        self.warnings = []
-        line = self.lines.get(timeout=TIMEOUT)
-        while line.startswith("taskstore: warning:"):
-            self.warnings.append(line)
+        # What it printed before listening: permission warnings (``warnings``),
+        # recovery's log line (``before``).
+        self.warnings, self.before = [], []
+        while True:
             line = self.lines.get(timeout=TIMEOUT)
-        match = re.fullmatch(r"taskstore: listening on http://(127\.0\.0\.1):(\d+)", line.strip())
+            match = re.fullmatch(r"taskstore: listening on http://(127\.0\.0\.1):(\d+)",
+                                 line.strip())
+            if line.startswith("taskstore: warning:"):
+                self.warnings.append(line)
+            elif line.startswith("taskstore: WARNING "):
+                self.before.append(line.strip())
+            else:
+                break
         test.assertTrue(match, line)
         self.client = Client(match.group(1), int(match.group(2)))
 
@@ -4350,6 +4573,12 @@ class LmspProcessTests(unittest.TestCase):
             with self.assertRaises(http.client.IncompleteRead):
                 reader.resp.read()
         self.assertEqual(server.proc.wait(timeout=5), 0)
+        server.reader.join(TIMEOUT)      # its stderr is at EOF: every line is queued
+        lines = []
+        while not server.lines.empty():
+            lines.append(server.lines.get_nowait().strip())
+        self.assertEqual(lines[-1], f"taskstore: stopped listening on http://127.0.0.1:"
+                                    f"{server.client.port}", "one line when it stops, too")
 
     def test_a_server_killed_mid_stream_leaves_an_incomplete_body(self):
         server = ServerProcess(self, self.db, "--demo-delay", "0.2")
@@ -4362,7 +4591,10 @@ class LmspProcessTests(unittest.TestCase):
 
     def test_restart_fail_policy_fails_with_server_restarted(self):
         task, seen = self.start_mid_task("fail")
-        client = self.restart()
+        server = ServerProcess(self, self.db, "--demo-delay", "0")
+        self.assertEqual(server.before, ["taskstore: WARNING recovered 1 task of dead processes: "
+                                         "1 failed (policy fail)"])
+        client = server.client
         got = client.task(task["id"])
         self.assertEqual(got["status"], "failed")
         self.assertEqual((got["error"]["code"], got["error"]["status"]), ("server_restarted", 503))
@@ -4373,7 +4605,10 @@ class LmspProcessTests(unittest.TestCase):
 
     def test_restart_retry_runs_again_with_new_items_and_continuing_numbers(self):
         task, seen = self.start_mid_task("retry")
-        client = self.restart()
+        server = ServerProcess(self, self.db, "--demo-delay", "0")
+        self.assertEqual(server.before, ["taskstore: WARNING recovered 1 task of dead processes: "
+                                         "1 queued again (policy retry)"])
+        client = server.client
         events = client.events(task["id"])
         self.assertEqual([int(e["id"]) for e in events], list(range(len(events))))
         names = [e["event"] for e in events]
@@ -4892,6 +5127,25 @@ class McpProtocolTests(McpTestBase):
         values = [m["params"]["progress"] for m in progress]
         self.assertEqual(values, sorted(set(values)), "progress only increases")
 
+    def test_generate_report_reports_each_step_once(self):
+        calls = []
+
+        class Recorder:
+            cancelled = threading.Event()
+
+            def progress(self, value, total=None, message=None):
+                calls.append((value, total, message))
+        for seconds in (0, 2):
+            calls.clear()
+            with self.subTest(seconds=seconds), \
+                    unittest.mock.patch.object(Recorder.cancelled, "wait", return_value=False):
+                taskstore._demo_generate_report(Recorder(), {"topic": "t", "seconds": seconds})
+                messages = [m for _, _, m in calls]
+                self.assertEqual(len(messages), len(set(messages)), messages)
+                steps = max(1, seconds)
+                self.assertEqual(calls, [(i, steps, f"step {i + 1}/{steps}") for i in range(steps)]
+                                 + [(steps, steps, f"all {steps} steps done")])
+
     def test_tasks_list_pages_with_opaque_cursors(self):
         client, _, _ = self.start_server(page_size=2)
         ids = [self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": str(i)})["taskId"]
@@ -4934,6 +5188,38 @@ class McpProtocolTests(McpTestBase):
         self.assertError(client.call("tasks/get", {"taskId": late}), -32602, "has expired")
         self.assertEqual(client.result("tasks/list")["tasks"], [])
 
+    def test_an_expired_task_has_expired_everywhere_before_the_reaper_runs(self):
+        clock = FakeClock()
+        client, _, store = self.start_server(clock=clock)
+        done = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "x"},
+                                {"ttl": 2000})["taskId"]
+        client.result("tasks/result", {"taskId": done})
+        running = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "y"},
+                                   {"ttl": 2000})["taskId"]
+        clock.advance(3)                    # past createdAt + ttl; no reaper has run
+        for method in ("tasks/get", "tasks/status", "tasks/result", "tasks/cancel"):
+            with self.subTest(method=method):
+                self.assertError(client.call(method, {"taskId": done}), -32602,
+                                 f"task {done} has expired")
+        self.assertEqual([t["taskId"] for t in client.result("tasks/list")["tasks"]], [running])
+        self.assertEqual(client.result("tasks/get", {"taskId": running})["status"], "working")
+        self.assertEqual(store.reap()["tasks"], 1, "the row was still there")
+        self.assertError(client.call("tasks/get", {"taskId": done}), -32602, "has expired")
+
+    def test_a_ttl_below_one_millisecond_is_refused(self):
+        client, _, store = self.start_server()
+        args = {"seconds": 0, "text": "x"}
+        for params in ({"task": {"ttl": 0}}, {"task": {"ttl": -1}}, {"task": {"ttl": 0.5}},
+                       {"_meta": {"task": {"required": True, "ttl": 0}}},
+                       {"_meta": {"modelcontextprotocol.io/task": {"keepAlive": 0}}}):
+            with self.subTest(params=params):
+                response = client.call("tools/call", {"name": "sleep_then_echo",
+                                                      "arguments": args, **params})
+                self.assertError(response, -32602, "task.ttl must be at least 1 millisecond")
+                self.assertEqual(response["error"]["data"]["param"], "ttl")
+        self.assertEqual(store.list()[0], [], "nothing was created")
+        self.assertEqual(self.create_task(client, "sleep_then_echo", args, {"ttl": 1})["ttl"], 1)
+
     def test_unknown_task_id_is_32602_everywhere(self):
         client, _, store = self.start_server()
         for method in ("tasks/get", "tasks/result", "tasks/cancel", "tasks/status"):
@@ -4966,6 +5252,55 @@ class McpProtocolTests(McpTestBase):
         # A spec-form creation has no lesson mirror.
         self.assertNotIn("_meta", client.result("tools/call", {
             "name": "sleep_then_echo", "arguments": {"seconds": 0, "text": "z"}, "task": {}}))
+
+    def test_lesson_era_methods_take_the_lessons_id_too(self):
+        client, _, _ = self.start_server()
+        done = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "x"})["taskId"]
+        self.assertEqual(_text(client.result("tasks/result", {"id": done})), "x")
+        self.assertEqual(client.result("tasks/status", {"id": done})["state"], "completed")
+        self.assertError(client.call("tasks/cancel", {"id": done}), -32602, "completed")
+        running = self.create_task(client, "sleep_then_echo",
+                                   {"seconds": 600, "text": "y"})["taskId"]
+        self.assertEqual(client.result("tasks/cancel", {"id": running})["status"], "cancelled")
+        self.assertEqual(client.result("tasks/result", {"taskId": running, "id": done})["_meta"],
+                         {taskstore.RELATED_TASK: {"taskId": running}}, "taskId wins")
+        for method in ("tasks/result", "tasks/cancel", "tasks/status"):
+            with self.subTest(method=method):
+                self.assertError(client.call(method, {}), -32602, "taskId must be a string")
+
+    def test_lesson_optional_task_lets_the_server_decide(self):
+        client, _, store = self.start_server()
+        for form in ({"optional": True}, {"required": False}, {"optional": True, "ttl": 5000}):
+            with self.subTest(form=form):
+                # A forbidden tool: the server decides for inline, and answers the result.
+                result = client.result("tools/call", {"name": "echo", "arguments": {"text": "a"},
+                                                      "_meta": {"task": form}})
+                self.assertEqual(result, {"content": [{"type": "text", "text": "a"}],
+                                          "isError": False})
+                # A tool that supports tasks: it becomes one, with the lesson's mirror.
+                for name, args in (("sleep_then_echo", {"seconds": 0, "text": "b"}),
+                                   ("generate_report", {"topic": "t", "seconds": 0})):
+                    result = client.result("tools/call", {"name": name, "arguments": args,
+                                                          "_meta": {"task": form}})
+                    self.assertEqual(result["_meta"]["task"]["id"], result["task"]["taskId"])
+                    self.assertEqual(result["task"]["ttl"], form.get("ttl", 3600000))
+        self.assertEqual(len(store.list()[0]), 6, "the echo calls made no task")
+        for form in ({"required": True}, {}, {"optional": True, "required": True}):
+            with self.subTest(form=form):     # the client insists on a task: -32601 as before
+                self.assertError(client.call("tools/call", {"name": "echo", "arguments": {
+                    "text": "a"}, "_meta": {"task": form}}), -32601, "echo")
+
+    def test_a_pending_tasks_result_is_answered_shutting_down_at_eof(self):
+        client, _, store = self.start_server()
+        task_id = self.create_task(client, "sleep_then_echo",
+                                   {"seconds": 600, "text": "x"})["taskId"]
+        waiting = client.request("tasks/result", {"taskId": task_id})
+        client.flush()
+        client.close()                      # EOF: the server stops, failing the task
+        self.assertError(client.response(waiting), -32603, "the server is shutting down")
+        self.assertTrue(client.wait_eof())
+        task = store.wait(task_id, timeout=TIMEOUT, terminal=True)
+        self.assertTrue(task.status_message.startswith("CRASH_RECOVERY"), task.status_message)
 
     def test_transport_errors_never_stop_the_server(self):
         client, _, _ = self.start_server(max_line_bytes=1024)
@@ -5028,8 +5363,184 @@ class McpProtocolTests(McpTestBase):
             server.add_tool("bad", square, task_support="sometimes")
 
 
+class ElicitationSchemaTests(unittest.TestCase):
+    """elicitation_problems: what MCP's restricted requestedSchema can say, checked."""
+
+    SCHEMA = {"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": "string", "minLength": 2, "maxLength": 5},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "score": {"type": "number", "minimum": 0.5},
+        "ok": {"type": "boolean"},
+        "mail": {"type": "string", "format": "email"},
+        "site": {"type": "string", "format": "uri"},
+        "day": {"type": "string", "format": "date"},
+        "at": {"type": "string", "format": "date-time"},
+        "size": {"type": "string", "enum": ["S", "M"]},
+        "tier": {"type": "string", "oneOf": [{"const": "a", "title": "A"},
+                                             {"const": "b", "title": "B"}]},
+        "tags": {"type": "array", "minItems": 1, "maxItems": 2,
+                 "items": {"type": "string", "enum": ["x", "y", "z"]}}}}
+
+    def test_content_that_fits_has_no_problems(self):
+        content = {"name": "Ann", "age": 30, "score": 0.5, "ok": False, "mail": "a@b.example",
+                   "site": "https://example.com/x", "day": "2025-02-28",
+                   "at": "2025-02-28T10:00:00.5+01:00", "size": "M", "tier": "b",
+                   "tags": ["x", "z"], "extra": {"any": "thing"}}
+        self.assertEqual(taskstore.elicitation_problems(self.SCHEMA, content), [])
+        self.assertEqual(taskstore.elicitation_problems(self.SCHEMA, {"name": "Al", "age": 3.0}),
+                         [], "an integral float is an integer")
+
+    def test_each_rule_names_the_field_and_the_value(self):
+        cases = [
+            ({"age": 1}, ["missing required field 'name'"]),
+            ({"name": "A", "age": 1}, ["'name' must be at least 2 characters long"]),
+            ({"name": "Annabel", "age": 1}, ["'name' must be at most 5 characters long"]),
+            ({"name": 7, "age": 1}, ["'name' must be a string, not 7"]),
+            ({"name": "Al", "age": 1.5}, ["'age' must be an integer, not 1.5"]),
+            ({"name": "Al", "age": True}, ["'age' must be an integer, not true"]),
+            ({"name": "Al", "age": -1}, ["'age' must be at least 0, not -1"]),
+            ({"name": "Al", "age": 151}, ["'age' must be at most 150, not 151"]),
+            ({"name": "Al", "age": 1, "score": 0.1}, ["'score' must be at least 0.5, not 0.1"]),
+            ({"name": "Al", "age": 1, "ok": "yes"}, ["'ok' must be a boolean, not \"yes\""]),
+            ({"name": "Al", "age": 1, "mail": "nobody"},
+             ["'mail' must be an email, not \"nobody\""]),
+            ({"name": "Al", "age": 1, "site": "not a uri"},
+             ["'site' must be a uri, not \"not a uri\""]),
+            ({"name": "Al", "age": 1, "day": "2025-02-30"},
+             ["'day' must be a date, not \"2025-02-30\""]),
+            ({"name": "Al", "age": 1, "at": "2025-02-28 10:00"},
+             ["'at' must be a date-time, not \"2025-02-28 10:00\""]),
+            ({"name": "Al", "age": 1, "size": "XL"},
+             ["'size' must be one of \"S\", \"M\", not \"XL\""]),
+            ({"name": "Al", "age": 1, "tier": "c"},
+             ["'tier' must be one of \"a\", \"b\", not \"c\""]),
+            ({"name": "Al", "age": 1, "tags": []}, ["'tags' must have at least 1 items, not 0"]),
+            ({"name": "Al", "age": 1, "tags": ["x", "q"]},
+             ["'tags' has \"q\", which is not one of \"x\", \"y\", \"z\""]),
+            ({"name": "Al", "age": 1, "tags": "x"}, ["'tags' must be an array, not \"x\""]),
+            ({"name": None, "age": {"n": 1}},
+             ["'name' must be a string, not null", "'age' must be an integer, not {\"n\":1}"]),
+            ("text", ["content must be an object, not \"text\""]),
+        ]
+        for content, problems in cases:
+            with self.subTest(content=content):
+                self.assertEqual(taskstore.elicitation_problems(self.SCHEMA, content), problems)
+
+    def test_additional_properties_false_refuses_unknown_fields(self):
+        schema = {"type": "object", "additionalProperties": False,
+                  "properties": {"a": {"type": "string"}}}
+        self.assertEqual(taskstore.elicitation_problems(schema, {"a": "x", "b": 1}),
+                         ["unexpected field 'b'"])
+        self.assertEqual(taskstore.elicitation_problems(None, {"b": 1}), [], "no schema: no rule")
+
+
 class McpElicitationTests(McpTestBase):
     """ask_user: elicitation/create with the related-task _meta; input_required meanwhile."""
+
+    @contextlib.contextmanager
+    def server_log(self):
+        """Yield a function returning what the server has logged (in-process or the command)."""
+        if self.COMMAND:
+            def read():
+                with open(os.path.join(self.dir, "stderr.log"), encoding="utf-8") as log:
+                    return log.read()
+            yield read
+        else:
+            with self.assertLogs("taskstore", "INFO") as logs:
+                yield lambda: "\n".join(logs.output)
+
+    def test_server_requests_have_ids_of_their_own(self):
+        client, _, _ = self.start_server(capabilities={"elicitation": {}})
+        task = self.create_task(client, "ask_user", {"question": "?"})
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        self.assertEqual(ask["id"], "srv-1", "never one of the client's ids")
+        client.send({"jsonrpc": "2.0", "id": ask["id"],
+                     "result": {"action": "accept", "content": {"answer": "a"}}})
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": task["taskId"]})), "a")
+        call = client.request("tools/call", {"name": "ask_user", "arguments": {"question": "?"}})
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        self.assertEqual(ask["id"], "srv-2")
+        client.send({"jsonrpc": "2.0", "id": ask["id"],
+                     "result": {"action": "accept", "content": {"answer": "b"}}})
+        self.assertEqual(_text(client.response(call)["result"]), "b")
+
+    def test_an_answer_to_an_id_the_server_never_used_is_logged_and_changes_nothing(self):
+        client, _, _ = self.start_server(capabilities={"elicitation": {}})
+        task_id = self.create_task(client, "ask_user", {"question": "?"})["taskId"]
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        answer = {"action": "accept", "content": {"answer": "blue"}}
+        with self.server_log() as log:
+            for wrong in (99, 1, "1", "srv-99"):
+                client.send({"jsonrpc": "2.0", "id": wrong, "result": answer})
+            client.flush()                  # the reader has handled every line before the ping
+            text = log()
+        for wrong in (99, 1, "'1'", "'srv-99'"):
+            with self.subTest(wrong=wrong):
+                self.assertRegex(text, rf"WARNING.*dropped an answer to id {wrong}: this server "
+                                       r"sent no request with that id \(its requests have "
+                                       r'string ids "srv-1", "srv-2", ...\)')
+        self.assertEqual(client.result("tasks/get", {"taskId": task_id})["status"],
+                         "input_required")
+        client.send({"jsonrpc": "2.0", "id": ask["id"], "result": answer})
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": task_id})), "blue")
+
+    def test_an_answer_that_does_not_fit_the_schema_says_what_did_not(self):
+        client, _, _ = self.start_server(capabilities={"elicitation": {}})
+        cases = [({"answer": 42}, "'answer' must be a string, not 42"),
+                 ({}, "missing required field 'answer'"),
+                 ([1], "content must be an object, not [1]")]
+        for content, problem in cases:
+            with self.subTest(content=content):
+                task_id = self.create_task(client, "ask_user", {"question": "?"})["taskId"]
+                ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+                client.send({"jsonrpc": "2.0", "id": ask["id"],
+                             "result": {"action": "accept", "content": content}})
+                result = client.result("tasks/result", {"taskId": task_id})
+                self.assertEqual((result["isError"], _text(result)),
+                                 (True, f"the answer did not match the requested schema: "
+                                        f"{problem}"))
+        call = client.request("tools/call", {"name": "ask_user", "arguments": {"question": "?"}})
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        client.send({"jsonrpc": "2.0", "id": ask["id"],
+                     "result": {"action": "accept", "content": {"answer": ["x"]}}})
+        self.assertEqual(_text(client.response(call)["result"]),
+                         "the answer did not match the requested schema: "
+                         "'answer' must be a string, not [\"x\"]")
+
+    def test_a_tool_decides_what_a_mismatched_answer_means(self):
+        def pick(ctx, args):
+            schema = {"type": "object", "required": ["size"],
+                      "properties": {"size": {"type": "string", "enum": ["S", "M", "L"]}}}
+            try:
+                return ctx.elicit("Size?", schema)["content"]["size"]
+            except taskstore.ElicitationMismatch as exc:
+                self.assertEqual(exc.problems, ["'size' must be one of \"S\", \"M\", \"L\", "
+                                                "not \"XL\""])
+                self.assertEqual(exc.answer["content"], {"size": "XL"})
+                return ctx.elicit("Size? (S, M or L)", schema)["content"]["size"]
+
+        def strict(ctx, args):
+            return ctx.elicit("Age?", {"type": "object", "properties": {
+                "age": {"type": "integer", "minimum": 0}}})["content"]
+        client, _, _ = self.start_server(
+            tools=[("pick", pick, {"task_support": "optional"}),
+                   ("strict", strict, {"task_support": "optional"})],
+            capabilities={"elicitation": {}})
+        task_id = self.create_task(client, "pick", {})["taskId"]
+        for size in ("XL", "M"):
+            ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+            client.send({"jsonrpc": "2.0", "id": ask["id"],
+                         "result": {"action": "accept", "content": {"size": size}}})
+        self.assertEqual(ask["params"]["message"], "Size? (S, M or L)")
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": task_id})), "M")
+        # Uncaught, it is the call's JSON-RPC error, inline or replayed for a task.
+        task_id = self.create_task(client, "strict", {})["taskId"]
+        ask = client.wait_for(lambda m: m.get("method") == "elicitation/create")
+        client.send({"jsonrpc": "2.0", "id": ask["id"],
+                     "result": {"action": "accept", "content": {"age": -1}}})
+        self.assertError(client.call("tasks/result", {"taskId": task_id}), -32602,
+                         "the answer did not match the requested schema: 'age' must be at "
+                         "least 0, not -1")
 
     def test_task_is_input_required_until_the_answer_arrives(self):
         client, _, store = self.start_server(capabilities={"elicitation": {}})
@@ -5158,8 +5669,17 @@ class McpCommandTests(McpTestBase):
                 side.wait(task.id, timeout=TIMEOUT, since_version=task.version)
         self.assertError(client.call("tasks/get", {"taskId": task.id}), -32602, "has expired")
 
+    def test_help_says_when_expired_tasks_are_deleted(self):
+        proc = subprocess.run(mcp_server_command("--help"), stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=TIMEOUT, cwd=self.dir)
+        self.assertEqual(proc.returncode, 0)
+        text = " ".join(proc.stdout.decode().split())
+        self.assertIn('answers "has expired" from that moment on; its row is deleted by the '
+                      'next reaper pass (every --reap-interval seconds)', text)
+
     def test_bad_option_values_are_usage_errors(self):
         for args in (["--workers", "0"], ["--page-size", "0"], ["--default-ttl", "-1"],
+                     ["--default-ttl", "0"], ["--max-ttl", "0"],
                      ["--max-line-bytes", "10"], ["--reap-interval", "0"]):
             with self.subTest(args=args):
                 proc = subprocess.run(mcp_server_command(*args), stdin=subprocess.DEVNULL,
@@ -5227,7 +5747,10 @@ class McpCommandTests(McpTestBase):
         self.assertEqual(proc.wait(TIMEOUT), -signal.SIGKILL)
 
         client, proc = self.start_process("--db", self.db)
-        client.initialize()
+        client.initialize()                 # the store was opened (and recovered) before
+        with open(os.path.join(self.dir, "stderr.log"), encoding="utf-8") as log:
+            self.assertIn("taskstore: WARNING recovered 1 task of dead processes: "
+                          "1 failed (policy fail)\n", log.read())
         for task_id in ids:
             with self.subTest(task_id=task_id):
                 self.assertEqual(client.result("tasks/get", {"taskId": task_id}), before[task_id])
@@ -5396,6 +5919,21 @@ class McpSdkInteropTests(McpTestBase):
         self.assertEqual(len(asked), 1)
         self.assertEqual(asked[0].message, "Colour?")
         self.assertEqual(asked[0].meta.model_dump()[taskstore.RELATED_TASK], {"taskId": task_id})
+
+    def test_a_mismatched_elicitation_answer_is_named_in_the_result(self):
+        async def elicit(context, params):
+            return mcp_types.ElicitResult(action="accept", content={"answer": 42})
+
+        async def body(session):
+            created = await session.experimental.call_tool_as_task("ask_user", {"question": "?"})
+            task_id = created.task.taskId
+            self.assertEqual((await self._poll(session, task_id))[-1], "failed")
+            result = await session.experimental.get_task_result(task_id,
+                                                                mcp_types.CallToolResult)
+            self.assertTrue(result.isError)
+            self.assertEqual(result.content[0].text, "the answer did not match the requested "
+                                                     "schema: 'answer' must be a string, not 42")
+        self.run_client(body, elicit=elicit)
 
     def test_restart_keeps_finished_tasks_and_fails_running_ones(self):
         async def first(session):
@@ -7388,6 +7926,16 @@ class Era2ProtocolTests(Era2TestBase):
         for method in ("tasks/result", "tasks/list", "tasks/status", "ping"):
             with self.subTest(method=method):
                 self.assertError(self.mcall(client, method, {"taskId": "task_x"}), -32601)
+        # The ones a 2025-11-25 client knows say where their answer went.
+        for method, text in (("tasks/result", "method not found: tasks/result is not part of "
+                              "MCP 2026-07-28; poll tasks/get: it carries the result (or error) "
+                              "inline"),
+                             ("tasks/status", "tasks/status is not part of MCP 2026-07-28; use "
+                              "tasks/get"),
+                             ("tasks/list", "tasks/list is not part of MCP 2026-07-28; it has "
+                              "no listing")):
+            with self.subTest(method=method):
+                self.assertError(self.mcall(client, method, {"taskId": "task_x"}), -32601, text)
         self.assertEqual(self.discover(client)["resultType"], "complete", "still serving")
 
     def test_legacy_era_is_locked(self):
@@ -7536,6 +8084,19 @@ class Era2ProtocolTests(Era2TestBase):
         got = self.wait_done(client, store, task_id)
         self.assertEqual((got["status"], era2_text(got["result"])), ("completed", "teal"))
         self.assertNoServerRequests(client)
+
+    def test_a_mismatched_input_response_says_what_did_not_match(self):
+        client, _, store = self.start_modern()
+        task_id = self.mcreate(client, "ask_user", {"question": "?"},
+                               capabilities=ERA2_ELICIT)["taskId"]
+        self.wait_store(store, task_id, lambda t: t.status == INPUT_REQUIRED)
+        (key,) = self.mget(client, task_id)["inputRequests"]
+        self.mresult(client, "tasks/update", {"taskId": task_id, "inputResponses": {
+            key: {"action": "accept", "content": {"answer": 42}}}})
+        got = self.wait_done(client, store, task_id)
+        self.assertEqual((got["status"], got["result"]["isError"], era2_text(got["result"])),
+                         ("completed", True, "the answer did not match the requested schema: "
+                                             "'answer' must be a string, not 42"))
 
     def test_declined_or_impossible_elicitation(self):
         client, _, store = self.start_modern()
