@@ -60,7 +60,7 @@ __all__ = [
     "TaskStoreError", "InvalidParams", "InvalidCursor", "TaskNotFound", "TaskExpired",
     "InvalidTransition", "NotCancelable", "IdempotencyMismatch", "EventsExpired",
     "StoreClosed", "StoreUnavailable", "TaskFailed", "Cancelled",
-    "TRANSITIONS", "STATES", "TERMINAL_STATES", "POLICIES", "next_state",
+    "TRANSITIONS", "STATES", "TERMINAL_STATES", "CANCELLED_STATES", "POLICIES", "next_state",
     "mcp_status", "lmsp_status", "to_jsonrpc_error", "to_problem", "problem_object",
     "fingerprint", "new_id", "is_task_id", "iso_time", "main",
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
@@ -71,6 +71,7 @@ __all__ = [
     "run_mcp", "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
     "mcp_task_to_modern_wire", "mcp_jsonrpc_error", "MissingClientCapability",
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
+    "MCP_CANCELLED_MESSAGE",
     # LMSP HTTP server (section 10)
     "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
@@ -201,6 +202,11 @@ STATES = tuple(TRANSITIONS)
 TERMINAL_STATES = frozenset(s for s, row in TRANSITIONS.items() if not row)
 UNFINISHED_STATES = tuple(s for s in STATES if s not in TERMINAL_STATES)
 ACTIVE_STATES = (LOADING, RUNNING, INPUT_REQUIRED, CANCELLING)  # owned by a runner
+# Where a cancel leads: a task in one of these was cancelled already.  A repeat
+# cancel returns it unchanged (LMSP: cancel is idempotent), or, for a caller
+# that refuses repeats (MCP shows both as the terminal "cancelled"), is
+# NotCancelable like a finished task.
+CANCELLED_STATES = frozenset(row[CANCEL] for row in TRANSITIONS.values() if CANCEL in row)
 
 
 def next_state(task_id, state, event):
@@ -212,7 +218,7 @@ def next_state(task_id, state, event):
     try:
         return TRANSITIONS[state][event]
     except KeyError:
-        if event == CANCEL and state in TERMINAL_STATES:
+        if event == CANCEL and (state in TERMINAL_STATES or state in CANCELLED_STATES):
             raise NotCancelable(task_id, state) from None
         raise InvalidTransition(task_id, state, event) from None
 
@@ -234,6 +240,32 @@ def transition_table_markdown():
 # functions at the end of this section are the only readers of that data.
 # Messages are part of the API; internal details (tracebacks, SQL) never go
 # into them.
+
+ECHO_CHARS = 80    # characters of an id or name from outside that an error message repeats
+
+
+def _echo(text, limit=ECHO_CHARS):
+    """Return *text*, an id or name from outside, fit to repeat inside an error message.
+
+    Anything may arrive where an id belongs: non-ASCII, lone surrogates,
+    control characters, megabytes.  Each character that is not printable
+    ASCII is written as its Python escape (``\\xe9``, ``\\ud800``, ``\\n``),
+    and what is shown stops at *limit* characters: one short printable line
+    that every encoder, log and terminal takes as it is.
+    """
+    text = text if isinstance(text, str) else repr(text)
+    if len(text) <= limit and text.isascii() and text.isprintable():
+        return text
+    shown, size = [], 0
+    for char in text:
+        if not (char.isascii() and char.isprintable()):
+            char = char.encode("unicode_escape").decode("ascii")
+        if size + len(char) > limit:
+            return f"{''.join(shown)}... ({len(text)} characters)"
+        shown.append(char)
+        size += len(char)
+    return "".join(shown)
+
 
 class TaskStoreError(Exception):
     """Base class of every error this module raises on purpose.
@@ -276,7 +308,7 @@ class TaskNotFound(TaskStoreError):
     jsonrpc_code = -32602
 
     def __init__(self, task_id, message=None):
-        super().__init__(message or f"no task with id {task_id}")
+        super().__init__(message or f"no task with id {_echo(task_id)}")
         self.task_id = task_id
 
 
@@ -284,7 +316,7 @@ class TaskExpired(TaskNotFound):
     """The task existed but was deleted when its retention ended."""
 
     def __init__(self, task_id):
-        super().__init__(task_id, f"task {task_id} has expired")
+        super().__init__(task_id, f"task {_echo(task_id)} has expired")
 
 
 class InvalidTransition(TaskStoreError):
@@ -300,7 +332,7 @@ class InvalidTransition(TaskStoreError):
 
 
 class NotCancelable(InvalidTransition):
-    """Cancel of a task that already succeeded or failed."""
+    """Cancel of a task that already succeeded or failed (or, repeats refused, was cancelled)."""
 
     code = "task_not_cancelable"
 
@@ -708,7 +740,7 @@ def _as_tuple(value, param, allowed=None):
     values = (value,) if isinstance(value, str) else tuple(value)
     for v in values:
         if not isinstance(v, str) or (allowed is not None and v not in allowed):
-            raise InvalidParams(f"unknown {param} {v!r}", param=param)
+            raise InvalidParams(f"unknown {param} {_echo(repr(v))}", param=param)
     return values
 
 
@@ -1250,7 +1282,7 @@ class TaskStore:
         if not isinstance(task_id, str):
             raise InvalidParams("task id must be a string", param="task_id")
         if not task_id.isascii():
-            raise TaskNotFound(task_id.encode("utf-8", "backslashreplace").decode("ascii"))
+            raise TaskNotFound(task_id)     # never an id; the message escapes it
         task = self._read_locked(task_id)
         if task is None or (principal is not None and task.principal != principal):
             if task is None and self._conn.execute(
@@ -1854,23 +1886,26 @@ class TaskStore:
 
     # -- moving tasks ----------------------------------------------------------
 
-    def cancel(self, task_id, *, principal=None, reason=None):
+    def cancel(self, task_id, *, principal=None, reason=None, refuse_repeat=False):
         """Cancel a task and return it.
 
         A queued task is ``cancelled`` at once; a loading, running or
         input_required one becomes ``cancelling`` until its work stops.
-        Cancelling a cancelling or cancelled task returns it unchanged.  The
+        Cancelling a cancelling or cancelled task (``CANCELLED_STATES``)
+        returns it unchanged, or with *refuse_repeat* raises NotCancelable
+        (MCP 2025-11-25 shows both as the terminal ``cancelled``).  The
         task's in-process cancel event is set after the commit.
 
         Raises:
-            NotCancelable: the task already succeeded or failed.
+            NotCancelable: the task already succeeded or failed, or it was
+                cancelled already and *refuse_repeat* is true.
             TaskNotFound, TaskExpired: as ``get``.
         """
         _check_str(reason, "reason", max_len=10000)
         now = self._now_ms()
         with self._writing() as notices:
             task = self._get_locked(task_id, principal)
-            if task.status not in (CANCELLING, CANCELLED):
+            if refuse_repeat or task.status not in CANCELLED_STATES:
                 task = self._transition_locked(notices, task, CANCEL, now, message=reason)
             event = self._cancel_events.get(task_id)
         if event is not None and task.status == CANCELLING:
@@ -2886,7 +2921,9 @@ _QUICK_METHODS = frozenset(("ping", "tasks/get", "tasks/status", "tasks/list", "
                             "server/discover"))
 MAX_SAFE_INTEGER = 2**53 - 1            # the largest ttl granted when there is no cap
 SHUTDOWN_GRACE_S = 1.0                  # running work gets this long at EOF/SIGTERM
-_MCP_TERMINAL = frozenset(("completed", "failed", "cancelled"))
+_MCP_TERMINAL = frozenset(MCP_STATUS[s] for s in TERMINAL_STATES)  # cancelling shows cancelled
+# The statusMessage of a task MCP shows as cancelled, whatever its work said last.
+MCP_CANCELLED_MESSAGE = "The task was cancelled."
 _UNSET = object()
 _NO_RESPONSE = object()                 # an inline call cancelled by the client gets no answer
 # The 2026-07-28 era (MCP-TASKS-EXTENSION.md).  The era is named by its version.
@@ -2965,7 +3002,7 @@ class UnsupportedProtocolVersion(TaskStoreError):
     jsonrpc_code = -32022
 
     def __init__(self, requested, supported):
-        super().__init__(f"Unsupported protocol version: {requested!r}; "
+        super().__init__(f"Unsupported protocol version: {_echo(repr(requested))}; "
                          f"supported: {', '.join(supported)}")
         self.jsonrpc_data = {"supported": list(supported), "requested": requested}
 
@@ -3004,10 +3041,21 @@ def mcp_task_to_wire(task, poll_interval_ms):
     wire = {"taskId": task.id, "status": mcp_status(task),
             "createdAt": iso_time(task.created_at), "lastUpdatedAt": iso_time(task.updated_at),
             "ttl": task.ttl_ms, "pollInterval": poll_interval_ms}
-    message = task.status_message or (task.error or {}).get("message")
+    message = _mcp_status_message(task, wire["status"])
     if message:
         wire["statusMessage"] = message
     return wire
+
+
+def _mcp_status_message(task, status):
+    """The statusMessage of a task MCP shows as *status*: a cancelled one says so.
+
+    The stored message is the work's last report ("step 1/30"), or the
+    failure's message; once cancelled, that report is no longer the news.
+    """
+    if status == "cancelled":
+        return MCP_CANCELLED_MESSAGE
+    return task.status_message or (task.error or {}).get("message")
 
 
 def mcp_task_to_modern_wire(task, poll_interval_ms, *, created=False):
@@ -3028,7 +3076,7 @@ def mcp_task_to_modern_wire(task, poll_interval_ms, *, created=False):
             "status": status, "createdAt": iso_time(task.created_at),
             "lastUpdatedAt": iso_time(task.updated_at), "ttlMs": task.ttl_ms,
             "pollIntervalMs": poll_interval_ms}
-    message = task.status_message or error.get("message")
+    message = _mcp_status_message(task, status)
     if message:
         wire["statusMessage"] = message
     if created:
@@ -3648,7 +3696,7 @@ class McpServer:
                 return {"jsonrpc": "2.0", "id": msg_id, "result": result}
             method = self._methods.get(message.get("method"))
             if method is None:
-                raise MethodNotFound(f"method not found: {message.get('method')}")
+                raise MethodNotFound(f"method not found: {_echo(message.get('method'))}")
             params = message.get("params", {})
             if params is None:
                 params = {}
@@ -3722,7 +3770,7 @@ class McpServer:
                                 param=META_CLIENT_CAPABILITIES)
         method = self._modern_methods.get(message.get("method"))
         if method is None:
-            raise MethodNotFound(f"method not found: {message.get('method')}")
+            raise MethodNotFound(f"method not found: {_echo(message.get('method'))}")
         result = method(params, message.get("id"), capabilities)
         if result is _NO_RESPONSE:
             return result
@@ -3752,7 +3800,7 @@ class McpServer:
         name = params.get("name")
         tool = self.tools.get(name) if isinstance(name, str) else None
         if tool is None:
-            raise InvalidParams(f"Unknown tool: {name}", param="name")
+            raise InvalidParams(f"Unknown tool: {_echo(name)}", param="name")
         arguments = params.get("arguments")
         if arguments is None:
             arguments = {}
@@ -3966,7 +4014,9 @@ class McpServer:
     def _tasks_cancel(self, params, _):
         task = self._get_task(params)
         try:
-            task = self.store.cancel(task.id)
+            # 2025-11-25: a cancel of a task in a terminal status is -32602, and
+            # what counts is what MCP shows: cancelling is "cancelled" too.
+            task = self.store.cancel(task.id, refuse_repeat=True)
         except NotCancelable as exc:
             # Same error class, MCP's word for the status in its message.
             raise NotCancelable(task.id, mcp_status(exc.state)) from None
@@ -4239,7 +4289,7 @@ class MethodNotAllowed(TaskStoreError):
     http_status = 405
 
     def __init__(self, method, allow):
-        super().__init__(f"method {method} is not allowed here; use {', '.join(allow)}")
+        super().__init__(f"method {_echo(method)} is not allowed here; use {', '.join(allow)}")
         self.allow = allow
 
 
@@ -4855,7 +4905,7 @@ class LMSPApp:
             else:
                 if path.startswith("/lmsp/"):
                     self.authenticate(headers)     # existence of routes needs a token too
-                raise RouteNotFound(f"no route {path}")
+                raise RouteNotFound(f"no route {_echo(path)}")
             principal = None if path == "/healthz" else self.authenticate(headers)
             op = methods.get(method)
             if op is None:
@@ -4907,7 +4957,7 @@ class LMSPApp:
     def _task_id(self, task_id):
         # Shape first: an id this module cannot have issued never reaches SQL.
         if not is_task_id(task_id) or not task_id.startswith("task_"):
-            raise TaskNotFound(task_id[:80])
+            raise TaskNotFound(task_id)     # the message escapes and shortens it
         return task_id
 
     def _query(self, request, name):
@@ -4975,7 +5025,7 @@ class LMSPApp:
     def _list(self, request):
         status = self._query(request, "status")
         if status is not None and status not in LMSP_STATUS.values():
-            raise InvalidParams(f"unknown status {status!r}", param="status")
+            raise InvalidParams(f"unknown status {_echo(repr(status))}", param="status")
         limit = self._query(request, "limit") or "20"
         if not re.fullmatch(r"[0-9]{1,3}", limit) or not 1 <= int(limit) <= 100:
             raise InvalidParams("limit must be an integer from 1 to 100", param="limit")

@@ -191,6 +191,30 @@ class StoreTransitionTests(StoreTestCase):
                         self.assertEqual(last.data, {"status": expected, "from": state})
                     self.assertContiguous(task_id)
 
+    def test_a_cancel_refusing_repeats_refuses_what_mcp_shows_as_terminal(self):
+        # One rule, two readings: what a cancel that refuses repeats refuses is
+        # exactly what the MCP projection shows as completed, failed or cancelled.
+        mcp_terminal = {taskstore.MCP_STATUS[s] for s in taskstore.TERMINAL_STATES}
+        self.assertEqual(mcp_terminal, {"completed", "failed", "cancelled"})
+        for state in taskstore.STATES:
+            with self.subTest(state=state):
+                task_id = self.task_in(state)
+                before = self.store.get(task_id)
+                refused = taskstore.MCP_STATUS[state] in mcp_terminal
+                self.assertEqual(state in taskstore.TERMINAL_STATES
+                                 or state in taskstore.CANCELLED_STATES, refused)
+                if refused:
+                    with self.assertRaises(taskstore.NotCancelable) as cm:
+                        self.store.cancel(task_id, refuse_repeat=True)
+                    self.assertEqual(cm.exception.state, state)
+                    self.assertEqual(self.store.get(task_id), before)
+                else:
+                    self.assertIn(self.store.cancel(task_id, refuse_repeat=True).status,
+                                  taskstore.CANCELLED_STATES)
+                # Without refuse_repeat a repeat cancel returns the task unchanged.
+                if state in taskstore.CANCELLED_STATES:
+                    self.assertEqual(self.store.cancel(task_id), before)
+
     def test_sequences_stay_contiguous_after_thousands_of_transitions(self):
         import random
         rng = random.Random(7)
@@ -1576,6 +1600,26 @@ class BadInputTests(StoreTestCase):
             deep = [deep]
         with self.assertRaises(taskstore.InvalidParams):
             self.store.create("k", deep)
+
+    def test_any_text_where_an_id_belongs_is_not_found_with_a_printable_message(self):
+        # Ids come from outside (a JSON-RPC param, a URL): the message repeats a
+        # bounded, printable ASCII form of whatever arrived.
+        hostile = ["t\u00e2che", "task_\u00e9" + "0" * 35, "\u4e2d\U0001f600", "task_\ud800",
+                   "a\r\nb\x00c\x1b[31m", "x" * 100_000, "\u00e9" * 5000, "task_\u2028\u0085"]
+        for task_id in hostile:
+            with self.subTest(task_id=task_id[:20]):
+                with self.assertRaises(taskstore.TaskNotFound) as cm:
+                    self.store.get(task_id)
+                for exc in (cm.exception, taskstore.TaskNotFound(task_id),
+                            taskstore.TaskExpired(task_id)):
+                    message = str(exc)
+                    self.assertTrue(message.isascii() and message.isprintable(), repr(message))
+                    self.assertLess(len(message), 200)
+                self.assertEqual(cm.exception.task_id, task_id)    # the attribute keeps it
+        self.assertEqual(str(taskstore.TaskNotFound("t\u00e2che\n")),
+                         "no task with id t\\xe2che\\n")
+        self.assertEqual(str(taskstore.TaskNotFound("x" * 100)),
+                         "no task with id " + "x" * 80 + "... (100 characters)")
 
     def test_sql_text_in_values_is_only_data(self):
         evil = "x'); DROP TABLE tasks; --"
@@ -3000,6 +3044,23 @@ class LmspRouteTests(ServerTestCase):
         self.assertProblem(client.request("POST", f"/lmsp/v1/tasks/{missing}/cancel"),
                            404, "task_not_found")
 
+    def test_ids_paths_and_methods_from_outside_are_echoed_printable_and_short(self):
+        self.start_server()
+        # The request line arrives as latin-1 text: any byte but a space may be in it.
+        for method, target, status in (
+                ("GET", "/lmsp/v1/tasks/t\xe2che", 404),
+                ("GET", "/lmsp/v1/tasks/task_\x00\x1b[31m\x85", 404),
+                ("POST", "/lmsp/v1/tasks/" + "\xe9" * 5000 + "/cancel", 404),
+                ("GET", "/nope/\xe9\x00" + "x" * 5000, 404),
+                ("GET", "/lmsp/v1/tasks?status=%C3%A9%00" + "y" * 5000, 400),
+                ("G\xc9T\x00" + "Z" * 5000, "/healthz", 405)):
+            with self.subTest(method=method[:8], target=target[:30]):
+                reply = self.app.handle(method, target, http.client.HTTPMessage(), lambda: b"")
+                self.assertEqual(reply.status, status)
+                detail = json.loads(reply.body)["detail"]
+                self.assertTrue(detail.isascii() and detail.isprintable(), detail[:300])
+                self.assertLess(len(detail), 300)
+
     def test_list_is_newest_first_with_limit_cursor_and_status_filter(self):
         backend = StepBackend()
         client = self.start_server(backend, workers=1)
@@ -4190,8 +4251,52 @@ class McpProtocolTests(McpTestBase):
         # The work stopped: the store moves on to its final cancelled status.
         self.assertEqual(store.wait(task["taskId"], timeout=TIMEOUT, terminal=True).status,
                          CANCELLED)
-        self.assertEqual(client.result("tasks/cancel", {"taskId": task["taskId"]})["status"],
+        # A task shown as cancelled is terminal on MCP: a repeat cancel is -32602.
+        self.assertError(client.call("tasks/cancel", {"taskId": task["taskId"]}), -32602,
+                         "already cancelled")
+
+    def test_cancel_of_a_task_shown_cancelled_is_invalid_params(self):
+        client, _, store = self.start_server(workers=1)
+        task_id = self.create_task(client, "generate_report",
+                                   {"topic": "q3", "seconds": 600})["taskId"]
+        # The one worker is busy with the report: this one stays queued, and a
+        # cancel moves it straight to the store's cancelled.
+        queued = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "q"})
+        self.assertEqual(client.result("tasks/cancel", {"taskId": queued["taskId"]})["status"],
                          "cancelled")
+        self.assertEqual(store.get(queued["taskId"]).status, CANCELLED)
+        self.assertError(client.call("tasks/cancel", {"taskId": queued["taskId"]}), -32602,
+                         f"cannot cancel task {queued['taskId']}: it is already cancelled")
+        # A running one is the store's cancelling until its work stops; MCP shows
+        # cancelled, a terminal status, at once: the 2025-11-25 rule says -32602.
+        self.assertEqual(client.result("tasks/cancel", {"taskId": task_id})["status"],
+                         "cancelled")
+        self.assertError(client.call("tasks/cancel", {"taskId": task_id}), -32602,
+                         f"cannot cancel task {task_id}: it is already cancelled")
+        self.assertEqual(store.wait(task_id, timeout=TIMEOUT, terminal=True).status, CANCELLED)
+        self.assertError(client.call("tasks/cancel", {"taskId": task_id}), -32602,
+                         "already cancelled")
+
+    def test_a_cancelled_task_says_so_in_its_status_message(self):
+        client, _, store = self.start_server()
+        task_id = self.create_task(client, "generate_report",
+                                   {"topic": "q3", "seconds": 600})["taskId"]
+        task = store.get(task_id)
+        while not task.status_message:          # the first "step 1/600" is written
+            task = store.wait(task_id, timeout=TIMEOUT, since_version=task.version)
+        self.assertRegex(client.result("tasks/get", {"taskId": task_id})["statusMessage"],
+                         r"^step \d+/600$")
+        cancelled = client.result("tasks/cancel", {"taskId": task_id})
+        self.assertEqual(cancelled["statusMessage"], taskstore.MCP_CANCELLED_MESSAGE)
+        note = client.wait_for(lambda m: _status_of(m, task_id))
+        self.assertEqual((note["params"]["status"], note["params"]["statusMessage"]),
+                         ("cancelled", taskstore.MCP_CANCELLED_MESSAGE))
+        self.assertEqual(store.wait(task_id, timeout=TIMEOUT, terminal=True).status, CANCELLED)
+        got = client.result("tasks/get", {"taskId": task_id})
+        self.assertEqual((got["status"], got["statusMessage"]),
+                         ("cancelled", taskstore.MCP_CANCELLED_MESSAGE))
+        listed = {t["taskId"]: t for t in client.result("tasks/list")["tasks"]}
+        self.assertEqual(listed[task_id]["statusMessage"], taskstore.MCP_CANCELLED_MESSAGE)
 
     def test_is_error_result_makes_the_task_failed(self):
         client, _, store = self.start_server()
@@ -6671,7 +6776,9 @@ class Era2ProtocolTests(Era2TestBase):
         self.assertEqual((got["status"], got["statusMessage"]), ("working", "step 1/600"))
         ack = self.mresult(client, "tasks/cancel", {"taskId": task_id})
         self.assertEqual(set(ack), {"resultType", "_meta"})
-        self.assertEqual(self.mget(client, task_id)["status"], "cancelled")
+        got = self.mget(client, task_id)
+        self.assertEqual((got["status"], got["statusMessage"]),
+                         ("cancelled", taskstore.MCP_CANCELLED_MESSAGE))
         self.assertEqual(store.wait(task_id, timeout=TIMEOUT, terminal=True).status, CANCELLED)
         got = self.mget(client, task_id)
         self.assertEqual(set(got) - {"statusMessage"},
@@ -7413,11 +7520,44 @@ class McpFuzzer:
               "params.arguments.seconds", "params.arguments.text", "params.arguments.topic",
               "params.arguments.message")
 
+    # Every place where the server looks something up by a name the client chose
+    # (and may repeat it in an error message), with the methods that read it.
+    ID_POSITIONS = (("params.taskId", ("tasks/get", "tasks/result", "tasks/cancel")),
+                    ("params.id", ("tasks/status",)),
+                    ("params.cursor", ("tasks/list",)),
+                    ("params.name", ("tools/call",)),
+                    ("params.requestId", ("notifications/cancelled",)),
+                    ("params._meta.progressToken", ("tools/call",)),
+                    ("params.protocolVersion", ("initialize",)),
+                    ("id", ("ping", "tasks/get")),
+                    ("method", ("ping",)))
+
     def __init__(self, rng, real_ids, limit):
         self.rng = rng
         self.real_ids = real_ids
         self.limit = limit
         self.kinds = [getattr(self, n) for n in sorted(dir(self)) if n.startswith("gen_")]
+
+    def not_ids(self):
+        """Values that are not ids, one of each kind, built around the real ones."""
+        real = self.rng.choice(self.real_ids)
+        return ["t\u00e2che", "task_" + "\u00c9" * 36, real[:-1] + "\u00e9", real + "\u200b",
+                real.replace("_", "\uff3f"), "\u4e2d\u6587\U0001f600", "task_\ud800",
+                "\udc00" + real, "a\r\nb\x00c\x1b[31m\x7f\x85", "\u2028" + real + "\u2029",
+                "\ufeff" + real, real.lower(), real + " ", "", "%00" + real, "\\u00e9",
+                "z" * self.rng.randint(200, self.limit // 2),
+                "\u00e9" * self.rng.randint(100, self.limit // 8),
+                None, 0, -1, 1.5, 10**30, True, [real], {"taskId": real}]
+
+    def hostile_sweep(self):
+        """Every kind of non-id in every id position of every method that reads it, once each."""
+        for path, methods in self.ID_POSITIONS:
+            for method in methods:
+                for value in self.not_ids():
+                    message = self.valid(method)
+                    if path == "method" and not isinstance(value, str):
+                        continue
+                    yield self.encode(self.put(message, path, value)) + b"\n"
 
     def line(self):
         while True:
@@ -7442,9 +7582,9 @@ class McpFuzzer:
             "a" * rng.randint(100, self.limit // 2), [[[[[]]]]], {"ttl": -5},
             {"ttl": 10**400}, "task_\r\n" + "0" * 31])
 
-    def valid(self):
+    def valid(self, method=None):
         rng = self.rng
-        method = rng.choice(self.METHODS)
+        method = method or rng.choice(self.METHODS)
         params = {}
         if method == "tools/call":
             name = rng.choice(["sleep_then_echo", "generate_report", "fail_with_error", "echo",
@@ -7456,6 +7596,8 @@ class McpFuzzer:
                 params["task"] = {"ttl": rng.choice([1000, 60000])}
         elif method in ("tasks/get", "tasks/status", "tasks/result", "tasks/cancel"):
             params = {"taskId": rng.choice(self.real_ids + ["task_unknown"])}
+            if method == "tasks/status" and rng.random() < 0.5:
+                params = {"id": params["taskId"]}
         elif method == "tasks/list":
             params = {"cursor": rng.choice(["", "abc", "eyJ2IjoxfQ"])} if rng.random() < .5 else {}
         elif method == "initialize":
@@ -7599,6 +7741,13 @@ class McpFuzzer:
             {"jsonrpc": "2.0", "result": {}},
             {"jsonrpc": "2.0", "id": "x", "result": 1, "error": 2}]))
 
+    def gen_not_an_id(self):
+        path, methods = self.rng.choice(self.ID_POSITIONS)
+        value = self.rng.choice(self.not_ids())
+        if path == "method" and not isinstance(value, str):
+            value = str(value)
+        return self.encode(self.put(self.valid(self.rng.choice(methods)), path, value))
+
     def gen_jsonrpc_version(self):
         message = self.valid()
         message["jsonrpc"] = self.rng.choice(["1.0", "2", 2, 2.0, None, "", "2.0 "])
@@ -7640,6 +7789,9 @@ class McpFuzzTests(McpTestBase):
             self.assertIsInstance(error.get("message"), str, where)
             self.assertTrue(error["message"], where)
             self.assertIn(error.get("code"), self.CLIENT_ERRORS, f"{where}: {text[:500]}")
+            # Whatever the input held, the message repeats it short and printable.
+            self.assertTrue(error["message"].isascii() and error["message"].isprintable()
+                            and len(error["message"]) < 500, f"{where}: {text[:500]}")
 
     def check_real_task(self, client, done, where):
         got = client.result("tasks/get", {"taskId": done})
@@ -7657,19 +7809,25 @@ class McpFuzzTests(McpTestBase):
         running = self.create_task(client, "generate_report",
                                    {"topic": "t", "seconds": 3600})["taskId"]
         fuzzer = McpFuzzer(random.Random(FAULT_SEED), [done, running], FUZZ_LINE_LIMIT)
+        # First every kind of non-id in every id position, whatever the seed; then
+        # random lines (which make up more of them, among everything else).
+        sweep = list(fuzzer.hostile_sweep())
         deadline = time.monotonic() + FAULT_SOAK_S
         sent = 0
         checked = 0
         try:
-            while sent < FUZZ_INPUTS or time.monotonic() < deadline:
-                lines = [fuzzer.line() for _ in range(100)]
+            while sweep or sent < FUZZ_INPUTS or time.monotonic() < deadline:
+                if sweep:
+                    lines, sweep = sweep[:100], sweep[100:]
+                else:
+                    lines = [fuzzer.line() for _ in range(100)]
                 client.send(b"".join(lines))
                 sent += len(lines)
                 where = f"{fault_context()} after input {sent}"
                 probe = f"probe-{sent}"
                 self.assertEqual(client.response(client.request("ping", msg_id=probe)),
                                  {"jsonrpc": "2.0", "id": probe, "result": {}}, where)
-                if sent % 1000 == 0:
+                if sent // 1000 != (sent - len(lines)) // 1000:
                     self.check_real_task(client, done, where)
                 for message in client.log[checked:]:
                     self.check_message(message, where)
@@ -7730,6 +7888,38 @@ class McpHostileInputTests(McpTestBase):
             client.send(line)
             self.assertError(client.wait_for(lambda m: "error" in m), -32600, "surrogate")
         self.assertEqual(client.result("ping"), {})
+
+    def test_non_ascii_and_other_non_ids_in_id_positions_are_client_errors(self):
+        client, _, _ = self.start_server()
+        hostile = ["t\u00e2che", "task_" + "\u00c9" * 36, "\u4e2d\U0001f600", "a\r\nb\x00\x1b",
+                   "y" * 50_000, "task_\u2028"]
+        for value in hostile:
+            for method, params in (("tasks/get", {"taskId": value}),
+                                   ("tasks/status", {"id": value}),
+                                   ("tasks/result", {"taskId": value}),
+                                   ("tasks/cancel", {"taskId": value}),
+                                   ("tasks/list", {"cursor": value}),
+                                   ("tools/call", {"name": value, "arguments": {}}),
+                                   (value, {})):
+                with self.subTest(method=method[:20], value=value[:20]):
+                    response = client.call(method, params)
+                    self.assertIn(response["error"]["code"], (-32601, -32602), response)
+                    message = response["error"]["message"]
+                    self.assertTrue(message.isascii() and message.isprintable(), message[:300])
+                    self.assertLess(len(message), 300)
+        self.assertEqual(client.result("ping"), {})
+
+    def test_non_ascii_task_ids_are_client_errors_in_the_2026_era_too(self):
+        client, _, _ = self.start_fresh()
+        client.result("server/discover", {"_meta": era2_meta()})
+        for value in ("t\u00e2che", "\u4e2d" * 10_000, "a\nb\x00"):
+            for method in ("tasks/get", "tasks/cancel", "tasks/update"):
+                with self.subTest(method=method, value=value[:10]):
+                    response = client.call(method, {"taskId": value, "inputResponses": {},
+                                                    "_meta": era2_meta()})
+                    self.assertEqual(response["error"]["code"], -32602, response)
+                    message = response["error"]["message"]
+                    self.assertTrue(message.isascii() and message.isprintable(), message[:300])
 
     def test_cancelled_notification_with_an_unhashable_request_id_is_ignored(self):
         client, _, _ = self.start_server()
