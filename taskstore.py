@@ -67,7 +67,7 @@ __all__ = [
     "FAILED", "CANCELLED",
     # MCP server (section 9)
     "McpServer", "McpTool", "ToolContext", "McpError", "ParseError", "InvalidRequest",
-    "MethodNotFound", "add_demo_tools", "text_result", "mcp_task_to_wire", "check_arguments", "add_mcp_parser",
+    "MethodNotFound", "ServerBusy", "add_demo_tools", "text_result", "mcp_task_to_wire", "check_arguments", "add_mcp_parser",
     "run_mcp", "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
     "mcp_task_to_modern_wire", "mcp_jsonrpc_error", "MissingClientCapability",
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
@@ -2898,9 +2898,10 @@ class Runner:
 # shape.  Rules: no SQL and no store locking here; errors reach the client only
 # through mcp_jsonrpc_error, i.e. to_jsonrpc_error plus the class's extra data
 # (or, for tasks/result, as the error stored when the task failed); the
-# reader thread never blocks on the store (every request runs on its own
-# thread); McpServer._send is the only writer of the output stream, and in the
-# modern era it never writes a request.
+# reader thread never blocks on the store (a request that may wait or write
+# runs on one of two bounded pools, past which it is refused); McpServer._send
+# is the only writer of the output stream, and in the modern era it never
+# writes a request.
 
 MCP_PROTOCOL_VERSION = "2025-11-25"
 # Older revisions are served the way the 1.x SDK serves them: same
@@ -2915,10 +2916,16 @@ DEFAULT_MCP_POLL_INTERVAL_MS = 500
 DEFAULT_MCP_PAGE_SIZE = 50
 DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
 # Requests that only read the store (never block, never wait for a task) run on
-# the reader thread; the others (tools/call, tasks/result, writes that may wait
-# for a busy file) get a thread each so they never hold up the reader.
+# the reader thread; the others run on two bounded pools so that they never hold
+# up the reader: requests that wait for work (a tasks/result for an unfinished
+# task, a tools/call run inline) on the waiting pool, everything else that may
+# write (and so wait for a busy file) on the write pool.  Past either one's
+# limit a request is refused at once with ServerBusy.
 _QUICK_METHODS = frozenset(("ping", "tasks/get", "tasks/status", "tasks/list", "tools/list",
                             "server/discover"))
+DEFAULT_MCP_MAX_WAITING = 64            # waiting requests served at once (--max-waiting)
+MCP_WRITE_THREADS = 8                   # threads of the write pool
+MCP_WRITE_BACKLOG = 1024                # write requests that may wait in line for one
 MAX_SAFE_INTEGER = 2**53 - 1            # the largest ttl granted when there is no cap
 SHUTDOWN_GRACE_S = 1.0                  # running work gets this long at EOF/SIGTERM
 _MCP_TERMINAL = frozenset(MCP_STATUS[s] for s in TERMINAL_STATES)  # cancelling shows cancelled
@@ -2960,6 +2967,18 @@ class MethodNotFound(TaskStoreError):
     code = "method_not_found"
     http_status = 404
     jsonrpc_code = -32601
+
+
+class ServerBusy(TaskStoreError):
+    """A request refused at once because its pool is full (-32005); the client may retry.
+
+    -32005 is in JSON-RPC's range for server-defined errors; Ethereum's
+    JSON-RPC uses it for "limit exceeded" too.
+    """
+
+    code = "server_busy"
+    http_status = 503
+    jsonrpc_code = -32005
 
 
 class McpError(TaskStoreError):
@@ -3266,6 +3285,58 @@ class _LineReader:
             self._buffer += chunk
 
 
+class _Pool:
+    """Threads for requests: *size* run at once, *backlog* more wait in line, the rest are refused.
+
+    A thread starts when a request finds none free and then stays for the
+    next one (at most *size* ever exist); ``close`` ends them.  ``submit``
+    never blocks, so the reader thread that calls it never waits.
+    """
+
+    def __init__(self, size, backlog, name):
+        self.size, self.backlog, self.name = size, backlog, name
+        self._lock = threading.Lock()
+        self._jobs = queue.SimpleQueue()
+        self._busy = 0                  # submitted and not finished: running or in line
+        self._threads = []
+
+    def submit(self, job):
+        """Run ``job()`` on a thread of the pool; return False (and run nothing) when full."""
+        with self._lock:
+            if self._busy >= self.size + self.backlog:
+                return False
+            self._busy += 1
+            if len(self._threads) < min(self._busy, self.size):
+                thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:    # the system has no thread left to give
+                    self._busy -= 1
+                    return False
+                self._threads.append(thread)
+        self._jobs.put(job)
+        return True
+
+    def _work(self):
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:           # a bug in one request must not cost a thread
+                logger.exception("mcp request failed")
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+    def close(self, deadline):
+        """Let the threads finish what was submitted, then end; wait until *deadline*."""
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
+            self._jobs.put(None)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
 class McpTool(typing.NamedTuple):
     """A tool the server offers: ``handler(ctx, arguments)`` returns the result.
 
@@ -3396,7 +3467,8 @@ class McpServer:
     2026-07-28 (the ``io.modelcontextprotocol/tasks`` extension: the server
     makes a task of every non-forbidden tool call of a client that declares
     it).  Either way a task is a store task (kind ``mcp.tools/call``) run by
-    this server's Runner; everything else is answered on a per-request thread.
+    this server's Runner.  Reads are answered on the reader thread; requests
+    that may wait or write run on two bounded thread pools (``max_waiting``).
 
     Example::
 
@@ -3417,7 +3489,7 @@ class McpServer:
                  allow_unlimited_ttl=False, poll_interval_ms=DEFAULT_MCP_POLL_INTERVAL_MS,
                  list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, workers=4,
                  max_line_bytes=DEFAULT_MAX_LINE_BYTES, name="taskstore", version=__version__,
-                 shutdown_grace_s=SHUTDOWN_GRACE_S):
+                 shutdown_grace_s=SHUTDOWN_GRACE_S, max_waiting=DEFAULT_MCP_MAX_WAITING):
         self.store = store
         self.default_ttl_ms = default_ttl_ms
         self.max_ttl_ms = max_ttl_ms if max_ttl_ms is not None else store.max_ttl_ms
@@ -3443,7 +3515,11 @@ class McpServer:
         self._pending = {}                  # our request id -> (task id or None, callback)
         self._inline = {}                   # client request id -> ToolContext of an inline call
         self._sent = {}                     # task id -> (version, MCP status, progress) notified
-        self._threads = set()
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
+            raise InvalidParams("max_waiting must be an integer >= 1", param="max_waiting")
+        self.max_waiting = max_waiting
+        self._waiting = _Pool(max_waiting, 0, "taskstore-mcp-waiting")
+        self._writes = _Pool(MCP_WRITE_THREADS, MCP_WRITE_BACKLOG, "taskstore-mcp-write")
         self._ids = itertools.count(1)
         # method -> fn(params, request_id) -> result
         self._methods = {
@@ -3535,10 +3611,8 @@ class McpServer:
             # policy, so none shows as working with nobody to run it.
             self.runner.stop(timeout=self.shutdown_grace_s)
             deadline = time.monotonic() + 0.5
-            with self._lock:
-                threads = list(self._threads)
-            for thread in threads:
-                thread.join(max(0.0, deadline - time.monotonic()))
+            for pool in (self._waiting, self._writes):
+                pool.close(deadline)
             self.store.remove_listener(self._on_change)
             with self._write_lock:
                 self._out = None
@@ -3602,25 +3676,64 @@ class McpServer:
                 era = self._select_era(message)
             except TaskStoreError as exc:
                 era = exc
-            if message.get("method") in _QUICK_METHODS:
+            pool = self._pool_for(message, era)
+            if pool is None:
                 # A read that never waits: answered here, in order, without the
                 # cost of a thread (most of a tasks/get round trip otherwise).
                 self._run_request(message, era)
-                return
-            thread = threading.Thread(target=self._run_request, args=(message, era),
-                                      name="taskstore-mcp-request", daemon=True)
-            with self._lock:
-                self._threads.add(thread)
-            thread.start()
+            elif not pool.submit(functools.partial(self._run_request, message, era)):
+                if pool is self._waiting:
+                    busy = ServerBusy(f"too many requests are waiting: at most {pool.size} at "
+                                      "once (tasks/result for an unfinished task, tools/call "
+                                      "run inline); try again later")
+                else:
+                    busy = ServerBusy(f"too many requests in progress: at most {pool.size} "
+                                      f"at once and {pool.backlog} in line; try again later")
+                self._reply(message["id"], error=mcp_jsonrpc_error(busy))
+
+    def _pool_for(self, message, era):
+        """Return the pool that serves a request, or None to answer it on the reader thread.
+
+        None for reads that never wait and for anything answered at once with
+        an error; the waiting pool for a tasks/result whose task MCP does not
+        show as finished and for a tools/call that runs inline; the write pool
+        for the rest (creating a task, cancel, update, initialize).
+        """
+        method = message.get("method")
+        if method in _QUICK_METHODS or isinstance(era, Exception) or (
+                method not in self._methods and method not in self._modern_methods):
+            return None
+        params = message.get("params")
+        params = params if isinstance(params, dict) else {}
+        if method == "tasks/result":
+            try:
+                finished = mcp_status(self._get_task(params)) in _MCP_TERMINAL
+            except TaskStoreError:
+                return None                 # answered at once with the same error
+            return None if finished else self._waiting
+        if method == "tools/call" and self._runs_inline(params, era):
+            return self._waiting
+        return self._writes
+
+    def _runs_inline(self, params, era):
+        """True when a tools/call will run its tool inline (as ``_tools_call*`` decide)."""
+        name = params.get("name")
+        tool = self.tools.get(name) if isinstance(name, str) else None
+        if tool is None:
+            return False                    # -32602 at once
+        if era == _MODERN:
+            capabilities = params["_meta"].get(META_CLIENT_CAPABILITIES)
+            return (not isinstance(capabilities, dict) or not self._declares_tasks(capabilities)
+                    or tool.task_support == "forbidden")
+        try:
+            return _task_request(params) is None
+        except TaskStoreError:
+            return False                    # -32602 at once
 
     def _run_request(self, message, era=_UNSET):
-        try:
-            response = self.handle_request(message, era)
-            if response is not None:
-                self._send(response)
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
+        response = self.handle_request(message, era)
+        if response is not None:
+            self._send(response)
 
     def _send(self, message):
         """Write one message as one line; the only writer of the output stream."""
@@ -4202,6 +4315,12 @@ def add_mcp_parser(subparsers):
                    help="tasks per tasks/list page (default: %(default)s)")
     p.add_argument("--workers", metavar="N", type=_at_least(1), default=4,
                    help="worker threads running tasks (default: %(default)s)")
+    p.add_argument("--max-waiting", metavar="N", type=_at_least(1),
+                   default=DEFAULT_MCP_MAX_WAITING,
+                   help="requests that wait for work served at once, a thread each (a "
+                        "tasks/result for an unfinished task, a tools/call run inline); one "
+                        "more is answered -32005 'try again later' at once "
+                        "(default: %(default)s)")
     p.add_argument("--max-line-bytes", metavar="N", type=_at_least(1024),
                    default=DEFAULT_MAX_LINE_BYTES,
                    help="longest accepted input line; longer ones get -32600 "
@@ -4227,7 +4346,7 @@ def run_mcp(args):
                            allow_unlimited_ttl=args.allow_unlimited_ttl,
                            poll_interval_ms=args.poll_interval, list_tasks=not args.no_list,
                            page_size=args.page_size, workers=args.workers,
-                           max_line_bytes=args.max_line_bytes)
+                           max_line_bytes=args.max_line_bytes, max_waiting=args.max_waiting)
         add_demo_tools(server)
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())

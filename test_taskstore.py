@@ -4033,7 +4033,8 @@ class McpTestBase(unittest.TestCase):
     COMMAND = False
     FLAGS = {"default_ttl_ms": "--default-ttl", "max_ttl_ms": "--max-ttl",
              "page_size": "--page-size", "max_line_bytes": "--max-line-bytes",
-             "poll_interval_ms": "--poll-interval", "workers": "--workers"}
+             "poll_interval_ms": "--poll-interval", "workers": "--workers",
+             "max_waiting": "--max-waiting"}
 
     def start_server(self, tools=(), demo=True, capabilities=None, clock=None, **options):
         """Serve a fresh store; return (client, server, store) after ``initialize``."""
@@ -4297,6 +4298,31 @@ class McpProtocolTests(McpTestBase):
                          ("cancelled", taskstore.MCP_CANCELLED_MESSAGE))
         listed = {t["taskId"]: t for t in client.result("tasks/list")["tasks"]}
         self.assertEqual(listed[task_id]["statusMessage"], taskstore.MCP_CANCELLED_MESSAGE)
+
+    def test_waits_past_max_waiting_are_refused_at_once_and_the_rest_still_works(self):
+        client, _, store = self.start_server(max_waiting=2)
+        done = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "done"})
+        self.assertEqual(store.wait(done["taskId"], timeout=TIMEOUT, terminal=True).status,
+                         SUCCEEDED)
+        slow = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "slow"})
+        waits = [client.request("tasks/result", {"taskId": slow["taskId"]}) for _ in range(2)]
+        refused = client.call("tasks/result", {"taskId": slow["taskId"]})
+        self.assertError(refused, taskstore.ServerBusy.jsonrpc_code, "at most 2")
+        self.assertEqual(refused["error"]["data"], {"type": "server_busy"})
+        inline = client.call("tools/call", {"name": "echo", "arguments": {"text": "x"}})
+        self.assertError(inline, taskstore.ServerBusy.jsonrpc_code, "try again later")
+        # What does not wait is served: reads, a finished task's result, writes.
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": done["taskId"]})),
+                         "done")
+        self.assertEqual(client.result("tasks/get", {"taskId": slow["taskId"]})["status"],
+                         "working")
+        other = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "x"})
+        self.assertEqual(client.result("tasks/cancel", {"taskId": other["taskId"]})["status"],
+                         "cancelled")
+        self.assertEqual(client.result("tasks/cancel", {"taskId": slow["taskId"]})["status"],
+                         "cancelled")
+        for msg_id in waits:
+            self.assertIn("cancelled", _text(client.response(msg_id)["result"]))
 
     def test_is_error_result_makes_the_task_failed(self):
         client, _, store = self.start_server()
@@ -7764,7 +7790,8 @@ class McpFuzzTests(McpTestBase):
     answered correctly.
     """
 
-    CLIENT_ERRORS = (-32700, -32600, -32601, -32602)
+    # -32005: ServerBusy, when the tasks/result calls on the running task fill the waiting pool.
+    CLIENT_ERRORS = (-32700, -32600, -32601, -32602, taskstore.ServerBusy.jsonrpc_code)
     SERVER_METHODS = ("notifications/tasks/status", "notifications/progress",
                       "elicitation/create")
 
@@ -7945,8 +7972,93 @@ class McpHostileInputTests(McpTestBase):
         self.assertError(response, -32602, "task.ttl")
 
 
+# A client polling at the pollInterval the server suggests expects each answer
+# within two of them, however busy the server is with requests that wait.
+POLL_ANSWER_S = 2 * taskstore.DEFAULT_MCP_POLL_INTERVAL_MS / 1000
+FLOOD_REQUESTS = 10_000
+FLOOD_RSS_BUDGET = 64 << 20         # bytes the server may grow while refusing a flood
+
+
+def rss_bytes(pid):
+    """The resident set size of a (Linux) process, from /proc."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
 class McpResourceLimitTests(McpTestBase):
-    """A handler that ignores its cancel event, a full disk, and the entropy of task ids."""
+    """A handler that ignores its cancel event, a full disk, floods, and the entropy of ids."""
+
+    @unittest.skipUnless(os.path.exists("/proc/self/status"), "reads RSS from /proc")
+    def test_a_flood_of_waiting_requests_gets_a_bounded_pool_and_quick_answers(self):
+        client, proc = self.start_process("--db", self.db)
+        client.initialize()
+        task_id = self.create_task(client, "generate_report",
+                                   {"topic": "t", "seconds": 600})["taskId"]
+        self.assertEqual(client.result("tasks/get", {"taskId": task_id})["status"], "working")
+        before = rss_bytes(proc.pid)
+        # Requests that wait: a tasks/result for an unfinished task, and a tool call
+        # run inline for ten minutes.  All at once.
+        flood = {}
+        for i in range(FLOOD_REQUESTS):
+            msg_id = f"w{i}"
+            if i % 2:
+                flood[msg_id] = {"jsonrpc": "2.0", "id": msg_id, "method": "tasks/result",
+                                 "params": {"taskId": task_id}}
+            else:
+                flood[msg_id] = {"jsonrpc": "2.0", "id": msg_id, "method": "tools/call",
+                                 "params": {"name": "sleep_then_echo",
+                                            "arguments": {"seconds": 600, "text": "late"}}}
+        client.send(b"".join(json.dumps(m).encode() + b"\n" for m in flood.values()))
+        # Lines are read in order: the answers to these come after the flood was
+        # dispatched, and while every request it let in is still waiting.
+        for _ in range(3):
+            ping = client.request("ping")
+            self.assertEqual(client.wait_for(lambda m: m.get("id") == ping,
+                                             timeout=POLL_ANSWER_S)["result"], {})
+            get = client.request("tasks/get", {"taskId": task_id})
+            got = client.wait_for(lambda m: m.get("id") == get, timeout=POLL_ANSWER_S)
+            self.assertEqual(got["result"]["status"], "working")
+        answered = {m["id"]: m for m in client.log + client.unread()
+                    if m.get("id") in flood}
+        busy = taskstore.ServerBusy.jsonrpc_code
+        for message in answered.values():
+            self.assertEqual(message["error"]["code"], busy, message)
+            self.assertIn("try again", message["error"]["message"])
+        waiting = sorted(set(flood) - set(answered))
+        self.assertEqual(len(waiting), taskstore.DEFAULT_MCP_MAX_WAITING)
+        self.assertLess(rss_bytes(proc.pid) - before, FLOOD_RSS_BUDGET)
+        # Nothing hangs: the waits end as their work does, and free their threads.
+        client.result("tasks/cancel", {"taskId": task_id})
+        inline = [i for i in waiting if flood[i]["method"] == "tools/call"]
+        for msg_id in inline:
+            client.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                         "params": {"requestId": msg_id}})
+        for msg_id in waiting:
+            if msg_id not in inline:
+                result = client.response(msg_id)["result"]
+                self.assertIn("cancelled", _text(result))
+        # The cancelled inline calls get no answer (MCP), and their threads come
+        # back: the pool takes as many new waits as it holds.  A thread is free a
+        # moment after its request ends, so a refused one is sent again.
+        deadline = time.monotonic() + TIMEOUT
+        taken = 0
+        while taken < taskstore.DEFAULT_MCP_MAX_WAITING:
+            self.assertLess(time.monotonic(), deadline, f"only {taken} threads came back")
+            msg_id = client.request("tools/call", {"name": "sleep_then_echo",
+                                                   "arguments": {"seconds": 600, "text": "x"}})
+            client.flush()          # its refusal, if any, is written before the ping's answer
+            refused = [m for m in client.unread() if m.get("id") == msg_id]
+            taken += not refused
+            for message in refused:
+                self.assertEqual(client.response(msg_id)["error"]["code"], busy, message)
+        msg_id = client.request("tools/call", {"name": "echo", "arguments": {"text": "one more"}})
+        self.assertEqual(client.response(msg_id)["error"]["code"], busy)
+        self.assertEqual([m for m in client.log if m.get("id") in inline], [])
+        client.close()                  # EOF ends the waiting calls too
+        self.assertEqual(proc.wait(TIMEOUT), 0)
 
     def stubborn_tool(self):
         """A tool whose handler never looks at ctx.cancelled; it returns when released."""
