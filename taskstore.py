@@ -1876,6 +1876,49 @@ class TaskStore:
                     self._changed_waiting -= 1
                 self._check_open()
 
+    def wait_any(self, last_seqs, *, timeout):
+        """Block until some of the tasks have events the caller has not seen; return them.
+
+        *last_seqs* maps task ids to the last event ``seq`` the caller has
+        handled.  Returns ``{task_id: Task}`` for every task whose ``last_seq``
+        is past it (``None`` for a task that no longer exists) as soon as
+        there is one, or ``{}`` after *timeout* seconds.  Like ``wait``, a
+        write in this process wakes it at once and another process's write
+        is seen within ``poll_interval``: no busy polling, whatever the count.
+        The ids are read 500 at a time, the lock taken for each batch only,
+        so that a long list never holds up writers.
+
+        Raises:
+            StoreClosed: the store was closed while waiting.
+        """
+        ids = list(last_seqs)
+        deadline = time.monotonic() + timeout
+        while True:
+            moved = {}
+            for start in range(0, max(len(ids), 1), 500):
+                chunk = ids[start:start + 500]
+                with self._reading() as conn:
+                    seqs = dict(conn.execute(
+                        f"SELECT id, last_seq FROM tasks WHERE id IN "
+                        f"({', '.join('?' * len(chunk))})", chunk).fetchall())
+                    for task_id in chunk:
+                        seq = seqs.get(task_id)
+                        if seq is None or seq > last_seqs[task_id]:
+                            moved[task_id] = None if seq is None else self._read_locked(task_id)
+                    remaining = deadline - time.monotonic()
+                    if start + 500 < len(ids) or moved or remaining <= 0:
+                        continue
+                    # The last batch: wait with the lock still held since its
+                    # read, so that no commit of this process slips between.
+                    self._changed_waiting += 1
+                    try:
+                        self._changed.wait(min(remaining, self.poll_interval))
+                    finally:
+                        self._changed_waiting -= 1
+                    self._check_open()
+            if moved or deadline - time.monotonic() <= 0:
+                return moved
+
     def load_snapshot(self, task_id):
         """Return the task's last saved snapshot, or None."""
         with self._reading() as conn:
@@ -3515,6 +3558,13 @@ class McpServer:
         self._pending = {}                  # our request id -> (task id or None, callback)
         self._inline = {}                   # client request id -> ToolContext of an inline call
         self._sent = {}                     # task id -> (version, MCP status, progress) notified
+        # Status notifications follow each task's event log, told once and in
+        # order whether this process moved the task (the listener) or another
+        # one did (the follower thread): see _tell_status.
+        self._told = {}                     # task id -> (last event seq handled, MCP status told)
+        self._followed = set()              # this session's tasks not yet told terminal
+        self._notify_lock = threading.Lock()    # one teller at a time; taken before _lock
+        self._follow_wake = threading.Event()
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
             raise InvalidParams("max_waiting must be an integer >= 1", param="max_waiting")
         self.max_waiting = max_waiting
@@ -3596,6 +3646,9 @@ class McpServer:
         reader = threading.Thread(target=self._read_loop, args=(infile,),
                                   name="taskstore-mcp-reader", daemon=True)
         reader.start()
+        follower = threading.Thread(target=self._follow, name="taskstore-mcp-follower",
+                                    daemon=True)
+        follower.start()
         try:
             # A timed wait, so that stop()'s flag is seen promptly.
             while not self._stop.wait(0.1) and not self._stop_requested:
@@ -3613,6 +3666,8 @@ class McpServer:
             deadline = time.monotonic() + 0.5
             for pool in (self._waiting, self._writes):
                 pool.close(deadline)
+            self._follow_wake.set()
+            follower.join(max(0.0, deadline - time.monotonic()))
             self.store.remove_listener(self._on_change)
             with self._write_lock:
                 self._out = None
@@ -4055,6 +4110,9 @@ class McpServer:
                                  meta={"session": self._session, "progressToken": token,
                                        "legacy": legacy, "era": _LEGACY},
                                  owner=self.runner.process_id)
+        with self._lock:                    # another process may run it: follow its events
+            self._followed.add(task.id)
+        self._follow_wake.set()
         return _create_task_result(task, self.poll_interval_ms, legacy)
 
     def _call_inline(self, tool, arguments, token, msg_id, era=_LEGACY, capabilities=None):
@@ -4157,30 +4215,99 @@ class McpServer:
             return
         status = mcp_status(task)
         token = task.meta.get("progressToken")
-        with self._lock:
-            version, sent, progress = self._sent.get(task.id, (0, "working", None))
-            # Listeners of two writers may run out of order: only newer news counts.
-            fresh = task.version > version
-            # MCP: progress must increase, and it stops at the terminal status.
-            new_progress = (change == "progress" and token is not None
-                            and task.progress is not None and status not in _MCP_TERMINAL
-                            and (progress is None or task.progress > progress))
-            if fresh:
-                self._sent[task.id] = (task.version, status,
-                                       task.progress if new_progress else progress)
-            if status in _MCP_TERMINAL:     # a pending input request can never be used
-                for request_id in [k for k, v in self._pending.items() if v[0] == task.id]:
-                    del self._pending[request_id]
-        if not fresh:
+        with self._notify_lock:
+            with self._lock:
+                version, sent, progress = self._sent.get(task.id, (0, "working", None))
+                # Listeners of two writers may run out of order: only newer news counts.
+                fresh = task.version > version
+                # MCP: progress must increase, and it stops at the terminal status
+                # (which the follower may have told already).
+                new_progress = (change == "progress" and token is not None
+                                and task.progress is not None and status not in _MCP_TERMINAL
+                                and self._told.get(task.id, (0, ""))[1] not in _MCP_TERMINAL
+                                and (progress is None or task.progress > progress))
+                if fresh:
+                    self._sent[task.id] = (task.version, status,
+                                           task.progress if new_progress else progress)
+                if status in _MCP_TERMINAL:     # a pending input request can never be used
+                    for request_id in [k for k, v in self._pending.items() if v[0] == task.id]:
+                        del self._pending[request_id]
+            if not fresh:
+                return
+            self._tell_status(task)
+            if change == "status" and task.status == INPUT_REQUIRED and task.input_request:
+                self._send_input_request(task)
+            if new_progress:
+                self._notify_progress(token, task.progress, task.progress_total,
+                                      task.status_message, task.id)
+
+    def _tell_status(self, task):
+        """Send ``notifications/tasks/status`` for each MCP status change of *task* not told yet.
+
+        *task* is the task as read after a commit.  The changes are its
+        ``status`` events past the last one handled: one new event is *task*
+        itself; several (another process moved the task, or a listener ran
+        late) are read from its event log and told in order, the last one as
+        *task*, the others as their event says.  Once a terminal status is
+        told nothing more is.  The caller holds ``_notify_lock``.
+        """
+        seq, told = self._told.get(task.id, (0, "working"))
+        if task.last_seq <= seq:
             return
-        if status != sent:
-            self._notify("notifications/tasks/status",
-                         mcp_task_to_wire(task, self.poll_interval_ms))
-        if change == "status" and task.status == INPUT_REQUIRED and task.input_request:
-            self._send_input_request(task)
-        if new_progress:
-            self._notify_progress(token, task.progress, task.progress_total,
-                                  task.status_message, task.id)
+        steps = [task]
+        if task.last_seq > seq + 1 and told not in _MCP_TERMINAL:
+            try:
+                events = self.store.events(task.id, after=seq)
+            except TaskStoreError:          # pruned or purged meanwhile: the task says it all
+                events = ()
+            changes = [e for e in events if e.type == "status" and e.seq <= task.last_seq]
+            steps = [task._replace(status=e.data["status"], updated_at=e.created_at,
+                                   status_message=e.data.get("message"),
+                                   error=e.data.get("error"))
+                     for e in changes[:-1]] + [task]
+        for step in steps:
+            status = mcp_status(step)
+            if status != told and told not in _MCP_TERMINAL:
+                told = status
+                self._notify("notifications/tasks/status",
+                             mcp_task_to_wire(step, self.poll_interval_ms))
+        with self._lock:
+            self._told[task.id] = (task.last_seq, told)
+            if told in _MCP_TERMINAL:
+                self._followed.discard(task.id)
+
+    def _follow(self):
+        """Tell the client about its tasks when another process moves them (a thread).
+
+        The listener sees this process's commits only.  This thread waits on
+        the store for events past those told (``wait_any``: woken by this
+        process's commits, re-reading every ``poll_interval`` for the
+        others'), and tells them through ``_tell_status`` as the listener
+        does, so nothing is told twice.  With no task to follow it sleeps.
+        """
+        while not self._stop.is_set():
+            with self._lock:
+                seen = {task_id: self._told.get(task_id, (0, ""))[0]
+                        for task_id in self._followed}
+            if not seen:
+                self._follow_wake.wait()
+                self._follow_wake.clear()
+                continue
+            try:
+                moved = self.store.wait_any(seen, timeout=self.store.poll_interval)
+            except StoreClosed:
+                return
+            except TaskStoreError as exc:   # a file that is locked or full: look again later
+                logger.warning("cannot follow this session's tasks: %s", exc)
+                self._stop.wait(self.store.poll_interval)
+                continue
+            for task_id, task in moved.items():
+                if task is None:            # purged: nothing more will happen to it
+                    with self._lock:
+                        self._followed.discard(task_id)
+                    continue
+                with self._notify_lock:
+                    self._tell_status(task)
 
     def _send_input_request(self, task):
         request = task.input_request

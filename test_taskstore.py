@@ -370,6 +370,32 @@ class LifecycleTests(StoreTestCase):
         self.assertEqual(out.get(timeout=TIMEOUT).status, CANCELLED)
         thread.join(TIMEOUT)
 
+    def test_wait_any_returns_the_tasks_with_unseen_events_local_or_not(self):
+        tasks = [self.store.create("k") for _ in range(1201)]     # three batches of ids
+        seen = {t.id: t.last_seq for t in tasks}
+        seen["task_" + "0" * 36] = 0
+        # Nothing new but the id that does not exist (so the call returns at once).
+        self.assertEqual(self.store.wait_any(seen, timeout=TIMEOUT),
+                         {"task_" + "0" * 36: None})
+        del seen["task_" + "0" * 36]
+        self.assertEqual(self.store.wait_any(seen, timeout=0.01), {})
+        out = queue.Queue()
+        thread = threading.Thread(target=lambda: out.put(self.store.wait_any(seen,
+                                                                             timeout=TIMEOUT)))
+        thread.start()
+        self.store.cancel(tasks[700].id)            # a write here wakes it
+        self.assertEqual({k: v.status for k, v in out.get(timeout=TIMEOUT).items()},
+                         {tasks[700].id: CANCELLED})
+        thread.join(TIMEOUT)
+        seen[tasks[700].id] = self.store.get(tasks[700].id).last_seq
+        script = (f"import sys; sys.path.insert(0, {HERE!r}); import taskstore\n"
+                  f"s = taskstore.TaskStore({self.path!r}, recover_on_open=False)\n"
+                  f"s.cancel({tasks[5].id!r}); s.cancel({tasks[1200].id!r}); s.close()\n")
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=TIMEOUT)
+        moved = self.store.wait_any(seen, timeout=TIMEOUT)      # another process's, at a poll
+        self.assertEqual({k: v.status for k, v in moved.items()},
+                         {tasks[5].id: CANCELLED, tasks[1200].id: CANCELLED})
+
     def test_wait_times_out_with_the_current_task(self):
         task = self.store.create("k")
         self.assertEqual(self.store.wait(task.id, timeout=0.01, terminal=True).status, QUEUED)
@@ -8021,8 +8047,7 @@ class McpResourceLimitTests(McpTestBase):
             get = client.request("tasks/get", {"taskId": task_id})
             got = client.wait_for(lambda m: m.get("id") == get, timeout=POLL_ANSWER_S)
             self.assertEqual(got["result"]["status"], "working")
-        answered = {m["id"]: m for m in client.log + client.unread()
-                    if m.get("id") in flood}
+        answered = {m["id"]: m for m in client.log if m.get("id") in flood}
         busy = taskstore.ServerBusy.jsonrpc_code
         for message in answered.values():
             self.assertEqual(message["error"]["code"], busy, message)
@@ -8257,6 +8282,101 @@ class McpResourceLimitTests(McpTestBase):
                 gap = (int(b[15:].translate(taskstore._FROM_CROCKFORD), 32)
                        - int(a[15:].translate(taskstore._FROM_CROCKFORD), 32))
                 self.assertGreater(gap, 2**64, f"{b} is {gap} after {a}")
+
+
+# A second process that runs MCP tasks from the same file with a plain Runner.
+# The tool's "text" argument says what the work does; prints ``ready``, then
+# ``running <task id>`` for each task it takes, and stops at EOF on stdin.
+NEIGHBOUR_RUNNER_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, poll_interval=0.02)
+
+def run(ctx, payload):
+    what = payload["arguments"]["text"]
+    say("running", ctx.task_id)
+    if what == "ask":               # waits for an answer given through the store
+        ctx.ask({"method": "elicitation/create", "params": {"message": "go on?"}})
+    elif what == "flip":            # three status changes in a moment: one poll sees them all
+        store.require_input(ctx.task_id, {"method": "x"}, attempt=ctx.attempt)
+        store.provide_input(ctx.task_id, {"result": {}})
+    elif what == "fail":
+        raise taskstore.TaskFailed({"code": "tool_error", "message": "broke elsewhere"},
+                                   result=taskstore.text_result("broke elsewhere", True))
+    elif what == "wait":
+        ctx.cancelled.wait(6 * T)
+        ctx.check()
+    return taskstore.text_result(f"{what} done elsewhere")
+
+runner = taskstore.Runner(store, {taskstore.MCP_TASK_KIND: run}, workers=4, heartbeat_s=0.05)
+runner.start()
+say("ready")
+sys.stdin.readline()
+runner.stop()
+store.close()
+"""
+
+
+class McpTasksRunElsewhereTests(McpTestBase):
+    """Tasks a client created, run by another process on the same file."""
+
+    def test_status_notifications_follow_a_task_another_process_runs(self):
+        client, _ = self.start_process("--db", self.db, "--workers", "1")
+        client.initialize()
+        side = taskstore.TaskStore(self.db)
+        self.addCleanup(side.close)
+        # The server's one worker is kept busy, so the neighbour takes the rest.
+        busy = self.create_task(client, "generate_report", {"topic": "t", "seconds": 600},
+                                meta={"progressToken": "busy"})["taskId"]
+        client.wait_for(lambda m: m.get("method") == "notifications/progress")
+        neighbour = ChildProcess(self, NEIGHBOUR_RUNNER_SCRIPT, self.db)
+        neighbour.expect("ready")
+
+        def create(text):
+            task_id = self.create_task(client, "sleep_then_echo",
+                                       {"seconds": 0, "text": text})["taskId"]
+            self.assertEqual(neighbour.expect("running"), task_id)
+            return task_id
+
+        def notes(task_id):
+            return [m["params"] for m in client.log if _status_of(m, task_id)]
+
+        asked = create("ask")
+        note = client.wait_for(lambda m: _status_of(m, asked))
+        self.assertEqual(note["params"]["status"], "input_required")
+        self.assertEqual(set(note["params"]) - {"statusMessage"},
+                         {"taskId", "status", "createdAt", "lastUpdatedAt", "ttl", "pollInterval"})
+        side.provide_input(asked, {"result": {"action": "accept"}})
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": asked})),
+                         "ask done elsewhere")
+        flipped = create("flip")
+        failed = create("fail")
+        cancelled = create("wait")
+        self.assertEqual(client.result("tasks/cancel", {"taskId": cancelled})["status"],
+                         "cancelled")
+        for task_id, last in ((flipped, "completed"), (failed, "failed"),
+                              (cancelled, "cancelled")):
+            client.wait_for(lambda m: _status_of(m, task_id)
+                            and m["params"]["status"] == last)
+        # The neighbour confirms the cancel (the store's cancelling -> cancelled):
+        # MCP showed cancelled already, so no second notification.
+        self.assertEqual(side.wait(cancelled, timeout=TIMEOUT, terminal=True).status, CANCELLED)
+        # A cancel from outside of the server's own task: its notification comes from
+        # a look at the file made after the confirmation above, so anything that look
+        # had to say about the others was said before it.
+        side.cancel(busy)
+        client.wait_for(lambda m: _status_of(m, busy))
+        client.flush()
+        self.assertEqual([n["status"] for n in notes(asked)],
+                         ["input_required", "working", "completed"])
+        self.assertEqual([n["status"] for n in notes(flipped)],
+                         ["input_required", "working", "completed"])
+        self.assertEqual([n["status"] for n in notes(failed)], ["failed"])
+        self.assertEqual(notes(failed)[0]["statusMessage"], "broke elsewhere")
+        self.assertEqual([n["status"] for n in notes(cancelled)], ["cancelled"])
+        self.assertEqual([n["status"] for n in notes(busy)], ["cancelled"])
+        for task_id in (asked, flipped, failed):
+            final = client.result("tasks/get", {"taskId": task_id})
+            self.assertEqual(notes(task_id)[-1], final)
+        neighbour.finish(self)
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
