@@ -4671,6 +4671,19 @@ class McpElicitationCommandTests(McpElicitationTests):
 class McpCommandTests(McpTestBase):
     """The command over real pipes: defaults, EOF, SIGTERM, kill -9 and restart."""
 
+    def test_readme_says_what_each_client_sends_first(self):
+        # The Inspector's protocol era is "legacy" unless told otherwise: it sends
+        # initialize, and only a modern or auto era makes it send server/discover.
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            rows = [line for line in f if line.startswith("| ") and "Inspector" in line
+                    and line.count(" | ") >= 2]
+        self.assertTrue(rows)
+        for row in rows:
+            client, sends = row.split(" | ")[:2]
+            told = "--protocol-era modern" in client or '"protocolEra": "modern"' in client
+            self.assertEqual(sends.startswith("`server/discover`"), told, row)
+            self.assertEqual(sends.startswith("`initialize`"), not told, row)
+
     def test_no_options_serves_on_taskstore_db_in_the_current_folder(self):
         client, proc = self.start_process()
         self.assertEqual(client.initialize()["protocolVersion"], "2025-11-25")
