@@ -8398,6 +8398,16 @@ class McpTasksRunElsewhereTests(McpTestBase):
             final = client.result("tasks/get", {"taskId": task_id})
             self.assertEqual(notes(task_id)[-1], final)
         neighbour.finish(self)
+        # A task this server runs itself is followed too, and still told once per change.
+        local = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "here"})
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": local["taskId"]})),
+                         "here")
+        later = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "x"})
+        side.cancel(later["taskId"])    # told by a look at the file made after the above
+        client.wait_for(lambda m: _status_of(m, later["taskId"]))
+        client.flush()
+        self.assertEqual([n["status"] for n in notes(local["taskId"])], ["completed"])
+        self.assertEqual([n["status"] for n in notes(later["taskId"])], ["cancelled"])
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
