@@ -60,18 +60,19 @@ __all__ = [
     "TaskStoreError", "InvalidParams", "InvalidCursor", "TaskNotFound", "TaskExpired",
     "InvalidTransition", "NotCancelable", "IdempotencyMismatch", "EventsExpired",
     "StoreClosed", "StoreUnavailable", "TaskFailed", "Cancelled",
-    "TRANSITIONS", "STATES", "TERMINAL_STATES", "POLICIES", "next_state",
+    "TRANSITIONS", "STATES", "TERMINAL_STATES", "CANCELLED_STATES", "POLICIES", "next_state",
     "mcp_status", "lmsp_status", "to_jsonrpc_error", "to_problem", "problem_object",
     "fingerprint", "new_id", "is_task_id", "iso_time", "main",
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
     "FAILED", "CANCELLED",
     # MCP server (section 9)
     "McpServer", "McpTool", "ToolContext", "McpError", "ParseError", "InvalidRequest",
-    "MethodNotFound", "add_demo_tools", "text_result", "mcp_task_to_wire", "check_arguments", "add_mcp_parser",
+    "MethodNotFound", "ServerBusy", "add_demo_tools", "text_result", "mcp_task_to_wire", "check_arguments", "add_mcp_parser",
     "run_mcp", "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
     "mcp_task_to_modern_wire", "mcp_jsonrpc_error", "MissingClientCapability",
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
     "ElicitationMismatch", "elicitation_problems",
+    "MCP_CANCELLED_MESSAGE",
     # LMSP HTTP server (section 10)
     "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
@@ -204,6 +205,11 @@ STATES = tuple(TRANSITIONS)
 TERMINAL_STATES = frozenset(s for s, row in TRANSITIONS.items() if not row)
 UNFINISHED_STATES = tuple(s for s in STATES if s not in TERMINAL_STATES)
 ACTIVE_STATES = (LOADING, RUNNING, INPUT_REQUIRED, CANCELLING)  # owned by a runner
+# Where a cancel leads: a task in one of these was cancelled already.  A repeat
+# cancel returns it unchanged (LMSP: cancel is idempotent), or, for a caller
+# that refuses repeats (MCP shows both as the terminal "cancelled"), is
+# NotCancelable like a finished task.
+CANCELLED_STATES = frozenset(row[CANCEL] for row in TRANSITIONS.values() if CANCEL in row)
 
 
 def next_state(task_id, state, event):
@@ -215,7 +221,7 @@ def next_state(task_id, state, event):
     try:
         return TRANSITIONS[state][event]
     except KeyError:
-        if event == CANCEL and state in TERMINAL_STATES:
+        if event == CANCEL and (state in TERMINAL_STATES or state in CANCELLED_STATES):
             raise NotCancelable(task_id, state) from None
         raise InvalidTransition(task_id, state, event) from None
 
@@ -237,6 +243,32 @@ def transition_table_markdown():
 # functions at the end of this section are the only readers of that data.
 # Messages are part of the API; internal details (tracebacks, SQL) never go
 # into them.
+
+ECHO_CHARS = 80    # characters of an id or name from outside that an error message repeats
+
+
+def _echo(text, limit=ECHO_CHARS):
+    """Return *text*, an id or name from outside, fit to repeat inside an error message.
+
+    Anything may arrive where an id belongs: non-ASCII, lone surrogates,
+    control characters, megabytes.  Each character that is not printable
+    ASCII is written as its Python escape (``\\xe9``, ``\\ud800``, ``\\n``),
+    and what is shown stops at *limit* characters: one short printable line
+    that every encoder, log and terminal takes as it is.
+    """
+    text = text if isinstance(text, str) else repr(text)
+    if len(text) <= limit and text.isascii() and text.isprintable():
+        return text
+    shown, size = [], 0
+    for char in text:
+        if not (char.isascii() and char.isprintable()):
+            char = char.encode("unicode_escape").decode("ascii")
+        if size + len(char) > limit:
+            return f"{''.join(shown)}... ({len(text)} characters)"
+        shown.append(char)
+        size += len(char)
+    return "".join(shown)
+
 
 class TaskStoreError(Exception):
     """Base class of every error this module raises on purpose.
@@ -279,7 +311,7 @@ class TaskNotFound(TaskStoreError):
     jsonrpc_code = -32602
 
     def __init__(self, task_id, message=None):
-        super().__init__(message or f"no task with id {task_id}")
+        super().__init__(message or f"no task with id {_echo(task_id)}")
         self.task_id = task_id
 
 
@@ -287,7 +319,7 @@ class TaskExpired(TaskNotFound):
     """The task existed but was deleted when its retention ended."""
 
     def __init__(self, task_id):
-        super().__init__(task_id, f"task {task_id} has expired")
+        super().__init__(task_id, f"task {_echo(task_id)} has expired")
 
 
 class InvalidTransition(TaskStoreError):
@@ -303,7 +335,7 @@ class InvalidTransition(TaskStoreError):
 
 
 class NotCancelable(InvalidTransition):
-    """Cancel of a task that already succeeded or failed."""
+    """Cancel of a task that already succeeded or failed (or, repeats refused, was cancelled)."""
 
     code = "task_not_cancelable"
 
@@ -711,7 +743,7 @@ def _as_tuple(value, param, allowed=None):
     values = (value,) if isinstance(value, str) else tuple(value)
     for v in values:
         if not isinstance(v, str) or (allowed is not None and v not in allowed):
-            raise InvalidParams(f"unknown {param} {v!r}", param=param)
+            raise InvalidParams(f"unknown {param} {_echo(repr(v))}", param=param)
     return values
 
 
@@ -1274,7 +1306,7 @@ class TaskStore:
         if not isinstance(task_id, str):
             raise InvalidParams("task id must be a string", param="task_id")
         if not task_id.isascii():
-            raise TaskNotFound(task_id.encode("utf-8", "backslashreplace").decode("ascii"))
+            raise TaskNotFound(task_id)     # never an id; the message escapes it
         row = self._conn.execute(_SELECT_TASK_AT, (self._now_ms(), task_id)).fetchone()
         if row is None or (principal is not None and row[_PRINCIPAL_INDEX] != principal):
             if row is None and self._conn.execute(
@@ -1874,6 +1906,49 @@ class TaskStore:
                     self._changed_waiting -= 1
                 self._check_open()
 
+    def wait_any(self, last_seqs, *, timeout):
+        """Block until some of the tasks have events the caller has not seen; return them.
+
+        *last_seqs* maps task ids to the last event ``seq`` the caller has
+        handled.  Returns ``{task_id: Task}`` for every task whose ``last_seq``
+        is past it (``None`` for a task that no longer exists) as soon as
+        there is one, or ``{}`` after *timeout* seconds.  Like ``wait``, a
+        write in this process wakes it at once and another process's write
+        is seen within ``poll_interval``: no busy polling, whatever the count.
+        The ids are read 500 at a time, the lock taken for each batch only,
+        so that a long list never holds up writers.
+
+        Raises:
+            StoreClosed: the store was closed while waiting.
+        """
+        ids = list(last_seqs)
+        deadline = time.monotonic() + timeout
+        while True:
+            moved = {}
+            for start in range(0, max(len(ids), 1), 500):
+                chunk = ids[start:start + 500]
+                with self._reading() as conn:
+                    seqs = dict(conn.execute(
+                        f"SELECT id, last_seq FROM tasks WHERE id IN "
+                        f"({', '.join('?' * len(chunk))})", chunk).fetchall())
+                    for task_id in chunk:
+                        seq = seqs.get(task_id)
+                        if seq is None or seq > last_seqs[task_id]:
+                            moved[task_id] = None if seq is None else self._read_locked(task_id)
+                    remaining = deadline - time.monotonic()
+                    if start + 500 < len(ids) or moved or remaining <= 0:
+                        continue
+                    # The last batch: wait with the lock still held since its
+                    # read, so that no commit of this process slips between.
+                    self._changed_waiting += 1
+                    try:
+                        self._changed.wait(min(remaining, self.poll_interval))
+                    finally:
+                        self._changed_waiting -= 1
+                    self._check_open()
+            if moved or deadline - time.monotonic() <= 0:
+                return moved
+
     def load_snapshot(self, task_id):
         """Return the task's last saved snapshot, or None."""
         with self._reading() as conn:
@@ -1884,23 +1959,26 @@ class TaskStore:
 
     # -- moving tasks ----------------------------------------------------------
 
-    def cancel(self, task_id, *, principal=None, reason=None):
+    def cancel(self, task_id, *, principal=None, reason=None, refuse_repeat=False):
         """Cancel a task and return it.
 
         A queued task is ``cancelled`` at once; a loading, running or
         input_required one becomes ``cancelling`` until its work stops.
-        Cancelling a cancelling or cancelled task returns it unchanged.  The
+        Cancelling a cancelling or cancelled task (``CANCELLED_STATES``)
+        returns it unchanged, or with *refuse_repeat* raises NotCancelable
+        (MCP 2025-11-25 shows both as the terminal ``cancelled``).  The
         task's in-process cancel event is set after the commit.
 
         Raises:
-            NotCancelable: the task already succeeded or failed.
+            NotCancelable: the task already succeeded or failed, or it was
+                cancelled already and *refuse_repeat* is true.
             TaskNotFound, TaskExpired: as ``get``.
         """
         _check_str(reason, "reason", max_len=10000)
         now = self._now_ms()
         with self._writing() as notices:
             task = self._get_locked(task_id, principal)
-            if task.status not in (CANCELLING, CANCELLED):
+            if refuse_repeat or task.status not in CANCELLED_STATES:
                 task = self._transition_locked(notices, task, CANCEL, now, message=reason)
             event = self._cancel_events.get(task_id)
         if event is not None and task.status == CANCELLING:
@@ -2939,9 +3017,10 @@ class Runner:
 # shape.  Rules: no SQL and no store locking here; errors reach the client only
 # through mcp_jsonrpc_error, i.e. to_jsonrpc_error plus the class's extra data
 # (or, for tasks/result, as the error stored when the task failed); the
-# reader thread never blocks on the store (every request runs on its own
-# thread); McpServer._send is the only writer of the output stream, and in the
-# modern era it never writes a request.
+# reader thread never blocks on the store (a request that may wait or write
+# runs on one of two bounded pools, past which it is refused); McpServer._send
+# is the only writer of the output stream, and in the modern era it never
+# writes a request.
 
 MCP_PROTOCOL_VERSION = "2025-11-25"
 # Older revisions are served the way the 1.x SDK serves them: same
@@ -2956,13 +3035,21 @@ DEFAULT_MCP_POLL_INTERVAL_MS = 500
 DEFAULT_MCP_PAGE_SIZE = 50
 DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
 # Requests that only read the store (never block, never wait for a task) run on
-# the reader thread; the others (tools/call, tasks/result, writes that may wait
-# for a busy file) get a thread each so they never hold up the reader.
+# the reader thread; the others run on two bounded pools so that they never hold
+# up the reader: requests that wait for work (a tasks/result for an unfinished
+# task, a tools/call run inline) on the waiting pool, everything else that may
+# write (and so wait for a busy file) on the write pool.  Past either one's
+# limit a request is refused at once with ServerBusy.
 _QUICK_METHODS = frozenset(("ping", "tasks/get", "tasks/status", "tasks/list", "tools/list",
                             "server/discover"))
+DEFAULT_MCP_MAX_WAITING = 64            # waiting requests served at once (--max-waiting)
+MCP_WRITE_THREADS = 8                   # threads of the write pool
+MCP_WRITE_BACKLOG = 1024                # write requests that may wait in line for one
 MAX_SAFE_INTEGER = 2**53 - 1            # the largest ttl granted when there is no cap
 SHUTDOWN_GRACE_S = 1.0                  # running work gets this long at EOF/SIGTERM
-_MCP_TERMINAL = frozenset(("completed", "failed", "cancelled"))
+_MCP_TERMINAL = frozenset(MCP_STATUS[s] for s in TERMINAL_STATES)  # cancelling shows cancelled
+# The statusMessage of a task MCP shows as cancelled, whatever its work said last.
+MCP_CANCELLED_MESSAGE = "The task was cancelled."
 _UNSET = object()
 _NO_RESPONSE = object()                 # an inline call cancelled by the client gets no answer
 # The 2026-07-28 era (MCP-TASKS-EXTENSION.md).  The era is named by its version.
@@ -3004,6 +3091,18 @@ class MethodNotFound(TaskStoreError):
     code = "method_not_found"
     http_status = 404
     jsonrpc_code = -32601
+
+
+class ServerBusy(TaskStoreError):
+    """A request refused at once because its pool is full (-32005); the client may retry.
+
+    -32005 is in JSON-RPC's range for server-defined errors; Ethereum's
+    JSON-RPC uses it for "limit exceeded" too.
+    """
+
+    code = "server_busy"
+    http_status = 503
+    jsonrpc_code = -32005
 
 
 class McpError(TaskStoreError):
@@ -3063,7 +3162,7 @@ class UnsupportedProtocolVersion(TaskStoreError):
     jsonrpc_code = -32022
 
     def __init__(self, requested, supported):
-        super().__init__(f"Unsupported protocol version: {requested!r}; "
+        super().__init__(f"Unsupported protocol version: {_echo(repr(requested))}; "
                          f"supported: {', '.join(supported)}")
         self.jsonrpc_data = {"supported": list(supported), "requested": requested}
 
@@ -3102,10 +3201,21 @@ def mcp_task_to_wire(task, poll_interval_ms):
     wire = {"taskId": task.id, "status": mcp_status(task),
             "createdAt": iso_time(task.created_at), "lastUpdatedAt": iso_time(task.updated_at),
             "ttl": task.ttl_ms, "pollInterval": poll_interval_ms}
-    message = task.status_message or (task.error or {}).get("message")
+    message = _mcp_status_message(task, wire["status"])
     if message:
         wire["statusMessage"] = message
     return wire
+
+
+def _mcp_status_message(task, status):
+    """The statusMessage of a task MCP shows as *status*: a cancelled one says so.
+
+    The stored message is the work's last report ("step 1/30"), or the
+    failure's message; once cancelled, that report is no longer the news.
+    """
+    if status == "cancelled":
+        return MCP_CANCELLED_MESSAGE
+    return task.status_message or (task.error or {}).get("message")
 
 
 def mcp_task_to_modern_wire(task, poll_interval_ms, *, created=False):
@@ -3126,7 +3236,7 @@ def mcp_task_to_modern_wire(task, poll_interval_ms, *, created=False):
             "status": status, "createdAt": iso_time(task.created_at),
             "lastUpdatedAt": iso_time(task.updated_at), "ttlMs": task.ttl_ms,
             "pollIntervalMs": poll_interval_ms}
-    message = task.status_message or error.get("message")
+    message = _mcp_status_message(task, status)
     if message:
         wire["statusMessage"] = message
     if created:
@@ -3436,6 +3546,58 @@ class _LineReader:
             self._buffer += chunk
 
 
+class _Pool:
+    """Threads for requests: *size* run at once, *backlog* more wait in line, the rest are refused.
+
+    A thread starts when a request finds none free and then stays for the
+    next one (at most *size* ever exist); ``close`` ends them.  ``submit``
+    never blocks, so the reader thread that calls it never waits.
+    """
+
+    def __init__(self, size, backlog, name):
+        self.size, self.backlog, self.name = size, backlog, name
+        self._lock = threading.Lock()
+        self._jobs = queue.SimpleQueue()
+        self._busy = 0                  # submitted and not finished: running or in line
+        self._threads = []
+
+    def submit(self, job):
+        """Run ``job()`` on a thread of the pool; return False (and run nothing) when full."""
+        with self._lock:
+            if self._busy >= self.size + self.backlog:
+                return False
+            self._busy += 1
+            if len(self._threads) < min(self._busy, self.size):
+                thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:    # the system has no thread left to give
+                    self._busy -= 1
+                    return False
+                self._threads.append(thread)
+        self._jobs.put(job)
+        return True
+
+    def _work(self):
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:           # a bug in one request must not cost a thread
+                logger.exception("mcp request failed")
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+    def close(self, deadline):
+        """Let the threads finish what was submitted, then end; wait until *deadline*."""
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
+            self._jobs.put(None)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
 class McpTool(typing.NamedTuple):
     """A tool the server offers: ``handler(ctx, arguments)`` returns the result.
 
@@ -3575,7 +3737,8 @@ class McpServer:
     2026-07-28 (the ``io.modelcontextprotocol/tasks`` extension: the server
     makes a task of every non-forbidden tool call of a client that declares
     it).  Either way a task is a store task (kind ``mcp.tools/call``) run by
-    this server's Runner; everything else is answered on a per-request thread.
+    this server's Runner.  Reads are answered on the reader thread; requests
+    that may wait or write run on two bounded thread pools (``max_waiting``).
 
     Example::
 
@@ -3596,7 +3759,7 @@ class McpServer:
                  allow_unlimited_ttl=False, poll_interval_ms=DEFAULT_MCP_POLL_INTERVAL_MS,
                  list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, workers=4,
                  max_line_bytes=DEFAULT_MAX_LINE_BYTES, name="taskstore", version=__version__,
-                 shutdown_grace_s=SHUTDOWN_GRACE_S):
+                 shutdown_grace_s=SHUTDOWN_GRACE_S, max_waiting=DEFAULT_MCP_MAX_WAITING):
         self.store = store
         self.default_ttl_ms = default_ttl_ms
         self.max_ttl_ms = max_ttl_ms if max_ttl_ms is not None else store.max_ttl_ms
@@ -3622,7 +3785,18 @@ class McpServer:
         self._pending = {}                  # our request id -> (task id or None, callback)
         self._inline = {}                   # client request id -> ToolContext of an inline call
         self._sent = {}                     # task id -> (version, MCP status, progress) notified
-        self._threads = set()
+        # Status notifications follow each task's event log, told once and in
+        # order whether this process moved the task (the listener) or another
+        # one did (the follower thread): see _tell_status.
+        self._told = {}                     # task id -> (last event seq handled, MCP status told)
+        self._followed = set()              # this session's tasks not yet told terminal
+        self._notify_lock = threading.Lock()    # one teller at a time; taken before _lock
+        self._follow_wake = threading.Event()
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
+            raise InvalidParams("max_waiting must be an integer >= 1", param="max_waiting")
+        self.max_waiting = max_waiting
+        self._waiting = _Pool(max_waiting, 0, "taskstore-mcp-waiting")
+        self._writes = _Pool(MCP_WRITE_THREADS, MCP_WRITE_BACKLOG, "taskstore-mcp-write")
         self._requests_sent = 0             # our requests' ids are "srv-1", "srv-2", ...
         # method -> fn(params, request_id) -> result
         self._methods = {
@@ -3699,6 +3873,9 @@ class McpServer:
         reader = threading.Thread(target=self._read_loop, args=(infile,),
                                   name="taskstore-mcp-reader", daemon=True)
         reader.start()
+        follower = threading.Thread(target=self._follow, name="taskstore-mcp-follower",
+                                    daemon=True)
+        follower.start()
         try:
             # A timed wait, so that stop()'s flag is seen promptly.
             while not self._stop.wait(0.1) and not self._stop_requested:
@@ -3714,10 +3891,10 @@ class McpServer:
             # policy, so none shows as working with nobody to run it.
             self.runner.stop(timeout=self.shutdown_grace_s)
             deadline = time.monotonic() + 0.5
-            with self._lock:
-                threads = list(self._threads)
-            for thread in threads:
-                thread.join(max(0.0, deadline - time.monotonic()))
+            for pool in (self._waiting, self._writes):
+                pool.close(deadline)
+            self._follow_wake.set()
+            follower.join(max(0.0, deadline - time.monotonic()))
             self.store.remove_listener(self._on_change)
             with self._write_lock:
                 self._out = None
@@ -3781,25 +3958,64 @@ class McpServer:
                 era = self._select_era(message)
             except TaskStoreError as exc:
                 era = exc
-            if message.get("method") in _QUICK_METHODS:
+            pool = self._pool_for(message, era)
+            if pool is None:
                 # A read that never waits: answered here, in order, without the
                 # cost of a thread (most of a tasks/get round trip otherwise).
                 self._run_request(message, era)
-                return
-            thread = threading.Thread(target=self._run_request, args=(message, era),
-                                      name="taskstore-mcp-request", daemon=True)
-            with self._lock:
-                self._threads.add(thread)
-            thread.start()
+            elif not pool.submit(functools.partial(self._run_request, message, era)):
+                if pool is self._waiting:
+                    busy = ServerBusy(f"too many requests are waiting: at most {pool.size} at "
+                                      "once (tasks/result for an unfinished task, tools/call "
+                                      "run inline); try again later")
+                else:
+                    busy = ServerBusy(f"too many requests in progress: at most {pool.size} "
+                                      f"at once and {pool.backlog} in line; try again later")
+                self._reply(message["id"], error=mcp_jsonrpc_error(busy))
+
+    def _pool_for(self, message, era):
+        """Return the pool that serves a request, or None to answer it on the reader thread.
+
+        None for reads that never wait and for anything answered at once with
+        an error; the waiting pool for a tasks/result whose task MCP does not
+        show as finished and for a tools/call that runs inline; the write pool
+        for the rest (creating a task, cancel, update, initialize).
+        """
+        method = message.get("method")
+        if method in _QUICK_METHODS or isinstance(era, Exception) or (
+                method not in self._methods and method not in self._modern_methods):
+            return None
+        params = message.get("params")
+        params = params if isinstance(params, dict) else {}
+        if method == "tasks/result":
+            try:
+                finished = mcp_status(self._get_task(params)) in _MCP_TERMINAL
+            except TaskStoreError:
+                return None                 # answered at once with the same error
+            return None if finished else self._waiting
+        if method == "tools/call" and self._runs_inline(params, era):
+            return self._waiting
+        return self._writes
+
+    def _runs_inline(self, params, era):
+        """True when a tools/call will run its tool inline (as ``_tools_call*`` decide)."""
+        name = params.get("name")
+        tool = self.tools.get(name) if isinstance(name, str) else None
+        if tool is None:
+            return False                    # -32602 at once
+        if era == _MODERN:
+            capabilities = params["_meta"].get(META_CLIENT_CAPABILITIES)
+            return (not isinstance(capabilities, dict) or not self._declares_tasks(capabilities)
+                    or tool.task_support == "forbidden")
+        try:
+            return _task_request(params) is None
+        except TaskStoreError:
+            return False                    # -32602 at once
 
     def _run_request(self, message, era=_UNSET):
-        try:
-            response = self.handle_request(message, era)
-            if response is not None:
-                self._send(response)
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
+        response = self.handle_request(message, era)
+        if response is not None:
+            self._send(response)
 
     def _send(self, message):
         """Write one message as one line; the only writer of the output stream."""
@@ -3893,7 +4109,7 @@ class McpServer:
                 return {"jsonrpc": "2.0", "id": msg_id, "result": result}
             method = self._methods.get(message.get("method"))
             if method is None:
-                raise MethodNotFound(f"method not found: {message.get('method')}")
+                raise MethodNotFound(f"method not found: {_echo(message.get('method'))}")
             params = message.get("params", {})
             if params is None:
                 params = {}
@@ -3969,9 +4185,9 @@ class McpServer:
         if method is None:
             hint = _MODERN_REPLACED.get(message.get("method"))
             if hint is not None:
-                raise MethodNotFound(f"method not found: {message['method']} is not part of "
+                raise MethodNotFound(f"method not found: {_echo(message['method'])} is not part of "
                                      f"MCP {_MODERN}; {hint}")
-            raise MethodNotFound(f"method not found: {message.get('method')}")
+            raise MethodNotFound(f"method not found: {_echo(message.get('method'))}")
         result = method(params, message.get("id"), capabilities)
         if result is _NO_RESPONSE:
             return result
@@ -4001,7 +4217,7 @@ class McpServer:
         name = params.get("name")
         tool = self.tools.get(name) if isinstance(name, str) else None
         if tool is None:
-            raise InvalidParams(f"Unknown tool: {name}", param="name")
+            raise InvalidParams(f"Unknown tool: {_echo(name)}", param="name")
         arguments = params.get("arguments")
         if arguments is None:
             arguments = {}
@@ -4148,6 +4364,9 @@ class McpServer:
                                  meta={"session": self._session, "progressToken": token,
                                        "legacy": legacy, "era": _LEGACY},
                                  owner=self.runner.process_id)
+        with self._lock:                    # another process may run it: follow its events
+            self._followed.add(task.id)
+        self._follow_wake.set()
         return _create_task_result(task, self.poll_interval_ms, legacy)
 
     def _call_inline(self, tool, arguments, token, msg_id, era=_LEGACY, capabilities=None):
@@ -4224,7 +4443,9 @@ class McpServer:
     def _tasks_cancel(self, params, _):
         task = self._get_task(params, _LESSON_ID_KEYS)
         try:
-            task = self.store.cancel(task.id)
+            # 2025-11-25: a cancel of a task in a terminal status is -32602, and
+            # what counts is what MCP shows: cancelling is "cancelled" too.
+            task = self.store.cancel(task.id, refuse_repeat=True)
         except NotCancelable as exc:
             # Same error class, MCP's word for the status in its message.
             raise NotCancelable(task.id, mcp_status(exc.state)) from None
@@ -4252,30 +4473,99 @@ class McpServer:
             return
         status = mcp_status(task)
         token = task.meta.get("progressToken")
-        with self._lock:
-            version, sent, progress = self._sent.get(task.id, (0, "working", None))
-            # Listeners of two writers may run out of order: only newer news counts.
-            fresh = task.version > version
-            # MCP: progress must increase, and it stops at the terminal status.
-            new_progress = (change == "progress" and token is not None
-                            and task.progress is not None and status not in _MCP_TERMINAL
-                            and (progress is None or task.progress > progress))
-            if fresh:
-                self._sent[task.id] = (task.version, status,
-                                       task.progress if new_progress else progress)
-            if status in _MCP_TERMINAL:     # a pending input request can never be used
-                for request_id in [k for k, v in self._pending.items() if v[0] == task.id]:
-                    del self._pending[request_id]
-        if not fresh:
+        with self._notify_lock:
+            with self._lock:
+                version, sent, progress = self._sent.get(task.id, (0, "working", None))
+                # Listeners of two writers may run out of order: only newer news counts.
+                fresh = task.version > version
+                # MCP: progress must increase, and it stops at the terminal status
+                # (which the follower may have told already).
+                new_progress = (change == "progress" and token is not None
+                                and task.progress is not None and status not in _MCP_TERMINAL
+                                and self._told.get(task.id, (0, ""))[1] not in _MCP_TERMINAL
+                                and (progress is None or task.progress > progress))
+                if fresh:
+                    self._sent[task.id] = (task.version, status,
+                                           task.progress if new_progress else progress)
+                if status in _MCP_TERMINAL:     # a pending input request can never be used
+                    for request_id in [k for k, v in self._pending.items() if v[0] == task.id]:
+                        del self._pending[request_id]
+            if not fresh:
+                return
+            self._tell_status(task)
+            if change == "status" and task.status == INPUT_REQUIRED and task.input_request:
+                self._send_input_request(task)
+            if new_progress:
+                self._notify_progress(token, task.progress, task.progress_total,
+                                      task.status_message, task.id)
+
+    def _tell_status(self, task):
+        """Send ``notifications/tasks/status`` for each MCP status change of *task* not told yet.
+
+        *task* is the task as read after a commit.  The changes are its
+        ``status`` events past the last one handled: one new event is *task*
+        itself; several (another process moved the task, or a listener ran
+        late) are read from its event log and told in order, the last one as
+        *task*, the others as their event says.  Once a terminal status is
+        told nothing more is.  The caller holds ``_notify_lock``.
+        """
+        seq, told = self._told.get(task.id, (0, "working"))
+        if task.last_seq <= seq:
             return
-        if status != sent:
-            self._notify("notifications/tasks/status",
-                         mcp_task_to_wire(task, self.poll_interval_ms))
-        if change == "status" and task.status == INPUT_REQUIRED and task.input_request:
-            self._send_input_request(task)
-        if new_progress:
-            self._notify_progress(token, task.progress, task.progress_total,
-                                  task.status_message, task.id)
+        steps = [task]
+        if task.last_seq > seq + 1 and told not in _MCP_TERMINAL:
+            try:
+                events = self.store.events(task.id, after=seq)
+            except TaskStoreError:          # pruned or purged meanwhile: the task says it all
+                events = ()
+            changes = [e for e in events if e.type == "status" and e.seq <= task.last_seq]
+            steps = [task._replace(status=e.data["status"], updated_at=e.created_at,
+                                   status_message=e.data.get("message"),
+                                   error=e.data.get("error"))
+                     for e in changes[:-1]] + [task]
+        for step in steps:
+            status = mcp_status(step)
+            if status != told and told not in _MCP_TERMINAL:
+                told = status
+                self._notify("notifications/tasks/status",
+                             mcp_task_to_wire(step, self.poll_interval_ms))
+        with self._lock:
+            self._told[task.id] = (task.last_seq, told)
+            if told in _MCP_TERMINAL:
+                self._followed.discard(task.id)
+
+    def _follow(self):
+        """Tell the client about its tasks when another process moves them (a thread).
+
+        The listener sees this process's commits only.  This thread waits on
+        the store for events past those told (``wait_any``: woken by this
+        process's commits, re-reading every ``poll_interval`` for the
+        others'), and tells them through ``_tell_status`` as the listener
+        does, so nothing is told twice.  With no task to follow it sleeps.
+        """
+        while not self._stop.is_set():
+            with self._lock:
+                seen = {task_id: self._told.get(task_id, (0, ""))[0]
+                        for task_id in self._followed}
+            if not seen:
+                self._follow_wake.wait()
+                self._follow_wake.clear()
+                continue
+            try:
+                moved = self.store.wait_any(seen, timeout=self.store.poll_interval)
+            except StoreClosed:
+                return
+            except TaskStoreError as exc:   # a file that is locked or full: look again later
+                logger.warning("cannot follow this session's tasks: %s", exc)
+                self._stop.wait(self.store.poll_interval)
+                continue
+            for task_id, task in moved.items():
+                if task is None:            # purged: nothing more will happen to it
+                    with self._lock:
+                        self._followed.discard(task_id)
+                    continue
+                with self._notify_lock:
+                    self._tell_status(task)
 
     def _send_input_request(self, task):
         request = task.input_request
@@ -4412,6 +4702,12 @@ def add_mcp_parser(subparsers):
                    help="tasks per tasks/list page (default: %(default)s)")
     p.add_argument("--workers", metavar="N", type=_at_least(1), default=4,
                    help="worker threads running tasks (default: %(default)s)")
+    p.add_argument("--max-waiting", metavar="N", type=_at_least(1),
+                   default=DEFAULT_MCP_MAX_WAITING,
+                   help="requests that wait for work served at once, a thread each (a "
+                        "tasks/result for an unfinished task, a tools/call run inline); one "
+                        "more is answered -32005 'try again later' at once "
+                        "(default: %(default)s)")
     p.add_argument("--max-line-bytes", metavar="N", type=_at_least(1024),
                    default=DEFAULT_MAX_LINE_BYTES,
                    help="longest accepted input line; longer ones get -32600 "
@@ -4438,7 +4734,7 @@ def run_mcp(args):
                            allow_unlimited_ttl=args.allow_unlimited_ttl,
                            poll_interval_ms=args.poll_interval, list_tasks=not args.no_list,
                            page_size=args.page_size, workers=args.workers,
-                           max_line_bytes=args.max_line_bytes)
+                           max_line_bytes=args.max_line_bytes, max_waiting=args.max_waiting)
         add_demo_tools(server)
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
@@ -4515,7 +4811,7 @@ class MethodNotAllowed(TaskStoreError):
     http_status = 405
 
     def __init__(self, method, allow):
-        super().__init__(f"method {method} is not allowed here; use {', '.join(allow)}")
+        super().__init__(f"method {_echo(method)} is not allowed here; use {', '.join(allow)}")
         self.allow = allow
 
 
@@ -5207,7 +5503,7 @@ class LMSPApp:
             else:
                 if path.startswith("/lmsp/"):
                     self.authenticate(headers)     # existence of routes needs a token too
-                raise RouteNotFound(f"no route {path}")
+                raise RouteNotFound(f"no route {_echo(path)}")
             if (method == "OPTIONS" and origin is not None
                     and "Access-Control-Request-Method" in headers):
                 # A CORS preflight carries no token; the request that follows does.
@@ -5302,7 +5598,7 @@ class LMSPApp:
     def _task_id(self, task_id):
         # Shape first: an id this module cannot have issued never reaches SQL.
         if not is_task_id(task_id) or not task_id.startswith("task_"):
-            raise TaskNotFound(task_id[:80])
+            raise TaskNotFound(task_id)     # the message escapes and shortens it
         return task_id
 
     def _query(self, request, name):
@@ -5373,7 +5669,7 @@ class LMSPApp:
     def _list(self, request):
         status = self._query(request, "status")
         if status is not None and status not in LMSP_STATUS.values():
-            raise InvalidParams(f"unknown status {status!r}", param="status")
+            raise InvalidParams(f"unknown status {_echo(repr(status))}", param="status")
         limit = self._query(request, "limit") or "20"
         if not re.fullmatch(r"[0-9]{1,3}", limit) or not 1 <= int(limit) <= 100:
             raise InvalidParams("limit must be an integer from 1 to 100", param="limit")

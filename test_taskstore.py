@@ -207,6 +207,30 @@ class StoreTransitionTests(StoreTestCase):
                         self.assertEqual(last.data, {"status": expected, "from": state})
                     self.assertContiguous(task_id)
 
+    def test_a_cancel_refusing_repeats_refuses_what_mcp_shows_as_terminal(self):
+        # One rule, two readings: what a cancel that refuses repeats refuses is
+        # exactly what the MCP projection shows as completed, failed or cancelled.
+        mcp_terminal = {taskstore.MCP_STATUS[s] for s in taskstore.TERMINAL_STATES}
+        self.assertEqual(mcp_terminal, {"completed", "failed", "cancelled"})
+        for state in taskstore.STATES:
+            with self.subTest(state=state):
+                task_id = self.task_in(state)
+                before = self.store.get(task_id)
+                refused = taskstore.MCP_STATUS[state] in mcp_terminal
+                self.assertEqual(state in taskstore.TERMINAL_STATES
+                                 or state in taskstore.CANCELLED_STATES, refused)
+                if refused:
+                    with self.assertRaises(taskstore.NotCancelable) as cm:
+                        self.store.cancel(task_id, refuse_repeat=True)
+                    self.assertEqual(cm.exception.state, state)
+                    self.assertEqual(self.store.get(task_id), before)
+                else:
+                    self.assertIn(self.store.cancel(task_id, refuse_repeat=True).status,
+                                  taskstore.CANCELLED_STATES)
+                # Without refuse_repeat a repeat cancel returns the task unchanged.
+                if state in taskstore.CANCELLED_STATES:
+                    self.assertEqual(self.store.cancel(task_id), before)
+
     def test_sequences_stay_contiguous_after_thousands_of_transitions(self):
         import random
         rng = random.Random(7)
@@ -361,6 +385,32 @@ class LifecycleTests(StoreTestCase):
         subprocess.run([sys.executable, "-c", script], check=True, timeout=TIMEOUT)
         self.assertEqual(out.get(timeout=TIMEOUT).status, CANCELLED)
         thread.join(TIMEOUT)
+
+    def test_wait_any_returns_the_tasks_with_unseen_events_local_or_not(self):
+        tasks = [self.store.create("k") for _ in range(1201)]     # three batches of ids
+        seen = {t.id: t.last_seq for t in tasks}
+        seen["task_" + "0" * 36] = 0
+        # Nothing new but the id that does not exist (so the call returns at once).
+        self.assertEqual(self.store.wait_any(seen, timeout=TIMEOUT),
+                         {"task_" + "0" * 36: None})
+        del seen["task_" + "0" * 36]
+        self.assertEqual(self.store.wait_any(seen, timeout=0.01), {})
+        out = queue.Queue()
+        thread = threading.Thread(target=lambda: out.put(self.store.wait_any(seen,
+                                                                             timeout=TIMEOUT)))
+        thread.start()
+        self.store.cancel(tasks[700].id)            # a write here wakes it
+        self.assertEqual({k: v.status for k, v in out.get(timeout=TIMEOUT).items()},
+                         {tasks[700].id: CANCELLED})
+        thread.join(TIMEOUT)
+        seen[tasks[700].id] = self.store.get(tasks[700].id).last_seq
+        script = (f"import sys; sys.path.insert(0, {HERE!r}); import taskstore\n"
+                  f"s = taskstore.TaskStore({self.path!r}, recover_on_open=False)\n"
+                  f"s.cancel({tasks[5].id!r}); s.cancel({tasks[1200].id!r}); s.close()\n")
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=TIMEOUT)
+        moved = self.store.wait_any(seen, timeout=TIMEOUT)      # another process's, at a poll
+        self.assertEqual({k: v.status for k, v in moved.items()},
+                         {tasks[5].id: CANCELLED, tasks[1200].id: CANCELLED})
 
     def test_wait_times_out_with_the_current_task(self):
         task = self.store.create("k")
@@ -1677,6 +1727,26 @@ class BadInputTests(StoreTestCase):
             deep = [deep]
         with self.assertRaises(taskstore.InvalidParams):
             self.store.create("k", deep)
+
+    def test_any_text_where_an_id_belongs_is_not_found_with_a_printable_message(self):
+        # Ids come from outside (a JSON-RPC param, a URL): the message repeats a
+        # bounded, printable ASCII form of whatever arrived.
+        hostile = ["t\u00e2che", "task_\u00e9" + "0" * 35, "\u4e2d\U0001f600", "task_\ud800",
+                   "a\r\nb\x00c\x1b[31m", "x" * 100_000, "\u00e9" * 5000, "task_\u2028\u0085"]
+        for task_id in hostile:
+            with self.subTest(task_id=task_id[:20]):
+                with self.assertRaises(taskstore.TaskNotFound) as cm:
+                    self.store.get(task_id)
+                for exc in (cm.exception, taskstore.TaskNotFound(task_id),
+                            taskstore.TaskExpired(task_id)):
+                    message = str(exc)
+                    self.assertTrue(message.isascii() and message.isprintable(), repr(message))
+                    self.assertLess(len(message), 200)
+                self.assertEqual(cm.exception.task_id, task_id)    # the attribute keeps it
+        self.assertEqual(str(taskstore.TaskNotFound("t\u00e2che\n")),
+                         "no task with id t\\xe2che\\n")
+        self.assertEqual(str(taskstore.TaskNotFound("x" * 100)),
+                         "no task with id " + "x" * 80 + "... (100 characters)")
 
     def test_sql_text_in_values_is_only_data(self):
         evil = "x'); DROP TABLE tasks; --"
@@ -3234,6 +3304,23 @@ class LmspRouteTests(ServerTestCase):
                 self.assertProblem(client.request("GET", path), 404, "task_not_found")
         self.assertProblem(client.request("POST", f"/lmsp/v1/tasks/{missing}/cancel"),
                            404, "task_not_found")
+
+    def test_ids_paths_and_methods_from_outside_are_echoed_printable_and_short(self):
+        self.start_server()
+        # The request line arrives as latin-1 text: any byte but a space may be in it.
+        for method, target, status in (
+                ("GET", "/lmsp/v1/tasks/t\xe2che", 404),
+                ("GET", "/lmsp/v1/tasks/task_\x00\x1b[31m\x85", 404),
+                ("POST", "/lmsp/v1/tasks/" + "\xe9" * 5000 + "/cancel", 404),
+                ("GET", "/nope/\xe9\x00" + "x" * 5000, 404),
+                ("GET", "/lmsp/v1/tasks?status=%C3%A9%00" + "y" * 5000, 400),
+                ("G\xc9T\x00" + "Z" * 5000, "/healthz", 405)):
+            with self.subTest(method=method[:8], target=target[:30]):
+                reply = self.app.handle(method, target, http.client.HTTPMessage(), lambda: b"")
+                self.assertEqual(reply.status, status)
+                detail = json.loads(reply.body)["detail"]
+                self.assertTrue(detail.isascii() and detail.isprintable(), detail[:300])
+                self.assertLess(len(detail), 300)
 
     def test_list_is_newest_first_with_limit_cursor_and_status_filter(self):
         backend = StepBackend()
@@ -4819,7 +4906,8 @@ class McpTestBase(unittest.TestCase):
     COMMAND = False
     FLAGS = {"default_ttl_ms": "--default-ttl", "max_ttl_ms": "--max-ttl",
              "page_size": "--page-size", "max_line_bytes": "--max-line-bytes",
-             "poll_interval_ms": "--poll-interval", "workers": "--workers"}
+             "poll_interval_ms": "--poll-interval", "workers": "--workers",
+             "max_waiting": "--max-waiting"}
 
     def start_server(self, tools=(), demo=True, capabilities=None, clock=None, **options):
         """Serve a fresh store; return (client, server, store) after ``initialize``."""
@@ -5037,8 +5125,77 @@ class McpProtocolTests(McpTestBase):
         # The work stopped: the store moves on to its final cancelled status.
         self.assertEqual(store.wait(task["taskId"], timeout=TIMEOUT, terminal=True).status,
                          CANCELLED)
-        self.assertEqual(client.result("tasks/cancel", {"taskId": task["taskId"]})["status"],
+        # A task shown as cancelled is terminal on MCP: a repeat cancel is -32602.
+        self.assertError(client.call("tasks/cancel", {"taskId": task["taskId"]}), -32602,
+                         "already cancelled")
+
+    def test_cancel_of_a_task_shown_cancelled_is_invalid_params(self):
+        client, _, store = self.start_server(workers=1)
+        task_id = self.create_task(client, "generate_report",
+                                   {"topic": "q3", "seconds": 600})["taskId"]
+        # The one worker is busy with the report: this one stays queued, and a
+        # cancel moves it straight to the store's cancelled.
+        queued = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "q"})
+        self.assertEqual(client.result("tasks/cancel", {"taskId": queued["taskId"]})["status"],
                          "cancelled")
+        self.assertEqual(store.get(queued["taskId"]).status, CANCELLED)
+        self.assertError(client.call("tasks/cancel", {"taskId": queued["taskId"]}), -32602,
+                         f"cannot cancel task {queued['taskId']}: it is already cancelled")
+        # A running one is the store's cancelling until its work stops; MCP shows
+        # cancelled, a terminal status, at once: the 2025-11-25 rule says -32602.
+        self.assertEqual(client.result("tasks/cancel", {"taskId": task_id})["status"],
+                         "cancelled")
+        self.assertError(client.call("tasks/cancel", {"taskId": task_id}), -32602,
+                         f"cannot cancel task {task_id}: it is already cancelled")
+        self.assertEqual(store.wait(task_id, timeout=TIMEOUT, terminal=True).status, CANCELLED)
+        self.assertError(client.call("tasks/cancel", {"taskId": task_id}), -32602,
+                         "already cancelled")
+
+    def test_a_cancelled_task_says_so_in_its_status_message(self):
+        client, _, store = self.start_server()
+        task_id = self.create_task(client, "generate_report",
+                                   {"topic": "q3", "seconds": 600})["taskId"]
+        task = store.get(task_id)
+        while not task.status_message:          # the first "step 1/600" is written
+            task = store.wait(task_id, timeout=TIMEOUT, since_version=task.version)
+        self.assertRegex(client.result("tasks/get", {"taskId": task_id})["statusMessage"],
+                         r"^step \d+/600$")
+        cancelled = client.result("tasks/cancel", {"taskId": task_id})
+        self.assertEqual(cancelled["statusMessage"], taskstore.MCP_CANCELLED_MESSAGE)
+        note = client.wait_for(lambda m: _status_of(m, task_id))
+        self.assertEqual((note["params"]["status"], note["params"]["statusMessage"]),
+                         ("cancelled", taskstore.MCP_CANCELLED_MESSAGE))
+        self.assertEqual(store.wait(task_id, timeout=TIMEOUT, terminal=True).status, CANCELLED)
+        got = client.result("tasks/get", {"taskId": task_id})
+        self.assertEqual((got["status"], got["statusMessage"]),
+                         ("cancelled", taskstore.MCP_CANCELLED_MESSAGE))
+        listed = {t["taskId"]: t for t in client.result("tasks/list")["tasks"]}
+        self.assertEqual(listed[task_id]["statusMessage"], taskstore.MCP_CANCELLED_MESSAGE)
+
+    def test_waits_past_max_waiting_are_refused_at_once_and_the_rest_still_works(self):
+        client, _, store = self.start_server(max_waiting=2)
+        done = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "done"})
+        self.assertEqual(store.wait(done["taskId"], timeout=TIMEOUT, terminal=True).status,
+                         SUCCEEDED)
+        slow = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "slow"})
+        waits = [client.request("tasks/result", {"taskId": slow["taskId"]}) for _ in range(2)]
+        refused = client.call("tasks/result", {"taskId": slow["taskId"]})
+        self.assertError(refused, taskstore.ServerBusy.jsonrpc_code, "at most 2")
+        self.assertEqual(refused["error"]["data"], {"type": "server_busy"})
+        inline = client.call("tools/call", {"name": "echo", "arguments": {"text": "x"}})
+        self.assertError(inline, taskstore.ServerBusy.jsonrpc_code, "try again later")
+        # What does not wait is served: reads, a finished task's result, writes.
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": done["taskId"]})),
+                         "done")
+        self.assertEqual(client.result("tasks/get", {"taskId": slow["taskId"]})["status"],
+                         "working")
+        other = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "x"})
+        self.assertEqual(client.result("tasks/cancel", {"taskId": other["taskId"]})["status"],
+                         "cancelled")
+        self.assertEqual(client.result("tasks/cancel", {"taskId": slow["taskId"]})["status"],
+                         "cancelled")
+        for msg_id in waits:
+            self.assertIn("cancelled", _text(client.response(msg_id)["result"]))
 
     def test_is_error_result_makes_the_task_failed(self):
         client, _, store = self.start_server()
@@ -5636,6 +5793,19 @@ class McpElicitationCommandTests(McpElicitationTests):
 
 class McpCommandTests(McpTestBase):
     """The command over real pipes: defaults, EOF, SIGTERM, kill -9 and restart."""
+
+    def test_readme_says_what_each_client_sends_first(self):
+        # The Inspector's protocol era is "legacy" unless told otherwise: it sends
+        # initialize, and only a modern or auto era makes it send server/discover.
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            rows = [line for line in f if line.startswith("| ") and "Inspector" in line
+                    and line.count(" | ") >= 2]
+        self.assertTrue(rows)
+        for row in rows:
+            client, sends = row.split(" | ")[:2]
+            told = "--protocol-era modern" in client or '"protocolEra": "modern"' in client
+            self.assertEqual(sends.startswith("`server/discover`"), told, row)
+            self.assertEqual(sends.startswith("`initialize`"), not told, row)
 
     def test_no_options_serves_on_taskstore_db_in_the_current_folder(self):
         client, proc = self.start_process()
@@ -8130,7 +8300,9 @@ class Era2ProtocolTests(Era2TestBase):
         self.assertEqual((got["status"], got["statusMessage"]), ("working", "step 1/600"))
         ack = self.mresult(client, "tasks/cancel", {"taskId": task_id})
         self.assertEqual(set(ack), {"resultType", "_meta"})
-        self.assertEqual(self.mget(client, task_id)["status"], "cancelled")
+        got = self.mget(client, task_id)
+        self.assertEqual((got["status"], got["statusMessage"]),
+                         ("cancelled", taskstore.MCP_CANCELLED_MESSAGE))
         self.assertEqual(store.wait(task_id, timeout=TIMEOUT, terminal=True).status, CANCELLED)
         got = self.mget(client, task_id)
         self.assertEqual(set(got) - {"statusMessage"},
@@ -8872,11 +9044,44 @@ class McpFuzzer:
               "params.arguments.seconds", "params.arguments.text", "params.arguments.topic",
               "params.arguments.message")
 
+    # Every place where the server looks something up by a name the client chose
+    # (and may repeat it in an error message), with the methods that read it.
+    ID_POSITIONS = (("params.taskId", ("tasks/get", "tasks/result", "tasks/cancel")),
+                    ("params.id", ("tasks/status",)),
+                    ("params.cursor", ("tasks/list",)),
+                    ("params.name", ("tools/call",)),
+                    ("params.requestId", ("notifications/cancelled",)),
+                    ("params._meta.progressToken", ("tools/call",)),
+                    ("params.protocolVersion", ("initialize",)),
+                    ("id", ("ping", "tasks/get")),
+                    ("method", ("ping",)))
+
     def __init__(self, rng, real_ids, limit):
         self.rng = rng
         self.real_ids = real_ids
         self.limit = limit
         self.kinds = [getattr(self, n) for n in sorted(dir(self)) if n.startswith("gen_")]
+
+    def not_ids(self):
+        """Values that are not ids, one of each kind, built around the real ones."""
+        real = self.rng.choice(self.real_ids)
+        return ["t\u00e2che", "task_" + "\u00c9" * 36, real[:-1] + "\u00e9", real + "\u200b",
+                real.replace("_", "\uff3f"), "\u4e2d\u6587\U0001f600", "task_\ud800",
+                "\udc00" + real, "a\r\nb\x00c\x1b[31m\x7f\x85", "\u2028" + real + "\u2029",
+                "\ufeff" + real, real.lower(), real + " ", "", "%00" + real, "\\u00e9",
+                "z" * self.rng.randint(200, self.limit // 2),
+                "\u00e9" * self.rng.randint(100, self.limit // 8),
+                None, 0, -1, 1.5, 10**30, True, [real], {"taskId": real}]
+
+    def hostile_sweep(self):
+        """Every kind of non-id in every id position of every method that reads it, once each."""
+        for path, methods in self.ID_POSITIONS:
+            for method in methods:
+                for value in self.not_ids():
+                    message = self.valid(method)
+                    if path == "method" and not isinstance(value, str):
+                        continue
+                    yield self.encode(self.put(message, path, value)) + b"\n"
 
     def line(self):
         while True:
@@ -8901,9 +9106,9 @@ class McpFuzzer:
             "a" * rng.randint(100, self.limit // 2), [[[[[]]]]], {"ttl": -5},
             {"ttl": 10**400}, "task_\r\n" + "0" * 31])
 
-    def valid(self):
+    def valid(self, method=None):
         rng = self.rng
-        method = rng.choice(self.METHODS)
+        method = method or rng.choice(self.METHODS)
         params = {}
         if method == "tools/call":
             name = rng.choice(["sleep_then_echo", "generate_report", "fail_with_error", "echo",
@@ -8915,6 +9120,8 @@ class McpFuzzer:
                 params["task"] = {"ttl": rng.choice([1000, 60000])}
         elif method in ("tasks/get", "tasks/status", "tasks/result", "tasks/cancel"):
             params = {"taskId": rng.choice(self.real_ids + ["task_unknown"])}
+            if method == "tasks/status" and rng.random() < 0.5:
+                params = {"id": params["taskId"]}
         elif method == "tasks/list":
             params = {"cursor": rng.choice(["", "abc", "eyJ2IjoxfQ"])} if rng.random() < .5 else {}
         elif method == "initialize":
@@ -9058,6 +9265,13 @@ class McpFuzzer:
             {"jsonrpc": "2.0", "result": {}},
             {"jsonrpc": "2.0", "id": "x", "result": 1, "error": 2}]))
 
+    def gen_not_an_id(self):
+        path, methods = self.rng.choice(self.ID_POSITIONS)
+        value = self.rng.choice(self.not_ids())
+        if path == "method" and not isinstance(value, str):
+            value = str(value)
+        return self.encode(self.put(self.valid(self.rng.choice(methods)), path, value))
+
     def gen_jsonrpc_version(self):
         message = self.valid()
         message["jsonrpc"] = self.rng.choice(["1.0", "2", 2, 2.0, None, "", "2.0 "])
@@ -9074,7 +9288,8 @@ class McpFuzzTests(McpTestBase):
     answered correctly.
     """
 
-    CLIENT_ERRORS = (-32700, -32600, -32601, -32602)
+    # -32005: ServerBusy, when the tasks/result calls on the running task fill the waiting pool.
+    CLIENT_ERRORS = (-32700, -32600, -32601, -32602, taskstore.ServerBusy.jsonrpc_code)
     SERVER_METHODS = ("notifications/tasks/status", "notifications/progress",
                       "elicitation/create")
 
@@ -9099,11 +9314,22 @@ class McpFuzzTests(McpTestBase):
             self.assertIsInstance(error.get("message"), str, where)
             self.assertTrue(error["message"], where)
             self.assertIn(error.get("code"), self.CLIENT_ERRORS, f"{where}: {text[:500]}")
+            # Whatever the input held, the message repeats it short and printable.
+            self.assertTrue(error["message"].isascii() and error["message"].isprintable()
+                            and len(error["message"]) < 500, f"{where}: {text[:500]}")
+
+    def real_call(self, client, method, params):
+        """A request of ours, with an id no fuzzed line uses (they reuse small integers)."""
+        self.calls = getattr(self, "calls", 0) + 1
+        response = client.response(client.request(method, params, msg_id=f"real-{self.calls}"))
+        if "result" not in response:
+            raise AssertionError(f"{method} failed: {response}")
+        return response["result"]
 
     def check_real_task(self, client, done, where):
-        got = client.result("tasks/get", {"taskId": done})
+        got = self.real_call(client, "tasks/get", {"taskId": done})
         self.assertEqual((got["taskId"], got["status"]), (done, "completed"), where)
-        result = client.result("tasks/result", {"taskId": done})
+        result = self.real_call(client, "tasks/result", {"taskId": done})
         self.assertEqual(_text(result), "hi", where)
         self.assertEqual(result["_meta"][taskstore.RELATED_TASK], {"taskId": done}, where)
 
@@ -9116,19 +9342,25 @@ class McpFuzzTests(McpTestBase):
         running = self.create_task(client, "generate_report",
                                    {"topic": "t", "seconds": 3600})["taskId"]
         fuzzer = McpFuzzer(random.Random(FAULT_SEED), [done, running], FUZZ_LINE_LIMIT)
+        # First every kind of non-id in every id position, whatever the seed; then
+        # random lines (which make up more of them, among everything else).
+        sweep = list(fuzzer.hostile_sweep())
         deadline = time.monotonic() + FAULT_SOAK_S
         sent = 0
         checked = 0
         try:
-            while sent < FUZZ_INPUTS or time.monotonic() < deadline:
-                lines = [fuzzer.line() for _ in range(100)]
+            while sweep or sent < FUZZ_INPUTS or time.monotonic() < deadline:
+                if sweep:
+                    lines, sweep = sweep[:100], sweep[100:]
+                else:
+                    lines = [fuzzer.line() for _ in range(100)]
                 client.send(b"".join(lines))
                 sent += len(lines)
                 where = f"{fault_context()} after input {sent}"
                 probe = f"probe-{sent}"
                 self.assertEqual(client.response(client.request("ping", msg_id=probe)),
                                  {"jsonrpc": "2.0", "id": probe, "result": {}}, where)
-                if sent % 1000 == 0:
+                if sent // 1000 != (sent - len(lines)) // 1000:
                     self.check_real_task(client, done, where)
                 for message in client.log[checked:]:
                     self.check_message(message, where)
@@ -9136,7 +9368,7 @@ class McpFuzzTests(McpTestBase):
                 self.assertIsNone(proc.poll(), f"{where}: the server died")
                 self.assertEqual(client.bad_lines, [], where)
             self.check_real_task(client, done, f"{fault_context()} at the end")
-            got = client.result("tasks/get", {"taskId": running})
+            got = self.real_call(client, "tasks/get", {"taskId": running})
             self.assertEqual(got["taskId"], running)
         except AssertionError as exc:
             with open(os.path.join(self.dir, "stderr.log"), "rb") as f:
@@ -9190,6 +9422,38 @@ class McpHostileInputTests(McpTestBase):
             self.assertError(client.wait_for(lambda m: "error" in m), -32600, "surrogate")
         self.assertEqual(client.result("ping"), {})
 
+    def test_non_ascii_and_other_non_ids_in_id_positions_are_client_errors(self):
+        client, _, _ = self.start_server()
+        hostile = ["t\u00e2che", "task_" + "\u00c9" * 36, "\u4e2d\U0001f600", "a\r\nb\x00\x1b",
+                   "y" * 50_000, "task_\u2028"]
+        for value in hostile:
+            for method, params in (("tasks/get", {"taskId": value}),
+                                   ("tasks/status", {"id": value}),
+                                   ("tasks/result", {"taskId": value}),
+                                   ("tasks/cancel", {"taskId": value}),
+                                   ("tasks/list", {"cursor": value}),
+                                   ("tools/call", {"name": value, "arguments": {}}),
+                                   (value, {})):
+                with self.subTest(method=method[:20], value=value[:20]):
+                    response = client.call(method, params)
+                    self.assertIn(response["error"]["code"], (-32601, -32602), response)
+                    message = response["error"]["message"]
+                    self.assertTrue(message.isascii() and message.isprintable(), message[:300])
+                    self.assertLess(len(message), 300)
+        self.assertEqual(client.result("ping"), {})
+
+    def test_non_ascii_task_ids_are_client_errors_in_the_2026_era_too(self):
+        client, _, _ = self.start_fresh()
+        client.result("server/discover", {"_meta": era2_meta()})
+        for value in ("t\u00e2che", "\u4e2d" * 10_000, "a\nb\x00"):
+            for method in ("tasks/get", "tasks/cancel", "tasks/update"):
+                with self.subTest(method=method, value=value[:10]):
+                    response = client.call(method, {"taskId": value, "inputResponses": {},
+                                                    "_meta": era2_meta()})
+                    self.assertEqual(response["error"]["code"], -32602, response)
+                    message = response["error"]["message"]
+                    self.assertTrue(message.isascii() and message.isprintable(), message[:300])
+
     def test_cancelled_notification_with_an_unhashable_request_id_is_ignored(self):
         client, _, _ = self.start_server()
         client.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
@@ -9214,8 +9478,92 @@ class McpHostileInputTests(McpTestBase):
         self.assertError(response, -32602, "task.ttl")
 
 
+# A client polling at the pollInterval the server suggests expects each answer
+# within two of them, however busy the server is with requests that wait.
+POLL_ANSWER_S = 2 * taskstore.DEFAULT_MCP_POLL_INTERVAL_MS / 1000
+FLOOD_REQUESTS = 10_000
+FLOOD_RSS_BUDGET = 64 << 20         # bytes the server may grow while refusing a flood
+
+
+def rss_bytes(pid):
+    """The resident set size of a (Linux) process, from /proc."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
 class McpResourceLimitTests(McpTestBase):
-    """A handler that ignores its cancel event, a full disk, and the entropy of task ids."""
+    """A handler that ignores its cancel event, a full disk, floods, and the entropy of ids."""
+
+    @unittest.skipUnless(os.path.exists("/proc/self/status"), "reads RSS from /proc")
+    def test_a_flood_of_waiting_requests_gets_a_bounded_pool_and_quick_answers(self):
+        client, proc = self.start_process("--db", self.db)
+        client.initialize()
+        task_id = self.create_task(client, "generate_report",
+                                   {"topic": "t", "seconds": 600})["taskId"]
+        self.assertEqual(client.result("tasks/get", {"taskId": task_id})["status"], "working")
+        before = rss_bytes(proc.pid)
+        # Requests that wait: a tasks/result for an unfinished task, and a tool call
+        # run inline for ten minutes.  All at once.
+        flood = {}
+        for i in range(FLOOD_REQUESTS):
+            msg_id = f"w{i}"
+            if i % 2:
+                flood[msg_id] = {"jsonrpc": "2.0", "id": msg_id, "method": "tasks/result",
+                                 "params": {"taskId": task_id}}
+            else:
+                flood[msg_id] = {"jsonrpc": "2.0", "id": msg_id, "method": "tools/call",
+                                 "params": {"name": "sleep_then_echo",
+                                            "arguments": {"seconds": 600, "text": "late"}}}
+        client.send(b"".join(json.dumps(m).encode() + b"\n" for m in flood.values()))
+        # Lines are read in order: the answers to these come after the flood was
+        # dispatched, and while every request it let in is still waiting.
+        for _ in range(3):
+            ping = client.request("ping")
+            self.assertEqual(client.wait_for(lambda m: m.get("id") == ping,
+                                             timeout=POLL_ANSWER_S)["result"], {})
+            get = client.request("tasks/get", {"taskId": task_id})
+            got = client.wait_for(lambda m: m.get("id") == get, timeout=POLL_ANSWER_S)
+            self.assertEqual(got["result"]["status"], "working")
+        answered = {m["id"]: m for m in client.log if m.get("id") in flood}
+        busy = taskstore.ServerBusy.jsonrpc_code
+        for message in answered.values():
+            self.assertEqual(message["error"]["code"], busy, message)
+            self.assertIn("try again", message["error"]["message"])
+        waiting = sorted(set(flood) - set(answered))
+        self.assertEqual(len(waiting), taskstore.DEFAULT_MCP_MAX_WAITING)
+        self.assertLess(rss_bytes(proc.pid) - before, FLOOD_RSS_BUDGET)
+        # Nothing hangs: the waits end as their work does, and free their threads.
+        client.result("tasks/cancel", {"taskId": task_id})
+        inline = [i for i in waiting if flood[i]["method"] == "tools/call"]
+        for msg_id in inline:
+            client.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                         "params": {"requestId": msg_id}})
+        for msg_id in waiting:
+            if msg_id not in inline:
+                result = client.response(msg_id)["result"]
+                self.assertIn("cancelled", _text(result))
+        # The cancelled inline calls get no answer (MCP), and their threads come
+        # back: the pool takes as many new waits as it holds.  A thread is free a
+        # moment after its request ends, so a refused one is sent again.
+        deadline = time.monotonic() + TIMEOUT
+        taken = 0
+        while taken < taskstore.DEFAULT_MCP_MAX_WAITING:
+            self.assertLess(time.monotonic(), deadline, f"only {taken} threads came back")
+            msg_id = client.request("tools/call", {"name": "sleep_then_echo",
+                                                   "arguments": {"seconds": 600, "text": "x"}})
+            client.flush()          # its refusal, if any, is written before the ping's answer
+            refused = [m for m in client.unread() if m.get("id") == msg_id]
+            taken += not refused
+            for message in refused:
+                self.assertEqual(client.response(msg_id)["error"]["code"], busy, message)
+        msg_id = client.request("tools/call", {"name": "echo", "arguments": {"text": "one more"}})
+        self.assertEqual(client.response(msg_id)["error"]["code"], busy)
+        self.assertEqual([m for m in client.log if m.get("id") in inline], [])
+        client.close()                  # EOF ends the waiting calls too
+        self.assertEqual(proc.wait(TIMEOUT), 0)
 
     def stubborn_tool(self):
         """A tool whose handler never looks at ctx.cancelled; it returns when released."""
@@ -9414,6 +9762,111 @@ class McpResourceLimitTests(McpTestBase):
                 gap = (int(b[15:].translate(taskstore._FROM_CROCKFORD), 32)
                        - int(a[15:].translate(taskstore._FROM_CROCKFORD), 32))
                 self.assertGreater(gap, 2**64, f"{b} is {gap} after {a}")
+
+
+# A second process that runs MCP tasks from the same file with a plain Runner.
+# The tool's "text" argument says what the work does; prints ``ready``, then
+# ``running <task id>`` for each task it takes, and stops at EOF on stdin.
+NEIGHBOUR_RUNNER_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, poll_interval=0.02)
+
+def run(ctx, payload):
+    what = payload["arguments"]["text"]
+    say("running", ctx.task_id)
+    if what == "ask":               # waits for an answer given through the store
+        ctx.ask({"method": "elicitation/create", "params": {"message": "go on?"}})
+    elif what == "flip":            # three status changes in a moment: one poll sees them all
+        store.require_input(ctx.task_id, {"method": "x"}, attempt=ctx.attempt)
+        store.provide_input(ctx.task_id, {"result": {}})
+    elif what == "fail":
+        raise taskstore.TaskFailed({"code": "tool_error", "message": "broke elsewhere"},
+                                   result=taskstore.text_result("broke elsewhere", True))
+    elif what == "wait":
+        ctx.cancelled.wait(6 * T)
+        ctx.check()
+    return taskstore.text_result(f"{what} done elsewhere")
+
+runner = taskstore.Runner(store, {taskstore.MCP_TASK_KIND: run}, workers=4, heartbeat_s=0.05)
+runner.start()
+say("ready")
+sys.stdin.readline()
+runner.stop()
+store.close()
+"""
+
+
+class McpTasksRunElsewhereTests(McpTestBase):
+    """Tasks a client created, run by another process on the same file."""
+
+    def test_status_notifications_follow_a_task_another_process_runs(self):
+        client, _ = self.start_process("--db", self.db, "--workers", "1")
+        client.initialize()
+        side = taskstore.TaskStore(self.db)
+        self.addCleanup(side.close)
+        # The server's one worker is kept busy, so the neighbour takes the rest.
+        busy = self.create_task(client, "generate_report", {"topic": "t", "seconds": 600},
+                                meta={"progressToken": "busy"})["taskId"]
+        client.wait_for(lambda m: m.get("method") == "notifications/progress")
+        neighbour = ChildProcess(self, NEIGHBOUR_RUNNER_SCRIPT, self.db)
+        neighbour.expect("ready")
+
+        def create(text):
+            task_id = self.create_task(client, "sleep_then_echo",
+                                       {"seconds": 0, "text": text})["taskId"]
+            self.assertEqual(neighbour.expect("running"), task_id)
+            return task_id
+
+        def notes(task_id):
+            return [m["params"] for m in client.log if _status_of(m, task_id)]
+
+        asked = create("ask")
+        note = client.wait_for(lambda m: _status_of(m, asked))
+        self.assertEqual(note["params"]["status"], "input_required")
+        self.assertEqual(set(note["params"]) - {"statusMessage"},
+                         {"taskId", "status", "createdAt", "lastUpdatedAt", "ttl", "pollInterval"})
+        side.provide_input(asked, {"result": {"action": "accept"}})
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": asked})),
+                         "ask done elsewhere")
+        flipped = create("flip")
+        failed = create("fail")
+        cancelled = create("wait")
+        self.assertEqual(client.result("tasks/cancel", {"taskId": cancelled})["status"],
+                         "cancelled")
+        for task_id, last in ((flipped, "completed"), (failed, "failed"),
+                              (cancelled, "cancelled")):
+            client.wait_for(lambda m: _status_of(m, task_id)
+                            and m["params"]["status"] == last)
+        # The neighbour confirms the cancel (the store's cancelling -> cancelled):
+        # MCP showed cancelled already, so no second notification.
+        self.assertEqual(side.wait(cancelled, timeout=TIMEOUT, terminal=True).status, CANCELLED)
+        # A cancel from outside of the server's own task: its notification comes from
+        # a look at the file made after the confirmation above, so anything that look
+        # had to say about the others was said before it.
+        side.cancel(busy)
+        client.wait_for(lambda m: _status_of(m, busy))
+        client.flush()
+        self.assertEqual([n["status"] for n in notes(asked)],
+                         ["input_required", "working", "completed"])
+        self.assertEqual([n["status"] for n in notes(flipped)],
+                         ["input_required", "working", "completed"])
+        self.assertEqual([n["status"] for n in notes(failed)], ["failed"])
+        self.assertEqual(notes(failed)[0]["statusMessage"], "broke elsewhere")
+        self.assertEqual([n["status"] for n in notes(cancelled)], ["cancelled"])
+        self.assertEqual([n["status"] for n in notes(busy)], ["cancelled"])
+        for task_id in (asked, flipped, failed):
+            final = client.result("tasks/get", {"taskId": task_id})
+            self.assertEqual(notes(task_id)[-1], final)
+        neighbour.finish(self)
+        # A task this server runs itself is followed too, and still told once per change.
+        local = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "here"})
+        self.assertEqual(_text(client.result("tasks/result", {"taskId": local["taskId"]})),
+                         "here")
+        later = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "x"})
+        side.cancel(later["taskId"])    # told by a look at the file made after the above
+        client.wait_for(lambda m: _status_of(m, later["taskId"]))
+        client.flush()
+        self.assertEqual([n["status"] for n in notes(local["taskId"])], ["completed"])
+        self.assertEqual([n["status"] for n in notes(later["taskId"])], ["cancelled"])
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
