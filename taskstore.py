@@ -6009,11 +6009,15 @@ class LMSPServer(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
-    request_queue_size = 128     # socketserver's 5 resets bursts of concurrent clients
 
     def __init__(self, app, host=DEFAULT_HTTP_HOST, port=0,
                  max_connections=DEFAULT_MAX_CONNECTIONS):
         self.app, self.max_connections = app, max_connections
+        # The listen backlog holds a burst as large as the cap: a smaller one
+        # (socketserver's 5, or 128) overflows while the accepting thread is
+        # slow, and the kernel then drops or resets connections the cap would
+        # have served (seen as resets under load with 500 clients at once).
+        self.request_queue_size = max(128, max_connections)
         self.connections = 0            # open connections, each with its thread
         self._connections_lock = threading.Lock()
         app.loopback_only = _is_loopback(host)
