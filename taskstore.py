@@ -1036,6 +1036,7 @@ class TaskStore:
         self.clock = clock
         self.synchronous = synchronous
         self.poll_interval = float(poll_interval)
+        self._busy_timeout = float(busy_timeout)
         self.max_ttl_ms = _check_int(max_ttl_ms, "max_ttl_ms")
         self.event_retention_ms = _check_int(event_retention_ms, "event_retention_ms")
         self.tombstone_ms = _check_int(tombstone_ms, "tombstone_ms", allow_none=False)
@@ -1125,7 +1126,7 @@ class TaskStore:
                 raise StoreUnavailable(f"{self.path}: read-only, and not at schema "
                                        f"{SCHEMA_VERSION}")
             return
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        mode = self._switch_to_wal(conn, self._busy_timeout)
         if mode.lower() != "wal":
             raise StoreUnavailable(f"{self.path}: cannot switch to WAL mode (is it read-only?)")
         conn.execute(f"PRAGMA synchronous={'FULL' if self.synchronous == 'full' else 'NORMAL'}")
@@ -1152,6 +1153,30 @@ class TaskStore:
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
+
+    @staticmethod
+    def _switch_to_wal(conn, busy_timeout):
+        """Put the file in WAL mode (a no-op once it is); return the journal mode.
+
+        Switching a new file rewrites its header: SQLite reads it in a read
+        transaction, then upgrades that to a write.  When another process is
+        initialising the same file, holding its write lock, the upgrade fails
+        at once with "database is locked": SQLite never runs the busy handler
+        for an upgrade (two readers waiting to write would deadlock).  So on
+        that error this waits where SQLite does wait, for the whole file in a
+        fresh ``BEGIN EXCLUSIVE`` (up to the busy timeout, then the same
+        error), and tries again; by then the other process has switched the
+        file itself.  The race is SQLite's, the same on every Python version.
+        """
+        deadline = time.monotonic() + busy_timeout
+        while True:
+            try:
+                return conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            except sqlite3.OperationalError as exc:
+                if "database is locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+            conn.execute("BEGIN EXCLUSIVE")
+            conn.execute("ROLLBACK")
 
     def _unavailable(self, exc):
         """Turn a sqlite3 error into a StoreUnavailable naming the file (never SQL)."""

@@ -1984,6 +1984,20 @@ store.close()
 """
 
 
+# Holds the write lock of a (still empty) file, as a process does while it
+# initialises it, until it reads a line; then lets go and says so.
+WRITE_LOCK_HOLDER_SCRIPT = CHILD_PRELUDE + r"""
+import sqlite3
+conn = sqlite3.connect(DB, isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+say("holding")
+sys.stdin.readline()
+conn.execute("ROLLBACK")
+conn.close()
+say("released")
+"""
+
+
 class _Fetched(list):
     """Rows already fetched, with the two cursor methods the store uses."""
 
@@ -2411,6 +2425,63 @@ class SharedFileOpenTests(MultiProcessTestCase):
         self.assertEqual(store.get(created[0]).kind, "first")
         self.assertEqual(store.create("second").status, taskstore.QUEUED)
         self.assertEqual(len(store.list()[0]), 2)
+
+
+    # Switching a new file to WAL rewrites its header: SQLite reads it, then
+    # upgrades to a write, and an upgrade that finds another writer fails at
+    # once (SQLite never waits there).  These two tests put that writer there.
+
+    def test_opening_waits_while_another_process_holds_the_new_file(self):
+        holder = self.spawn(WRITE_LOCK_HOLDER_SCRIPT)
+        holder.expect("holding")
+        refused = []
+
+        class ReleasingConnection:
+            """The store's connection; the first refused switch to WAL releases the holder."""
+
+            def __init__(self, conn):
+                self._conn = conn
+
+            def execute(self, sql, *args):
+                try:
+                    return self._conn.execute(sql, *args)
+                except sqlite3.OperationalError as exc:
+                    if "journal_mode" in sql and not refused:
+                        refused.append(str(exc))
+                        holder.send("go")
+                    raise
+
+            def __getattr__(self, name):
+                return getattr(self._conn, name)
+
+        class HookedStore(taskstore.TaskStore):
+            def _open_schema(store, max_bytes):
+                real = store._conn
+                store._conn = ReleasingConnection(real)
+                try:
+                    return super()._open_schema(max_bytes)
+                finally:
+                    store._conn = real
+
+        store = HookedStore(self.path, poll_interval=0.02)
+        self.addCleanup(store.close)
+        self.assertEqual(refused, ["database is locked"])    # the upgrade did collide
+        holder.expect("released")
+        holder.finish(self)
+        self.assertEqual(store.create("k").status, taskstore.QUEUED)
+        self.assertEqual(store._conn.execute("PRAGMA journal_mode").fetchone()[0], "wal")
+
+    def test_a_process_holding_the_new_file_past_the_busy_timeout_is_a_clear_error(self):
+        holder = self.spawn(WRITE_LOCK_HOLDER_SCRIPT)
+        holder.expect("holding")
+        with self.assertRaises(taskstore.StoreUnavailable) as cm:
+            taskstore.TaskStore(self.path, busy_timeout=0.2)
+        self.assertEqual(str(cm.exception), f"{self.path}: the database is locked by another "
+                                            "process (busy timeout exceeded)")
+        holder.send("go")
+        holder.expect("released")
+        holder.finish(self)
+        self.assertEqual(self.open_store().create("k").status, taskstore.QUEUED)
 
 
 class CrossProcessRaceTests(MultiProcessTestCase):
