@@ -514,6 +514,22 @@ class RunnerTests(StoreTestCase):
             done = self.finished(self.store.create("x").id)
         self.assertEqual(done.error["code"], "internal_error")
 
+    def test_a_result_nested_past_the_limit_fails_the_task(self):
+        deep = "bottom"
+        for _ in range(taskstore.MAX_JSON_DEPTH + 1):
+            deep = [deep]
+
+        def fail_deep(ctx, payload):
+            raise taskstore.TaskFailed({"code": "bad", "message": "no"}, result=deep)
+
+        self.start_runner({"x": lambda ctx, p: deep, "f": fail_deep})
+        for kind in ("x", "f"):
+            with self.subTest(kind=kind), self.assertLogs("taskstore", "ERROR") as logs:
+                done = self.finished(self.store.create(kind).id)
+                self.assertEqual((done.status, done.error["code"], done.result),
+                                 (FAILED, "internal_error", None))
+            self.assertIn("result is nested deeper than 64 levels", "\n".join(logs.output))
+
     def test_stop_applies_the_restart_policy_to_running_tasks(self):
         started = threading.Event()
 
@@ -1576,6 +1592,72 @@ class BadInputTests(StoreTestCase):
             deep = [deep]
         with self.assertRaises(taskstore.InvalidParams):
             self.store.create("k", deep)
+
+    def test_json_nested_past_the_limit_is_refused_everywhere_the_store_keeps_json(self):
+        # One limit, the same on every Python: json's own depth varies by
+        # version, and a file must read back wherever it was written.
+        limit = taskstore.MAX_JSON_DEPTH
+
+        def nested(levels, shape):
+            value = "bottom"
+            for _ in range(levels):
+                value = {"down": value} if shape is dict else shape([value])
+            return value
+
+        store = self.store
+
+        def running():
+            task = store.create("k")
+            store.start(task.id)
+            return task.id
+
+        def waiting():
+            task_id = running()
+            store.require_input(task_id, {"q": 1})
+            return task_id
+
+        def cancelling():
+            task_id = running()
+            store.cancel(task_id)
+            return task_id
+
+        # (param, a fresh task or None, store(task_id, value), how many levels
+        # the call wraps around value)
+        cases = [
+            ("payload", None, lambda _, v: store.create("k", v), 0),
+            ("payloads[1]", None, lambda _, v: store.create_many("k", [1, v]), 0),
+            ("meta", None, lambda _, v: store.create("k", meta={"m": v}), 1),
+            ("result", running, lambda t, v: store.succeed(t, v), 0),
+            ("result", running, lambda t, v: store.fail(t, {"code": "c", "message": "m"},
+                                                          result=v), 0),
+            ("error", running, lambda t, v: store.fail(t, {"code": "c", "message": "m",
+                                                           "detail": v}), 1),
+            ("result", cancelling, lambda t, v: store.confirm_cancel(t, result=v), 0),
+            ("request", running, lambda t, v: store.require_input(t, {"q": v}), 1),
+            ("answer", waiting, lambda t, v: store.provide_input(t, v), 0),
+            ("data", running, lambda t, v: store.emit(t, "log", v), 0),
+            ("snapshot", running, lambda t, v: store.emit(t, "log", snapshot=v), 0),
+            ("snapshot", running, lambda t, v: store.save_snapshot(t, v), 0),
+        ]
+        for param, fresh, call, wraps in cases:
+            for shape in (list, dict, tuple):
+                with self.subTest(param=param, shape=shape.__name__):
+                    task_id = fresh() if fresh else None
+                    before = store.get(task_id) if task_id else None
+                    with self.assertRaises(taskstore.InvalidParams) as cm:
+                        call(task_id, nested(limit + 1 - wraps, shape))
+                    self.assertEqual(cm.exception.param, param)
+                    self.assertEqual(str(cm.exception),
+                                     f"{param} is nested deeper than {limit} levels")
+                    if task_id:
+                        self.assertEqual(store.get(task_id), before)    # nothing written
+                    call(task_id, nested(limit - wraps, shape))          # the limit itself is fine
+        # Far past any recursion limit: the same refusal on every Python.
+        with self.assertRaises(taskstore.InvalidParams) as cm:
+            store.create("k", nested(sys.getrecursionlimit() * 2, list))
+        self.assertEqual(str(cm.exception), f"payload is nested deeper than {limit} levels")
+        # Brackets inside strings are only text.
+        self.assertEqual(store.create("k", {"s": "[{" * 1000}).payload, {"s": "[{" * 1000})
 
     def test_sql_text_in_values_is_only_data(self):
         evil = "x'); DROP TABLE tasks; --"
