@@ -2508,7 +2508,6 @@ class SharedFileOpenTests(MultiProcessTestCase):
         self.assertEqual(store.create("second").status, taskstore.QUEUED)
         self.assertEqual(len(store.list()[0]), 2)
 
-
     # Switching a new file to WAL rewrites its header: SQLite reads it, then
     # upgrades to a write, and an upgrade that finds another writer fails at
     # once (SQLite never waits there).  These two tests put that writer there.
