@@ -601,24 +601,41 @@ def _storable(text, param):
 
 
 def _json_param(value, param):
+    """Serialise *value* for storing, or raise InvalidParams naming *param*.
+
+    Whatever the store keeps as JSON passes here, and is held to
+    ``MAX_JSON_DEPTH``: how deep ``json`` can go depends on the Python
+    version (3.13 writes 2,000 levels that 3.11 cannot read back).
+    """
     try:
-        return _storable(dumps(value), param)
+        text = _storable(dumps(value), param)
     except RecursionError:
-        raise InvalidParams(f"{param} is nested too deeply", param=param) from None
+        raise InvalidParams(f"{param} is nested deeper than {MAX_JSON_DEPTH} levels",
+                            param=param) from None
     except (TypeError, ValueError) as exc:
         if isinstance(exc, InvalidParams):
             raise
         raise InvalidParams(f"{param} is not JSON-serialisable ({exc})", param=param) from None
+    # As in _json_problem: MAX_JSON_DEPTH levels need as many brackets, so
+    # the text usually proves the walk needless.
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH:
+        problem = _json_problem(value)
+        if problem is not None:
+            raise InvalidParams(f"{param} {problem}", param=param)
+    return text
 
 
-# Deeper JSON from outside (an MCP message, an LMSP body) is refused before any
-# recursion limit is near; a real message needs a handful of levels.
+# One nesting limit for all JSON: from outside (an MCP message, an LMSP body)
+# and everything the store keeps (payloads, results, metadata, snapshots,
+# events, input requests and answers).  A real value needs a handful of
+# levels; deeper ones would meet a recursion limit that differs between Python
+# versions, so a file written on one could not be read on another.
 MAX_JSON_DEPTH = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _json_problem(value, limit=MAX_JSON_DEPTH, text=None):
-    """Say what makes JSON from outside unusable, or return None (an iterative walk).
+    """Say what makes a JSON value unusable, or return None (an iterative walk).
 
     Deeper than *limit* levels, later code could hit the recursion limit; an
     unpaired surrogate (``"\\ud800"``) cannot be encoded, stored or echoed.
@@ -630,20 +647,25 @@ def _json_problem(value, limit=MAX_JSON_DEPTH, text=None):
     if text is not None and text.isascii() and b"\\u" not in text and b"\0" not in text \
             and text.count(b"{") + text.count(b"[") <= limit:
         return None
-    stack = [(value, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                return "holds an unpaired surrogate (a string escape \\ud800-\\udfff)"
-        elif isinstance(value, (dict, list)) and value:
-            if depth > limit:
-                return f"is nested deeper than {limit} levels"
-            if isinstance(value, dict):
-                stack.extend((key, depth) for key in value)
-                stack.extend((item, depth + 1) for item in value.values())
-            else:
-                stack.extend((item, depth + 1) for item in value)
+    # Level by level: one list.extend per container, no tuple per item.
+    level, depth, strings = [value], 1, []
+    while level:
+        deeper = []
+        for item in level:
+            if isinstance(item, str):
+                strings.append(item)
+            elif isinstance(item, (dict, list, tuple)) and item:    # tuples: json's lists
+                if depth > limit:
+                    return f"is nested deeper than {limit} levels"
+                if isinstance(item, dict):
+                    strings.extend(item)
+                    deeper.extend(item.values())
+                else:
+                    deeper.extend(item)
+        level, depth = deeper, depth + 1
+    # str(): a value the store is given may have keys json turns into text (1, None).
+    if _SURROGATE.search("".join(map(str, strings))):
+        return "holds an unpaired surrogate (a string escape \\ud800-\\udfff)"
     return None
 
 
@@ -1092,6 +1114,7 @@ class TaskStore:
         self.clock = clock
         self.synchronous = synchronous
         self.poll_interval = float(poll_interval)
+        self._busy_timeout = float(busy_timeout)
         self.max_ttl_ms = _check_int(max_ttl_ms, "max_ttl_ms")
         self.event_retention_ms = _check_int(event_retention_ms, "event_retention_ms")
         self.tombstone_ms = _check_int(tombstone_ms, "tombstone_ms", allow_none=False)
@@ -1181,7 +1204,7 @@ class TaskStore:
                 raise StoreUnavailable(f"{self.path}: read-only, and not at schema "
                                        f"{SCHEMA_VERSION}")
             return
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        mode = self._switch_to_wal(conn, self._busy_timeout)
         if mode.lower() != "wal":
             raise StoreUnavailable(f"{self.path}: cannot switch to WAL mode (is it read-only?)")
         conn.execute(f"PRAGMA synchronous={'FULL' if self.synchronous == 'full' else 'NORMAL'}")
@@ -1208,6 +1231,30 @@ class TaskStore:
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
+
+    @staticmethod
+    def _switch_to_wal(conn, busy_timeout):
+        """Put the file in WAL mode (a no-op once it is); return the journal mode.
+
+        Switching a new file rewrites its header: SQLite reads it in a read
+        transaction, then upgrades that to a write.  When another process is
+        initialising the same file, holding its write lock, the upgrade fails
+        at once with "database is locked": SQLite never runs the busy handler
+        for an upgrade (two readers waiting to write would deadlock).  So on
+        that error this waits where SQLite does wait, for the whole file in a
+        fresh ``BEGIN EXCLUSIVE`` (up to the busy timeout, then the same
+        error), and tries again; by then the other process has switched the
+        file itself.  The race is SQLite's, the same on every Python version.
+        """
+        deadline = time.monotonic() + busy_timeout
+        while True:
+            try:
+                return conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            except sqlite3.OperationalError as exc:
+                if "database is locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+            conn.execute("BEGIN EXCLUSIVE")
+            conn.execute("ROLLBACK")
 
     def _unavailable(self, exc):
         """Turn a sqlite3 error into a StoreUnavailable naming the file (never SQL)."""
@@ -2912,18 +2959,24 @@ class Runner:
             return
         ctx.flush()
         try:
-            if outcome[0] == "succeed":
+            if outcome[0] != "cancelled":
+                # The store's own check (JSON, storable, MAX_JSON_DEPTH) before
+                # any move: a value it refuses fails the task instead of
+                # leaving it running.
+                names = ("result",) if outcome[0] == "succeed" else ("error", "result")
                 try:
-                    dumps(outcome[1])
-                except (TypeError, ValueError):
-                    logger.error("handler for task %s returned a value that is not JSON", task_id)
+                    for name, value in zip(names, outcome[1:]):
+                        _json_param(value, name)
+                except InvalidParams as exc:
+                    logger.error("handler for task %s returned what the store cannot keep: %s",
+                                 task_id, exc)
                     outcome = ("fail", {"code": "internal_error",
                                         "message": "the task's handler returned no JSON value"},
                                None)
-                else:
-                    ctx.running()
-                    store.succeed(task_id, outcome[1], attempt=attempt)
-                    return
+            if outcome[0] == "succeed":
+                ctx.running()
+                store.succeed(task_id, outcome[1], attempt=attempt)
+                return
             if outcome[0] == "fail":
                 store.fail(task_id, outcome[1], result=outcome[2], attempt=attempt)
             else:

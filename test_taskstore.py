@@ -611,6 +611,22 @@ class RunnerTests(StoreTestCase):
             done = self.finished(self.store.create("x").id)
         self.assertEqual(done.error["code"], "internal_error")
 
+    def test_a_result_nested_past_the_limit_fails_the_task(self):
+        deep = "bottom"
+        for _ in range(taskstore.MAX_JSON_DEPTH + 1):
+            deep = [deep]
+
+        def fail_deep(ctx, payload):
+            raise taskstore.TaskFailed({"code": "bad", "message": "no"}, result=deep)
+
+        self.start_runner({"x": lambda ctx, p: deep, "f": fail_deep})
+        for kind in ("x", "f"):
+            with self.subTest(kind=kind), self.assertLogs("taskstore", "ERROR") as logs:
+                done = self.finished(self.store.create(kind).id)
+                self.assertEqual((done.status, done.error["code"], done.result),
+                                 (FAILED, "internal_error", None))
+            self.assertIn("result is nested deeper than 64 levels", "\n".join(logs.output))
+
     def test_stop_applies_the_restart_policy_to_running_tasks(self):
         started = threading.Event()
 
@@ -1748,6 +1764,72 @@ class BadInputTests(StoreTestCase):
         self.assertEqual(str(taskstore.TaskNotFound("x" * 100)),
                          "no task with id " + "x" * 80 + "... (100 characters)")
 
+    def test_json_nested_past_the_limit_is_refused_everywhere_the_store_keeps_json(self):
+        # One limit, the same on every Python: json's own depth varies by
+        # version, and a file must read back wherever it was written.
+        limit = taskstore.MAX_JSON_DEPTH
+
+        def nested(levels, shape):
+            value = "bottom"
+            for _ in range(levels):
+                value = {"down": value} if shape is dict else shape([value])
+            return value
+
+        store = self.store
+
+        def running():
+            task = store.create("k")
+            store.start(task.id)
+            return task.id
+
+        def waiting():
+            task_id = running()
+            store.require_input(task_id, {"q": 1})
+            return task_id
+
+        def cancelling():
+            task_id = running()
+            store.cancel(task_id)
+            return task_id
+
+        # (param, a fresh task or None, store(task_id, value), how many levels
+        # the call wraps around value)
+        cases = [
+            ("payload", None, lambda _, v: store.create("k", v), 0),
+            ("payloads[1]", None, lambda _, v: store.create_many("k", [1, v]), 0),
+            ("meta", None, lambda _, v: store.create("k", meta={"m": v}), 1),
+            ("result", running, lambda t, v: store.succeed(t, v), 0),
+            ("result", running, lambda t, v: store.fail(t, {"code": "c", "message": "m"},
+                                                          result=v), 0),
+            ("error", running, lambda t, v: store.fail(t, {"code": "c", "message": "m",
+                                                           "detail": v}), 1),
+            ("result", cancelling, lambda t, v: store.confirm_cancel(t, result=v), 0),
+            ("request", running, lambda t, v: store.require_input(t, {"q": v}), 1),
+            ("answer", waiting, lambda t, v: store.provide_input(t, v), 0),
+            ("data", running, lambda t, v: store.emit(t, "log", v), 0),
+            ("snapshot", running, lambda t, v: store.emit(t, "log", snapshot=v), 0),
+            ("snapshot", running, lambda t, v: store.save_snapshot(t, v), 0),
+        ]
+        for param, fresh, call, wraps in cases:
+            for shape in (list, dict, tuple):
+                with self.subTest(param=param, shape=shape.__name__):
+                    task_id = fresh() if fresh else None
+                    before = store.get(task_id) if task_id else None
+                    with self.assertRaises(taskstore.InvalidParams) as cm:
+                        call(task_id, nested(limit + 1 - wraps, shape))
+                    self.assertEqual(cm.exception.param, param)
+                    self.assertEqual(str(cm.exception),
+                                     f"{param} is nested deeper than {limit} levels")
+                    if task_id:
+                        self.assertEqual(store.get(task_id), before)    # nothing written
+                    call(task_id, nested(limit - wraps, shape))          # the limit itself is fine
+        # Far past any recursion limit: the same refusal on every Python.
+        with self.assertRaises(taskstore.InvalidParams) as cm:
+            store.create("k", nested(sys.getrecursionlimit() * 2, list))
+        self.assertEqual(str(cm.exception), f"payload is nested deeper than {limit} levels")
+        # Brackets inside strings are only text.
+        self.assertEqual(store.create("k", {"s": "[{" * 1000}).payload, {"s": "[{" * 1000})
+
     def test_sql_text_in_values_is_only_data(self):
         evil = "x'); DROP TABLE tasks; --"
         task = self.store.create(evil, {"q": evil}, principal=evil, meta={"m": evil})
@@ -2265,6 +2347,20 @@ store.close()
 """
 
 
+# Holds the write lock of a (still empty) file, as a process does while it
+# initialises it, until it reads a line; then lets go and says so.
+WRITE_LOCK_HOLDER_SCRIPT = CHILD_PRELUDE + r"""
+import sqlite3
+conn = sqlite3.connect(DB, isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+say("holding")
+sys.stdin.readline()
+conn.execute("ROLLBACK")
+conn.close()
+say("released")
+"""
+
+
 class _Fetched(list):
     """Rows already fetched, with the two cursor methods the store uses."""
 
@@ -2692,6 +2788,62 @@ class SharedFileOpenTests(MultiProcessTestCase):
         self.assertEqual(store.get(created[0]).kind, "first")
         self.assertEqual(store.create("second").status, taskstore.QUEUED)
         self.assertEqual(len(store.list()[0]), 2)
+
+    # Switching a new file to WAL rewrites its header: SQLite reads it, then
+    # upgrades to a write, and an upgrade that finds another writer fails at
+    # once (SQLite never waits there).  These two tests put that writer there.
+
+    def test_opening_waits_while_another_process_holds_the_new_file(self):
+        holder = self.spawn(WRITE_LOCK_HOLDER_SCRIPT)
+        holder.expect("holding")
+        refused = []
+
+        class ReleasingConnection:
+            """The store's connection; the first refused switch to WAL releases the holder."""
+
+            def __init__(self, conn):
+                self._conn = conn
+
+            def execute(self, sql, *args):
+                try:
+                    return self._conn.execute(sql, *args)
+                except sqlite3.OperationalError as exc:
+                    if "journal_mode" in sql and not refused:
+                        refused.append(str(exc))
+                        holder.send("go")
+                    raise
+
+            def __getattr__(self, name):
+                return getattr(self._conn, name)
+
+        class HookedStore(taskstore.TaskStore):
+            def _open_schema(store, max_bytes):
+                real = store._conn
+                store._conn = ReleasingConnection(real)
+                try:
+                    return super()._open_schema(max_bytes)
+                finally:
+                    store._conn = real
+
+        store = HookedStore(self.path, poll_interval=0.02)
+        self.addCleanup(store.close)
+        self.assertEqual(refused, ["database is locked"])    # the upgrade did collide
+        holder.expect("released")
+        holder.finish(self)
+        self.assertEqual(store.create("k").status, taskstore.QUEUED)
+        self.assertEqual(store._conn.execute("PRAGMA journal_mode").fetchone()[0], "wal")
+
+    def test_a_process_holding_the_new_file_past_the_busy_timeout_is_a_clear_error(self):
+        holder = self.spawn(WRITE_LOCK_HOLDER_SCRIPT)
+        holder.expect("holding")
+        with self.assertRaises(taskstore.StoreUnavailable) as cm:
+            taskstore.TaskStore(self.path, busy_timeout=0.2)
+        self.assertEqual(str(cm.exception), f"{self.path}: the database is locked by another "
+                                            "process (busy timeout exceeded)")
+        holder.send("go")
+        holder.expect("released")
+        holder.finish(self)
+        self.assertEqual(self.open_store().create("k").status, taskstore.QUEUED)
 
 
 class CrossProcessRaceTests(MultiProcessTestCase):
