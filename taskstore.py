@@ -69,7 +69,7 @@ __all__ = [
     "McpServer", "McpTool", "ToolContext", "McpError", "ParseError", "InvalidRequest",
     "MethodNotFound", "ServerBusy", "add_demo_tools", "text_result", "mcp_task_to_wire", "check_arguments", "add_mcp_parser",
     "run_mcp", "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
-    "mcp_task_to_modern_wire", "mcp_jsonrpc_error", "MissingClientCapability",
+    "mcp_task_to_modern_wire", "MissingClientCapability",
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
     "ElicitationMismatch", "elicitation_problems",
     "MCP_CANCELLED_MESSAGE",
@@ -3068,8 +3068,8 @@ class Runner:
 # mcp_task_to_wire (legacy Task) and mcp_task_to_modern_wire (modern
 # CreateTaskResult / DetailedTask) are the only producers of a task's wire
 # shape.  Rules: no SQL and no store locking here; errors reach the client only
-# through mcp_jsonrpc_error, i.e. to_jsonrpc_error plus the class's extra data
-# (or, for tasks/result, as the error stored when the task failed); the
+# through to_jsonrpc_error, which carries each class's extra data (or, for
+# tasks/result, as the error stored when the task failed); the
 # reader thread never blocks on the store (a request that may wait or write
 # runs on one of two bounded pools, past which it is refused); McpServer._send
 # is the only writer of the output stream, and in the modern era it never
@@ -3218,18 +3218,6 @@ class UnsupportedProtocolVersion(TaskStoreError):
         super().__init__(f"Unsupported protocol version: {_echo(repr(requested))}; "
                          f"supported: {', '.join(supported)}")
         self.jsonrpc_data = {"supported": list(supported), "requested": requested}
-
-
-def mcp_jsonrpc_error(exc):
-    """``to_jsonrpc_error`` plus the class's extra ``jsonrpc_data`` (-32021, -32022).
-
-    A shim until the core's mapping merges ``jsonrpc_data`` itself (CORE_REQUESTS.md).
-    """
-    error = to_jsonrpc_error(exc)
-    extra = getattr(exc, "jsonrpc_data", None) if isinstance(exc, TaskStoreError) else None
-    if extra:
-        error["data"] = {**error.get("data", {}), **extra}
-    return error
 
 
 class _StoredError(Exception):
@@ -4024,7 +4012,7 @@ class McpServer:
                 else:
                     busy = ServerBusy(f"too many requests in progress: at most {pool.size} "
                                       f"at once and {pool.backlog} in line; try again later")
-                self._reply(message["id"], error=mcp_jsonrpc_error(busy))
+                self._reply(message["id"], error=to_jsonrpc_error(busy))
 
     def _pool_for(self, message, era):
         """Return the pool that serves a request, or None to answer it on the reader thread.
@@ -4174,7 +4162,7 @@ class McpServer:
         except Exception as exc:
             if not isinstance(exc, TaskStoreError):
                 logger.exception("internal error in %s", message.get("method"))
-            return {"jsonrpc": "2.0", "id": msg_id, "error": mcp_jsonrpc_error(exc)}
+            return {"jsonrpc": "2.0", "id": msg_id, "error": to_jsonrpc_error(exc)}
         if result is _NO_RESPONSE:
             return None
         return {"jsonrpc": "2.0", "id": msg_id, "result": result}
