@@ -3220,6 +3220,11 @@ class UnsupportedProtocolVersion(TaskStoreError):
         self.jsonrpc_data = {"supported": list(supported), "requested": requested}
 
 
+def _error_message(msg_id, exc):
+    """Return the JSON-RPC error response to request *msg_id* for *exc*."""
+    return {"jsonrpc": "2.0", "id": msg_id, "error": to_jsonrpc_error(exc)}
+
+
 class _StoredError(Exception):
     """Carries a JSON-RPC error object stored with a failed task, replayed as is."""
 
@@ -3675,9 +3680,9 @@ class ToolContext:
     tools rarely need it: the same handler serves both eras.
     """
 
-    def __init__(self, server, *, task_ctx=None, progress_token=None, era=_LEGACY,
+    def __init__(self, dispatcher, *, task_ctx=None, progress_token=None, era=_LEGACY,
                  capabilities=None):
-        self._server = server
+        self._dispatcher = dispatcher
         self._task_ctx = task_ctx
         self._progress_token = progress_token
         self.task_id = task_ctx.task_id if task_ctx is not None else None
@@ -3704,7 +3709,7 @@ class ToolContext:
             else:
                 self._task_ctx.progress(value, total=total, message=message)
         elif self._progress_token is not None:
-            self._server._notify_progress(self._progress_token, value, total, message, None)
+            self._dispatcher._notify_progress(self._progress_token, value, total, message, None)
 
     def elicit(self, message, requested_schema):
         """Ask the user through the client (``elicitation/create``) and wait for the answer.
@@ -3735,16 +3740,16 @@ class ToolContext:
             answer = self._task_ctx.ask({"method": "elicitation/create", "params": params,
                                          "key": f"elicit-{secrets.token_hex(8)}"})
             return self._elicit_result(answer, requested_schema)
-        if "elicitation" not in self._server.client_capabilities:
+        if "elicitation" not in self._dispatcher.client_capabilities:
             raise McpError(-32601, "the client does not support elicitation")
         if self._task_ctx is not None and \
-                self._task_ctx.task.meta.get("session") != self._server._session:
+                self._task_ctx.task.meta.get("session") != self._dispatcher._session:
             # Claimed from a file shared with another server: its client is not ours.
             raise McpError(-32603, "the client that created this task is not connected here")
         if self._task_ctx is not None:
             answer = self._task_ctx.ask({"method": "elicitation/create", "params": params})
         else:
-            answer = self._server._request("elicitation/create", params, self.cancelled)
+            answer = self._dispatcher._request("elicitation/create", params, self.cancelled)
         return self._elicit_result(answer, requested_schema)
 
     @staticmethod
@@ -3766,41 +3771,58 @@ class ToolContext:
         return result
 
 
-class McpServer:
-    """An MCP server over a TaskStore, for both eras of MCP tasks.
+class McpWork(typing.NamedTuple):
+    """Work a request needs that may block, described for the transport to run.
 
-    Register tools with ``add_tool`` or the ``tool`` decorator, then call
-    ``serve()``: it reads one JSON-RPC message per line from *infile* and
-    writes one per line to *outfile* until EOF or ``stop()``.  The first
-    request picks the era for the whole process (``era``): ``initialize`` ->
-    2025-11-25 (core tasks: a task-augmented ``tools/call``); a request whose
-    ``params._meta`` names ``io.modelcontextprotocol/protocolVersion`` ->
-    2026-07-28 (the ``io.modelcontextprotocol/tasks`` extension: the server
-    makes a task of every non-forbidden tool call of a client that declares
-    it).  Either way a task is a store task (kind ``mcp.tools/call``) run by
-    this server's Runner.  Reads are answered on the reader thread; requests
-    that may wait or write run on two bounded thread pools (``max_waiting``).
+    ``McpDispatcher.receive`` returns one instead of a response when answering
+    would wait (``kind`` "wait": a tasks/result for an unfinished task, a
+    tools/call run inline) or write to a file that may be busy (``kind``
+    "write"), or when an answer to one of our requests must be handed to the
+    work that waits for it (``kind`` "answer").  The transport calls ``run()``
+    on a thread of its choosing and sends the messages it returns; ``msg_id``
+    is the request's id, for the error the transport sends if it refuses the
+    work (ServerBusy), None for an answer.
+    """
 
-    Example::
+    kind: str
+    msg_id: object
+    run: object
 
-        store = TaskStore("my.db")
-        server = McpServer(store)
 
-        @server.tool(input_schema={"type": "object", "required": ["text"],
-                                   "properties": {"text": {"type": "string"}}},
-                     task_support="optional")
-        def shout(ctx, args):
-            return args["text"].upper()
+class McpDispatcher:
+    """The MCP protocol over a TaskStore, for both eras of MCP tasks, without I/O.
 
-        server.serve()          # stdin/stdout until EOF
-        store.close()
+    ``receive(message)`` takes one decoded JSON-RPC message and returns what
+    to do: the messages to send at once (dicts) and ``McpWork`` for the
+    transport to run.  Messages that arise later on their own (progress and
+    status notifications, our elicitation requests "srv-N") go to ``send``,
+    a callable the transport supplies; by default they collect in
+    ``outbox``.  Nothing here reads or writes a stream or starts a thread;
+    what blocks (``McpWork.run``, ``handle_request`` of a waiting method,
+    a tool asking its user) blocks the caller's thread only.
+
+    The first request picks the era for the whole connection (``era``):
+    ``initialize`` -> 2025-11-25 (core tasks: a task-augmented
+    ``tools/call``); a request whose ``params._meta`` names
+    ``io.modelcontextprotocol/protocolVersion`` -> 2026-07-28 (the
+    ``io.modelcontextprotocol/tasks`` extension: the server makes a task of
+    every non-forbidden tool call of a client that declares it).  Either way
+    a task is a store task (kind ``mcp.tools/call``); a Runner given
+    ``run_task`` as that kind's handler runs it, and ``owner`` is that
+    Runner's ``process_id``.
+
+    Example (no pipes, no threads)::
+
+        dispatcher = McpDispatcher(store)
+        dispatcher.receive({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                            "params": {"protocolVersion": "2025-11-25"}})
+        # -> [{"jsonrpc": "2.0", "id": 1, "result": {"protocolVersion": ...}}]
     """
 
     def __init__(self, store, *, default_ttl_ms=DEFAULT_MCP_TTL_MS, max_ttl_ms=None,
                  allow_unlimited_ttl=False, poll_interval_ms=DEFAULT_MCP_POLL_INTERVAL_MS,
-                 list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, workers=4,
-                 max_line_bytes=DEFAULT_MAX_LINE_BYTES, name="taskstore", version=__version__,
-                 shutdown_grace_s=SHUTDOWN_GRACE_S, max_waiting=DEFAULT_MCP_MAX_WAITING):
+                 list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, name="taskstore",
+                 version=__version__, send=None):
         self.store = store
         self.default_ttl_ms = default_ttl_ms
         self.max_ttl_ms = max_ttl_ms if max_ttl_ms is not None else store.max_ttl_ms
@@ -3808,36 +3830,32 @@ class McpServer:
         self.poll_interval_ms = poll_interval_ms
         self.list_tasks = list_tasks
         self.page_size = page_size
-        self.max_line_bytes = max_line_bytes
         self.server_info = {"name": name, "version": version}
-        self.shutdown_grace_s = shutdown_grace_s
         self.client_capabilities = {}
         self.era = None                     # "2025-11-25" or "2026-07-28" once chosen
         self.tools = {}
-        self.runner = Runner(store, {MCP_TASK_KIND: self._run_task}, workers=workers)
-        # Tasks created by this server carry this id in their meta, so that
-        # only its own client hears their notifications and input requests.
+        self.outbox = []
+        self.send = send if send is not None else self.outbox.append
+        self.owner = None                   # the Runner's process_id, recorded on each task
+        # Set when the connection ends: waits (tasks/result, a tool's question)
+        # give up, and the transport stops sending anything but answers.
+        self.closing = threading.Event()
+        # Set whenever a task joins those followed (see followed()), so that
+        # whoever follows them stops sleeping.
+        self.follow_wake = threading.Event()
+        # Tasks created here carry this id in their meta, so that only this
+        # connection's client hears their notifications and input requests.
         self._session = secrets.token_hex(8)
-        self._stop = threading.Event()
-        self._stop_requested = False
-        self._out = None
-        self._write_lock = threading.Lock()
         self._lock = threading.Lock()       # guards the dicts and sets below; never held long
         self._pending = {}                  # our request id -> (task id or None, callback)
         self._inline = {}                   # client request id -> ToolContext of an inline call
         self._sent = {}                     # task id -> (version, MCP status, progress) notified
         # Status notifications follow each task's event log, told once and in
-        # order whether this process moved the task (the listener) or another
-        # one did (the follower thread): see _tell_status.
+        # order whether this process moved the task (on_change) or another one
+        # did (moved): see _tell_status.
         self._told = {}                     # task id -> (last event seq handled, MCP status told)
         self._followed = set()              # this session's tasks not yet told terminal
         self._notify_lock = threading.Lock()    # one teller at a time; taken before _lock
-        self._follow_wake = threading.Event()
-        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
-            raise InvalidParams("max_waiting must be an integer >= 1", param="max_waiting")
-        self.max_waiting = max_waiting
-        self._waiting = _Pool(max_waiting, 0, "taskstore-mcp-waiting")
-        self._writes = _Pool(MCP_WRITE_THREADS, MCP_WRITE_BACKLOG, "taskstore-mcp-write")
         self._requests_sent = 0             # our requests' ids are "srv-1", "srv-2", ...
         # method -> fn(params, request_id) -> result
         self._methods = {
@@ -3894,133 +3912,80 @@ class McpServer:
             return handler
         return register
 
-    # -- transport -----------------------------------------------------------
+    # -- messages in, messages out ---------------------------------------------
 
-    def serve(self, infile=None, outfile=None):
-        """Serve one client on *infile*/*outfile* (binary; default stdin/stdout); once.
+    def receive_line(self, line):
+        """Decode one line (bytes, without caring for its newline) and ``receive`` it.
 
-        Returns after EOF on *infile* or ``stop()``, once running work has
-        been given ``shutdown_grace_s`` and the Runner has applied each
-        unfinished task's restart policy (so no later process sees it working).
+        A line that is not JSON gets -32700, one that JSON cannot carry
+        safely (too deep, an unpaired surrogate) -32600, both with id null:
+        the id itself may be unusable.
         """
-        self._out = outfile if outfile is not None else sys.stdout.buffer
-        if infile is None:
-            # A raw stdin: the reader thread blocks in read() holding no lock, so
-            # the interpreter can exit while it still waits (after SIGTERM).  Not
-            # closed, for the same reason; closefd=False leaves fd 0 alone.
-            infile = open(sys.stdin.fileno(), "rb", buffering=0, closefd=False)
-        self.store.add_listener(self._on_change)
-        self.runner.start()
-        reader = threading.Thread(target=self._read_loop, args=(infile,),
-                                  name="taskstore-mcp-reader", daemon=True)
-        reader.start()
-        follower = threading.Thread(target=self._follow, name="taskstore-mcp-follower",
-                                    daemon=True)
-        follower.start()
-        try:
-            # A timed wait, so that stop()'s flag is seen promptly.
-            while not self._stop.wait(0.1) and not self._stop_requested:
-                pass
-        finally:
-            self._stop.set()
-            with self._lock:
-                inline = list(self._inline.values())
-            for ctx in inline:              # inline calls stop with the tasks
-                ctx.cancelled.set()
-            # Runner.stop releases this runner's tasks: started ones and the
-            # session's still-queued ones (created with owner=) get their
-            # policy, so none shows as working with nobody to run it.
-            self.runner.stop(timeout=self.shutdown_grace_s)
-            deadline = time.monotonic() + 0.5
-            for pool in (self._waiting, self._writes):
-                pool.close(deadline)
-            self._follow_wake.set()
-            follower.join(max(0.0, deadline - time.monotonic()))
-            self.store.remove_listener(self._on_change)
-            with self._write_lock:
-                self._out = None
-            logger.info("mcp server stopped")
-
-    def stop(self):
-        """Ask ``serve()`` to return; safe from any thread and from a signal handler.
-
-        It only sets a flag (a signal handler must not take a lock the main
-        thread may hold); ``serve()`` notices it within 0.1 s.
-        """
-        self._stop_requested = True
-
-    def _read_loop(self, infile):
-        lines = _LineReader(infile, self.max_line_bytes)
-        try:
-            while not self._stop.is_set():
-                line, too_long = lines.next()
-                if line is None:
-                    break
-                if too_long:
-                    self._reply(None, error=to_jsonrpc_error(InvalidRequest(
-                        f"message exceeds {self.max_line_bytes} bytes")))
-                elif line.strip():
-                    self._dispatch_line(line)
-        except Exception:                   # a broken stream must not go unnoticed
-            logger.exception("mcp reader failed")
-        finally:
-            self._stop.set()
-
-    def _dispatch_line(self, line):
         try:
             message = json.loads(line)
         except (ValueError, RecursionError):    # bad UTF-8; RecursionError: a nesting bomb
-            self._reply(None, error=to_jsonrpc_error(ParseError("parse error: not JSON")))
-            return
+            return [_error_message(None, ParseError("parse error: not JSON"))]
         problem = _json_problem(message, text=line)
-        if problem is not None:             # the id itself may be unusable: answer id null
-            self._reply(None, error=to_jsonrpc_error(InvalidRequest(f"the message {problem}")))
-            return
+        if problem is not None:
+            return [_error_message(None, InvalidRequest(f"the message {problem}"))]
+        return self.receive(message)
+
+    def too_long(self, limit):
+        """Return the answer to a line longer than *limit* bytes (dropped unread)."""
+        return [_error_message(None, InvalidRequest(f"message exceeds {limit} bytes"))]
+
+    def receive(self, message):
+        """Take one decoded message; return the messages to send now and the work to run.
+
+        Each item is a JSON-RPC message (a dict, to send as it is) or an
+        ``McpWork``.  A request that never waits is answered here and now,
+        in arrival order; one that may wait or write comes back as work.  A
+        notification returns nothing; a response to one of our requests
+        returns the work that hands it to whoever waits for it.
+        """
         try:
             kind = _message_kind(message)
         except InvalidRequest as exc:
             msg_id = message.get("id") if isinstance(message, dict) else None
             valid_id = isinstance(msg_id, (str, int)) and not isinstance(msg_id, bool)
-            self._reply(msg_id if valid_id else None, error=to_jsonrpc_error(exc))
-            return
+            return [_error_message(msg_id if valid_id else None, exc)]
         if kind == "response":
             with self._lock:
                 entry = self._pending.pop(message["id"], None)
             if entry is None:
                 self._answer_not_awaited(message["id"])
-            else:                           # its callback may write to the store
-                threading.Thread(target=entry[1], args=(message,), daemon=True,
-                                 name="taskstore-mcp-answer").start()
-        elif kind == "notification":
-            self._notification(message)
-        else:
-            # The era is decided here, in arrival order, not on the request's thread.
-            try:
-                era = self._select_era(message)
-            except TaskStoreError as exc:
-                era = exc
-            pool = self._pool_for(message, era)
-            if pool is None:
-                # A read that never waits: answered here, in order, without the
-                # cost of a thread (most of a tasks/get round trip otherwise).
-                self._run_request(message, era)
-            elif not pool.submit(functools.partial(self._run_request, message, era)):
-                if pool is self._waiting:
-                    busy = ServerBusy(f"too many requests are waiting: at most {pool.size} at "
-                                      "once (tasks/result for an unfinished task, tools/call "
-                                      "run inline); try again later")
-                else:
-                    busy = ServerBusy(f"too many requests in progress: at most {pool.size} "
-                                      f"at once and {pool.backlog} in line; try again later")
-                self._reply(message["id"], error=to_jsonrpc_error(busy))
+                return []
+            callback = entry[1]
 
-    def _pool_for(self, message, era):
-        """Return the pool that serves a request, or None to answer it on the reader thread.
+            def answer():                   # it may write to the store: work
+                callback(message)
+                return []
+            return [McpWork("answer", None, answer)]
+        if kind == "notification":
+            self._notification(message)
+            return []
+        # The era is decided here, in arrival order, not on the work's thread.
+        try:
+            era = self._select_era(message)
+        except TaskStoreError as exc:
+            era = exc
+        work = self._work_kind(message, era)
+        if work is None:
+            response = self.handle_request(message, era)
+            return [] if response is None else [response]
+
+        def run():
+            response = self.handle_request(message, era)
+            return [] if response is None else [response]
+        return [McpWork(work, message["id"], run)]
+
+    def _work_kind(self, message, era):
+        """Return the McpWork kind of a request ("wait" or "write"), or None to answer at once.
 
         None for reads that never wait and for anything answered at once with
-        an error; the waiting pool for a tasks/result whose task MCP does not
-        show as finished and for a tools/call that runs inline; the write pool
-        for the rest (creating a task, cancel, update, initialize).
+        an error; "wait" for a tasks/result whose task MCP does not show as
+        finished and for a tools/call that runs inline; "write" for the rest
+        (creating a task, cancel, update, initialize).
         """
         method = message.get("method")
         if method in _QUICK_METHODS or isinstance(era, Exception) or (
@@ -4033,10 +3998,10 @@ class McpServer:
                 finished = mcp_status(self._get_task(params)) in _MCP_TERMINAL
             except TaskStoreError:
                 return None                 # answered at once with the same error
-            return None if finished else self._waiting
+            return None if finished else "wait"
         if method == "tools/call" and self._runs_inline(params, era):
-            return self._waiting
-        return self._writes
+            return "wait"
+        return "write"
 
     def _runs_inline(self, params, era):
         """True when a tools/call will run its tool inline (as ``_tools_call*`` decide)."""
@@ -4053,42 +4018,21 @@ class McpServer:
         except TaskStoreError:
             return False                    # -32602 at once
 
-    def _run_request(self, message, era=_UNSET):
-        response = self.handle_request(message, era)
-        if response is not None:
-            self._send(response)
 
-    def _send(self, message):
-        """Write one message as one line; the only writer of the output stream."""
-        if "method" in message and self._stop.is_set():
-            # After EOF the client has gone (or is going): no more notifications
-            # or requests of ours, only the answers still owed.
-            return
-        try:
-            data = dumps(message).encode("utf-8") + b"\n"
-        except (TypeError, ValueError):
-            logger.exception("unserialisable message")
-            if "id" not in message or "method" in message:
-                return
-            data = dumps({"jsonrpc": "2.0", "id": message["id"],
-                          "error": to_jsonrpc_error(RuntimeError())}).encode("utf-8") + b"\n"
-        with self._write_lock:
-            if self._out is None:
-                return
-            try:
-                self._out.write(data)
-                self._out.flush()
-            except (OSError, ValueError):   # the client went away
-                logger.info("mcp output closed")
-                self._stop.set()
+    def close(self):
+        """End the connection's waits: inline calls are cancelled, waits give up.
 
-    def _reply(self, msg_id, result=None, error=None):
-        message = {"jsonrpc": "2.0", "id": msg_id}
-        message.update({"error": error} if error is not None else {"result": result})
-        self._send(message)
+        Safe to call more than once; the transport calls it at EOF.
+        """
+        self.closing.set()
+        with self._lock:
+            inline = list(self._inline.values())
+        for ctx in inline:
+            ctx.cancelled.set()
+        self.follow_wake.set()
 
     def _notify(self, method, params):
-        self._send({"jsonrpc": "2.0", "method": method, "params": params})
+        self.send({"jsonrpc": "2.0", "method": method, "params": params})
 
     def _request_id_locked(self):
         # A space of their own ("srv-N"), so that a server request's id never
@@ -4096,6 +4040,7 @@ class McpServer:
         # matching of answers.
         self._requests_sent += 1
         return f"srv-{self._requests_sent}"
+
 
     def _answer_not_awaited(self, msg_id):
         """Log a response that no request of ours waits for: a late answer, or a mistake."""
@@ -4108,25 +4053,30 @@ class McpServer:
             logger.warning("dropped an answer to id %r: this server sent no request with that "
                            "id (its requests have string ids \"srv-1\", \"srv-2\", ...)", msg_id)
 
+
     def _request(self, method, params, cancelled):
         """Send a request to the client; block until it answers; return the response.
 
+        Runs on the thread of the work that asks (an inline tool call); the
+        answer arrives through ``receive`` as ``McpWork`` of kind "answer".
+
         Raises:
-            Cancelled: *cancelled* was set, or the server stops, before the answer.
+            Cancelled: *cancelled* was set, or the connection ends, before the answer.
         """
         answers = queue.Queue(1)
         with self._lock:
             request_id = self._request_id_locked()
             self._pending[request_id] = (None, answers.put)
-        self._send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+        self.send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
         while True:
             try:
                 return answers.get(timeout=0.1)
             except queue.Empty:
-                if cancelled.is_set() or self._stop.is_set():
+                if cancelled.is_set() or self.closing.is_set():
                     with self._lock:
                         self._pending.pop(request_id, None)
                     raise Cancelled() from None
+
 
     # -- dispatch (sans-IO) --------------------------------------------------
 
@@ -4284,7 +4234,7 @@ class McpServer:
                                  meta={"session": self._session, "progressToken": None,
                                        "legacy": False, "era": _MODERN,
                                        "capabilities": capabilities},
-                                 owner=self.runner.process_id)
+                                 owner=self.owner)
         # Committed above: a tasks/get for this id resolves from now on.
         return mcp_task_to_modern_wire(task, self.poll_interval_ms, created=True)
 
@@ -4404,10 +4354,10 @@ class McpServer:
                                  ttl_ms=ttl_ms,
                                  meta={"session": self._session, "progressToken": token,
                                        "legacy": legacy, "era": _LEGACY},
-                                 owner=self.runner.process_id)
+                                 owner=self.owner)
         with self._lock:                    # another process may run it: follow its events
             self._followed.add(task.id)
-        self._follow_wake.set()
+        self.follow_wake.set()
         return _create_task_result(task, self.poll_interval_ms, legacy)
 
     def _call_inline(self, tool, arguments, token, msg_id, era=_LEGACY, capabilities=None):
@@ -4434,7 +4384,7 @@ class McpServer:
             return text_result(f"Tool {tool.name} failed with an internal error", is_error=True)
         return _as_call_tool_result(value)
 
-    def _run_task(self, task_ctx, payload):
+    def run_task(self, task_ctx, payload):
         """Runner handler for kind ``mcp.tools/call``: run the tool, map its outcome."""
         tool = self.tools.get(payload.get("name"))
         if tool is None:        # e.g. a task queued by a server with other tools
@@ -4468,11 +4418,11 @@ class McpServer:
     def _tasks_result(self, params, _):
         task = self._get_task(params, _LESSON_ID_KEYS)
         while mcp_status(task) not in _MCP_TERMINAL:
-            if self._stop.is_set():
+            if self.closing.is_set():
                 raise StoreClosed("the server is shutting down")
             # Bounded waits so that shutdown is noticed; in-process changes wake it at once.
             task = self.store.wait(task.id, timeout=0.25, since_version=task.version)
-        if self._stop.is_set():
+        if self.closing.is_set():
             # Stopping, and read after the stop began: what the task shows now may be the
             # shutdown's own CRASH_RECOVERY, so every answer not given yet is this one.
             raise StoreClosed("the server is shutting down")
@@ -4503,10 +4453,9 @@ class McpServer:
 
     # -- store changes -> notifications and input requests ----------------------
 
-    def _on_change(self, task, change):
-        """Store listener: tell this session's client about its tasks."""
-        if (task.kind != MCP_TASK_KIND or task.meta.get("session") != self._session
-                or self._out is None):
+    def on_change(self, task, change):
+        """Store listener: tell this session's client about its tasks (through ``send``)."""
+        if task.kind != MCP_TASK_KIND or task.meta.get("session") != self._session:
             return
         if task.meta.get("era", _LEGACY) != _LEGACY:
             # M8: a 2026-07-28 task is polled; nothing about it is pushed (no
@@ -4575,38 +4524,32 @@ class McpServer:
             if told in _MCP_TERMINAL:
                 self._followed.discard(task.id)
 
-    def _follow(self):
-        """Tell the client about its tasks when another process moves them (a thread).
+    def followed(self):
+        """Return ``{task id: last event seq told}`` for this session's unfinished tasks.
 
-        The listener sees this process's commits only.  This thread waits on
-        the store for events past those told (``wait_any``: woken by this
-        process's commits, re-reading every ``poll_interval`` for the
-        others'), and tells them through ``_tell_status`` as the listener
-        does, so nothing is told twice.  With no task to follow it sleeps.
+        The store listener (``on_change``) sees this process's commits only;
+        whoever follows these tasks (the transport's follower thread) waits on
+        the store for events past those seqs and hands what moved to ``moved``.
+        ``follow_wake`` is set when a task joins them.
         """
-        while not self._stop.is_set():
-            with self._lock:
-                seen = {task_id: self._told.get(task_id, (0, ""))[0]
-                        for task_id in self._followed}
-            if not seen:
-                self._follow_wake.wait()
-                self._follow_wake.clear()
+        with self._lock:
+            return {task_id: self._told.get(task_id, (0, ""))[0]
+                    for task_id in self._followed}
+
+    def moved(self, tasks):
+        """Tell the client about its tasks that another process moved.
+
+        *tasks* maps task id -> the task as read now (None: purged), as
+        ``TaskStore.wait_any`` returns it; the news goes out through
+        ``_tell_status`` as the listener's does, so nothing is told twice.
+        """
+        for task_id, task in tasks.items():
+            if task is None:                # purged: nothing more will happen to it
+                with self._lock:
+                    self._followed.discard(task_id)
                 continue
-            try:
-                moved = self.store.wait_any(seen, timeout=self.store.poll_interval)
-            except StoreClosed:
-                return
-            except TaskStoreError as exc:   # a file that is locked or full: look again later
-                logger.warning("cannot follow this session's tasks: %s", exc)
-                self._stop.wait(self.store.poll_interval)
-                continue
-            for task_id, task in moved.items():
-                if task is None:            # purged: nothing more will happen to it
-                    with self._lock:
-                        self._followed.discard(task_id)
-                    continue
-                with self._notify_lock:
-                    self._tell_status(task)
+            with self._notify_lock:
+                self._tell_status(task)
 
     def _send_input_request(self, task):
         request = task.input_request
@@ -4624,8 +4567,8 @@ class McpServer:
         with self._lock:
             request_id = self._request_id_locked()
             self._pending[request_id] = (task.id, answered)
-        self._send({"jsonrpc": "2.0", "id": request_id, "method": request["method"],
-                    "params": params})
+        self.send({"jsonrpc": "2.0", "id": request_id, "method": request["method"],
+                   "params": params})
 
     def _notify_progress(self, token, value, total, message, task_id):
         params = {"progressToken": token, "progress": value}
@@ -4636,6 +4579,221 @@ class McpServer:
         if task_id is not None:
             params["_meta"] = {RELATED_TASK: {"taskId": task_id}}
         self._notify("notifications/progress", params)
+
+
+class McpServer:
+    """An MCP server on stdio: an McpDispatcher, its Runner, and the threads that move lines.
+
+    Register tools with ``add_tool`` or the ``tool`` decorator, then call
+    ``serve()``: it reads one JSON-RPC message per line from *infile* and
+    writes one per line to *outfile* until EOF or ``stop()``.  What each
+    message means and what answers it is ``dispatcher``'s business (see
+    McpDispatcher, which also says how the era is chosen); this class only
+    reads lines, runs the work the dispatcher describes on two bounded thread
+    pools (``max_waiting``; past either's limit a request is refused at once
+    with ServerBusy), follows this session's tasks in other processes, and
+    writes.  Tasks are run by this server's Runner.
+
+    Example::
+
+        store = TaskStore("my.db")
+        server = McpServer(store)
+
+        @server.tool(input_schema={"type": "object", "required": ["text"],
+                                   "properties": {"text": {"type": "string"}}},
+                     task_support="optional")
+        def shout(ctx, args):
+            return args["text"].upper()
+
+        server.serve()          # stdin/stdout until EOF
+        store.close()
+    """
+
+    def __init__(self, store, *, default_ttl_ms=DEFAULT_MCP_TTL_MS, max_ttl_ms=None,
+                 allow_unlimited_ttl=False, poll_interval_ms=DEFAULT_MCP_POLL_INTERVAL_MS,
+                 list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, workers=4,
+                 max_line_bytes=DEFAULT_MAX_LINE_BYTES, name="taskstore", version=__version__,
+                 shutdown_grace_s=SHUTDOWN_GRACE_S, max_waiting=DEFAULT_MCP_MAX_WAITING):
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
+            raise InvalidParams("max_waiting must be an integer >= 1", param="max_waiting")
+        self.store = store
+        self.dispatcher = McpDispatcher(
+            store, default_ttl_ms=default_ttl_ms, max_ttl_ms=max_ttl_ms,
+            allow_unlimited_ttl=allow_unlimited_ttl, poll_interval_ms=poll_interval_ms,
+            list_tasks=list_tasks, page_size=page_size, name=name, version=version,
+            send=self._send)
+        self.max_line_bytes = max_line_bytes
+        self.shutdown_grace_s = shutdown_grace_s
+        self.max_waiting = max_waiting
+        self.runner = Runner(store, {MCP_TASK_KIND: self.dispatcher.run_task}, workers=workers)
+        # The dispatcher's closing event is ours: EOF, a broken output or stop()
+        # end the waits it runs for us as well as our loops.
+        self._stop = self.dispatcher.closing
+        self._stop_requested = False
+        self._out = None
+        self._write_lock = threading.Lock()
+        self._waiting = _Pool(max_waiting, 0, "taskstore-mcp-waiting")
+        self._writes = _Pool(MCP_WRITE_THREADS, MCP_WRITE_BACKLOG, "taskstore-mcp-write")
+
+    # The protocol's state and tool registry live in the dispatcher; these
+    # keep the server's older attributes and methods working.
+    era = property(lambda self: self.dispatcher.era)
+    tools = property(lambda self: self.dispatcher.tools)
+    client_capabilities = property(lambda self: self.dispatcher.client_capabilities)
+
+    def add_tool(self, name, handler, **options):
+        """Register a tool (``McpDispatcher.add_tool``)."""
+        return self.dispatcher.add_tool(name, handler, **options)
+
+    def tool(self, name=None, **options):
+        """Decorator form of ``add_tool`` (``McpDispatcher.tool``)."""
+        return self.dispatcher.tool(name, **options)
+
+    def handle_request(self, message, era=_UNSET):
+        """Answer one decoded request here and now (``McpDispatcher.handle_request``)."""
+        return self.dispatcher.handle_request(message, era)
+
+    def serve(self, infile=None, outfile=None):
+        """Serve one client on *infile*/*outfile* (binary; default stdin/stdout); once.
+
+        Returns after EOF on *infile* or ``stop()``, once running work has
+        been given ``shutdown_grace_s`` and the Runner has applied each
+        unfinished task's restart policy (so no later process sees it working).
+        """
+        self._out = outfile if outfile is not None else sys.stdout.buffer
+        if infile is None:
+            # A raw stdin: the reader thread blocks in read() holding no lock, so
+            # the interpreter can exit while it still waits (after SIGTERM).  Not
+            # closed, for the same reason; closefd=False leaves fd 0 alone.
+            infile = open(sys.stdin.fileno(), "rb", buffering=0, closefd=False)
+        self.store.add_listener(self._on_change)
+        self.runner.start()
+        self.dispatcher.owner = self.runner.process_id
+        reader = threading.Thread(target=self._read_loop, args=(infile,),
+                                  name="taskstore-mcp-reader", daemon=True)
+        reader.start()
+        follower = threading.Thread(target=self._follow, name="taskstore-mcp-follower",
+                                    daemon=True)
+        follower.start()
+        try:
+            # A timed wait, so that stop()'s flag is seen promptly.
+            while not self._stop.wait(0.1) and not self._stop_requested:
+                pass
+        finally:
+            self.dispatcher.close()         # inline calls stop with the tasks
+            # Runner.stop releases this runner's tasks: started ones and the
+            # session's still-queued ones (created with owner=) get their
+            # policy, so none shows as working with nobody to run it.
+            self.runner.stop(timeout=self.shutdown_grace_s)
+            deadline = time.monotonic() + 0.5
+            for pool in (self._waiting, self._writes):
+                pool.close(deadline)
+            follower.join(max(0.0, deadline - time.monotonic()))
+            self.store.remove_listener(self._on_change)
+            with self._write_lock:
+                self._out = None
+            logger.info("mcp server stopped")
+
+    def stop(self):
+        """Ask ``serve()`` to return; safe from any thread and from a signal handler.
+
+        It only sets a flag (a signal handler must not take a lock the main
+        thread may hold); ``serve()`` notices it within 0.1 s.
+        """
+        self._stop_requested = True
+
+    def _read_loop(self, infile):
+        lines = _LineReader(infile, self.max_line_bytes)
+        try:
+            while not self._stop.is_set():
+                line, too_long = lines.next()
+                if line is None:
+                    break
+                if too_long:
+                    self._deliver(self.dispatcher.too_long(self.max_line_bytes))
+                elif line.strip():
+                    self._deliver(self.dispatcher.receive_line(line))
+        except Exception:                   # a broken stream must not go unnoticed
+            logger.exception("mcp reader failed")
+        finally:
+            self._stop.set()
+
+    def _deliver(self, items):
+        """Send the dispatcher's messages; run its work on the pool its kind names."""
+        for item in items:
+            if not isinstance(item, McpWork):
+                self._send(item)
+            elif item.kind == "answer":     # rare, and must never be refused
+                threading.Thread(target=self._run, args=(item,), daemon=True,
+                                 name="taskstore-mcp-answer").start()
+            else:
+                pool = self._waiting if item.kind == "wait" else self._writes
+                if not pool.submit(functools.partial(self._run, item)):
+                    self._send(_error_message(item.msg_id, self._busy(pool)))
+
+    def _busy(self, pool):
+        if pool is self._waiting:
+            return ServerBusy(f"too many requests are waiting: at most {pool.size} at "
+                              "once (tasks/result for an unfinished task, tools/call "
+                              "run inline); try again later")
+        return ServerBusy(f"too many requests in progress: at most {pool.size} "
+                          f"at once and {pool.backlog} in line; try again later")
+
+    def _run(self, work):
+        for message in work.run():
+            self._send(message)
+
+    def _on_change(self, task, change):
+        if self._out is not None:           # only while serving: nobody to tell otherwise
+            self.dispatcher.on_change(task, change)
+
+    def _follow(self):
+        """Tell the client about its tasks when another process moves them (a thread).
+
+        Waits on the store for events past those told (``wait_any``: woken by
+        this process's commits, re-reading every ``poll_interval`` for the
+        others') and hands them to the dispatcher.  With no task to follow it
+        sleeps until ``follow_wake``.
+        """
+        dispatcher = self.dispatcher
+        while not self._stop.is_set():
+            seen = dispatcher.followed()
+            if not seen:
+                dispatcher.follow_wake.wait()
+                dispatcher.follow_wake.clear()
+                continue
+            try:
+                moved = self.store.wait_any(seen, timeout=self.store.poll_interval)
+            except StoreClosed:
+                return
+            except TaskStoreError as exc:   # a file that is locked or full: look again later
+                logger.warning("cannot follow this session's tasks: %s", exc)
+                self._stop.wait(self.store.poll_interval)
+                continue
+            dispatcher.moved(moved)
+
+    def _send(self, message):
+        """Write one message as one line; the only writer of the output stream."""
+        if "method" in message and self._stop.is_set():
+            # After EOF the client has gone (or is going): no more notifications
+            # or requests of ours, only the answers still owed.
+            return
+        try:
+            data = dumps(message).encode("utf-8") + b"\n"
+        except (TypeError, ValueError):
+            logger.exception("unserialisable message")
+            if "id" not in message or "method" in message:
+                return
+            data = dumps(_error_message(message["id"], RuntimeError())).encode("utf-8") + b"\n"
+        with self._write_lock:
+            if self._out is None:
+                return
+            try:
+                self._out.write(data)
+                self._out.flush()
+            except (OSError, ValueError):   # the client went away
+                logger.info("mcp output closed")
+                self._stop.set()
 
 
 # -- demo tools (their contract is in the README; clients and tests rely on it) --
