@@ -3063,21 +3063,28 @@ class Runner:
 #   2026-07-28 ("modern"): no handshake, every request carries its version and
 #     capabilities in params._meta, tasks are the io.modelcontextprotocol/tasks
 #     extension (SEP-2663).
-# The first request of a process picks its era (MCP-TASKS-EXTENSION.md section
-# 10, E1-E4) and the era is then locked.  One lifecycle, two wire projections:
-# mcp_task_to_wire (legacy Task) and mcp_task_to_modern_wire (modern
-# CreateTaskResult / DetailedTask) are the only producers of a task's wire
-# shape.  Rules: no SQL and no store locking here; errors reach the client only
-# through to_jsonrpc_error, which carries each class's extra data (or, for
-# tasks/result, as the error stored when the task failed); the
-# reader thread never blocks on the store (a request that may wait or write
-# runs on one of two bounded pools, past which it is refused); McpServer._send
-# is the only writer of the output stream, and in the modern era it never
-# writes a request.
+# The first request of a connection picks its era and the era is then locked:
+# a client speaks one era for its whole life, so a request of the other era
+# is a mistake to refuse, not to guess about.  The tasks wire format is the
+# public specification's
+# (https://modelcontextprotocol.io/specification/2025-11-25/basic/utilities/tasks).
+# One lifecycle, two wire projections: mcp_task_to_wire (legacy Task) and
+# mcp_task_to_modern_wire (modern CreateTaskResult / DetailedTask) are the only
+# producers of a task's wire shape.
+# Two layers, as for LMSP in section 10: McpDispatcher decides (one decoded
+# message in, the messages to send and the blocking work to run out; no
+# streams, no threads), McpServer moves lines (a reader thread, two bounded
+# pools that run the dispatcher's work, past which a request is refused, and
+# the only writer of the output stream).  Rules: no SQL and no store locking
+# here; errors reach the client only through to_jsonrpc_error, which carries
+# each class's extra data (or, for tasks/result, as the error stored when the
+# task failed); the reader thread never blocks on the store; in the modern era
+# the server never sends a request.
 
 MCP_PROTOCOL_VERSION = "2025-11-25"
 # Older revisions are served the way the 1.x SDK serves them: same
-# capabilities, and a task request is still honoured (MCP-TASKS.md section 6).
+# capabilities, and a task request is still honoured (a client on an older
+# revision that asks for a task has read a newer one).
 MCP_PROTOCOL_VERSIONS = (MCP_PROTOCOL_VERSION, "2025-06-18", "2025-03-26", "2024-11-05")
 MCP_TASK_KIND = "mcp.tools/call"        # the store kind of every task this adapter creates
 RELATED_TASK = "io.modelcontextprotocol/related-task"
@@ -3105,7 +3112,7 @@ _MCP_TERMINAL = frozenset(MCP_STATUS[s] for s in TERMINAL_STATES)  # cancelling 
 MCP_CANCELLED_MESSAGE = "The task was cancelled."
 _UNSET = object()
 _NO_RESPONSE = object()                 # an inline call cancelled by the client gets no answer
-# The 2026-07-28 era (MCP-TASKS-EXTENSION.md).  The era is named by its version.
+# The 2026-07-28 era (the tasks extension).  The era is named by its version.
 MCP_MODERN_VERSION = "2026-07-28"
 MCP_MODERN_VERSIONS = (MCP_MODERN_VERSION,)      # versions served through the _meta envelope
 MCP_SUPPORTED_VERSIONS = (MCP_MODERN_VERSION, MCP_PROTOCOL_VERSION)   # server/discover, -32022
@@ -3330,7 +3337,8 @@ def _task_payload(task):
     if status == "completed":
         result = dict(task.result)
     elif status == "cancelled":
-        # MCP-TASKS.md section 6: never a bare {_meta}.
+        # A cancelled task still answers a CallToolResult, never a bare {_meta}:
+        # clients validate the result's shape before they look at the status.
         result = text_result(f"Task {task.id} was cancelled", is_error=True)
     elif isinstance(task.result, dict):
         result = dict(task.result)          # the tool's own isError result
@@ -3505,8 +3513,9 @@ def elicitation_problems(schema, content):
 def _task_request(params):
     """Return ``(ttl, legacy, optional)`` when *params* ask for a task, else None.
 
-    ``ttl`` is ``_UNSET`` when the request names none.  Precedence follows
-    MCP-TASKS.md 2.4: ``params.task``, then the lesson's ``_meta.task``, then
+    ``ttl`` is ``_UNSET`` when the request names none.  The specification's
+    form wins over the older ones a client may still send: ``params.task``,
+    then the lesson's ``_meta.task``, then
     the SEP draft's ``_meta["modelcontextprotocol.io/task"]`` (its
     ``keepAlive`` is the TTL hint; its client-chosen ``taskId`` is ignored).
     ``optional`` is True when the lesson's form leaves the choice to the
@@ -4118,7 +4127,7 @@ class McpDispatcher:
         return {"jsonrpc": "2.0", "id": msg_id, "result": result}
 
     def _select_era(self, message):
-        """Return the era that serves *message*, locking the process's era (E1-E4).
+        """Return the era that serves *message*, locking the connection's era.
 
         ``initialize`` locks 2025-11-25; a request carrying the 2026-07-28
         envelope (``params._meta`` with a served protocolVersion) locks
@@ -4163,7 +4172,7 @@ class McpDispatcher:
                 self.era = _LEGACY
             return _LEGACY
 
-    # -- the 2026-07-28 era (MCP-TASKS-EXTENSION.md section 10, M1-M10) --------
+    # -- the 2026-07-28 era (the io.modelcontextprotocol/tasks extension) -------
 
     def _handle_modern(self, message):
         """Answer one 2026-07-28 request; return its result (``resultType`` always set)."""
@@ -4189,12 +4198,17 @@ class McpDispatcher:
 
     @staticmethod
     def _declares_tasks(capabilities):
-        """M2: the tasks extension, declared on this very request (never remembered)."""
+        """True when this very request declares the tasks extension.
+
+        Never remembered from an earlier request: in 2026-07-28 each request
+        carries its own capabilities, and a client may drop the extension.
+        """
         extensions = capabilities.get("extensions")
         return isinstance(extensions, dict) and TASKS_EXTENSION in extensions
 
     def _discover(self, params, _, capabilities):
-        # M1: everything a modern client checks, at once (a hang costs a 10 s probe).
+        # Everything a modern client checks, answered at once: a client that hears
+        # nothing waits out a 10 s probe before it falls back to initialize.
         return {"supportedVersions": list(MCP_SUPPORTED_VERSIONS),
                 "capabilities": {"tools": {"listChanged": False},
                                  "extensions": {TASKS_EXTENSION: {}}},
@@ -4217,8 +4231,9 @@ class McpDispatcher:
         return tool, arguments
 
     def _tools_call_modern(self, params, msg_id, capabilities):
-        # M3: params.task is never read; the server decides.  A client declaring the
-        # extension gets a task for every tool that is not "forbidden".
+        # The extension lets the server decide, so params.task is never read: a
+        # client declaring the extension gets a task for every tool that is not
+        # "forbidden".
         tool, arguments = self._lookup_tool(params)
         declared = self._declares_tasks(capabilities)
         if not declared and tool.task_support == "required":
@@ -4241,9 +4256,10 @@ class McpDispatcher:
     def _modern_task(self, params, capabilities, legacy_ok):
         """Return the task a modern tasks/* request names, after the -32021 gate.
 
-        M9: a request that does not declare the extension but declares the
+        A request that does not declare the extension but declares the
         legacy ``tasks`` capability may read or cancel (``legacy_ok``) a task
-        created in the 2025-11-25 era; anything else undeclared is -32021.
+        created in the 2025-11-25 era, so a client that upgrades mid-task
+        still reaches it; anything else undeclared is -32021.
         """
         if self._declares_tasks(capabilities):
             return self._get_task(params)
@@ -4259,8 +4275,9 @@ class McpDispatcher:
         return mcp_task_to_modern_wire(task, self.poll_interval_ms)
 
     def _tasks_update_modern(self, params, _, capabilities):
-        # M5: answers for outstanding keys are stored -- and so retired -- before
-        # the ack; unknown, stale or repeated keys are ignored.
+        # Answers for outstanding keys are stored -- and so retired -- before the
+        # ack, so a client that polls after the ack never sees the question again;
+        # unknown, stale or repeated keys are ignored (a retry must be harmless).
         task = self._modern_task(params, capabilities, legacy_ok=False)
         responses = params.get("inputResponses")
         if not isinstance(responses, dict):
@@ -4279,7 +4296,8 @@ class McpDispatcher:
         return {}
 
     def _tasks_cancel_modern(self, params, _, capabilities):
-        # M6: a plain ack; a terminal task stays as it is and is no error.
+        # A plain ack: a terminal task stays as it is and is no error, because
+        # the client cannot know whether the task ended before its cancel arrived.
         task = self._modern_task(params, capabilities, legacy_ok=True)
         if not task.terminal:
             with contextlib.suppress(NotCancelable):
@@ -4312,7 +4330,11 @@ class McpDispatcher:
                 "serverInfo": self.server_info}
 
     def _grant_ttl(self, requested):
-        """MCP-TASKS.md section 6: default when absent, capped, null only if allowed."""
+        """Return the ttl granted: the default when absent, capped, null only if allowed.
+
+        The specification lets the receiver override a requested ttl; a cap
+        keeps one client from pinning rows in the file forever.
+        """
         cap = self.max_ttl_ms
 
         def capped(ttl):
@@ -4339,7 +4361,8 @@ class McpDispatcher:
         task_request = _task_request(params)
         if task_request is not None and task_request[2] and tool.task_support == "forbidden":
             task_request = None             # the lesson's "the server decides": inline
-        # MCP-TASKS.md section 6: taskSupport violations are -32601, never a tool result.
+        # taskSupport violations are -32601 (the specification's word), never a tool
+        # result: the model must not read them as the tool's answer.
         if task_request is not None and tool.task_support == "forbidden":
             raise MethodNotFound(f"Tool {name} does not support task-augmented execution")
         if task_request is None and tool.task_support == "required":
@@ -4458,8 +4481,9 @@ class McpDispatcher:
         if task.kind != MCP_TASK_KIND or task.meta.get("session") != self._session:
             return
         if task.meta.get("era", _LEGACY) != _LEGACY:
-            # M8: a 2026-07-28 task is polled; nothing about it is pushed (no
-            # status notifications, no progress, never a request).
+            # A 2026-07-28 task is polled; nothing about it is pushed (no status
+            # notifications, no progress, never a request): that era's clients
+            # have no channel for server-initiated messages.
             return
         status = mcp_status(task)
         token = task.meta.get("progressToken")
