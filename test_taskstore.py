@@ -5046,8 +5046,98 @@ def _status_of(message, task_id):
             and message["params"]["taskId"] == task_id)
 
 
+class DispatcherClient(McpTestClient):
+    """The McpTestClient API on an McpDispatcher in this process: no pipes, no server.
+
+    ``send`` hands each message to the dispatcher (bytes as lines, as the
+    transport would read them) and queues what it returns; the dispatcher's
+    ``McpWork`` runs on a thread of its own, as the transport would run it on
+    a pool, and what it sends later arrives through ``send``.  Every message
+    is round-tripped through JSON, so tests see wire shapes.  ``close`` is
+    the transport's EOF: waits end, the Runner stops, no more notifications.
+    """
+
+    def __init__(self, dispatcher, store, *, workers=4, max_line_bytes=None,
+                 shutdown_grace_s=taskstore.SHUTDOWN_GRACE_S):
+        self._inbox = queue.Queue()
+        self._kept = []
+        self.log = []
+        self._ids = iter(range(1, 10**9))
+        self.bad_lines = []
+        self.dispatcher, self.store = dispatcher, store
+        self.max_line_bytes = max_line_bytes or taskstore.DEFAULT_MAX_LINE_BYTES
+        self.shutdown_grace_s = shutdown_grace_s
+        self._work = []
+        self._closed = False
+        dispatcher.send = self._later
+        self.runner = taskstore.Runner(store, {taskstore.MCP_TASK_KIND: dispatcher.run_task},
+                                       workers=workers).start()
+        dispatcher.owner = self.runner.process_id
+        store.add_listener(self._on_change)
+
+    def _on_change(self, task, change):
+        if not self._closed:
+            self.dispatcher.on_change(task, change)
+
+    def _later(self, message):
+        if "method" in message and self.dispatcher.closing.is_set():
+            return                          # after EOF, only the answers still owed
+        self._put(message)
+
+    def _put(self, message):
+        self._inbox.put(json.loads(taskstore.dumps(message)))
+
+    def _deliver(self, items):
+        for item in items:
+            if isinstance(item, taskstore.McpWork):
+                thread = threading.Thread(target=lambda work=item: [
+                    self._put(m) for m in work.run()], daemon=True, name="test-mcp-work")
+                thread.start()
+                self._work.append(thread)
+            else:
+                self._put(item)
+
+    def send(self, message):
+        if self._closed:
+            raise ValueError("send after close")
+        if not isinstance(message, bytes):
+            message = json.dumps(message).encode() + b"\n"
+        for line in message.splitlines():
+            if len(line) > self.max_line_bytes:
+                self._deliver(self.dispatcher.too_long(self.max_line_bytes))
+            elif line.strip():
+                self._deliver(self.dispatcher.receive_line(line))
+
+    def close(self):
+        """End the session as the transport does at EOF; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.dispatcher.close()
+        self.runner.stop(timeout=self.shutdown_grace_s)
+        for thread in self._work:
+            thread.join(TIMEOUT)
+        self.store.remove_listener(self._on_change)
+        self._inbox.put(None)               # EOF marker
+
+    def wait_eof(self, timeout=TIMEOUT):
+        return self._closed and not any(t.is_alive() for t in self._work)
+
+
+def over_pipes(test):
+    """Mark a test of the stdio transport: its server runs on real pipes, not in-process."""
+    test.over_pipes = True
+    return test
+
+
 class McpTestBase(unittest.TestCase):
-    """Starts servers in-process on pipes or as subprocesses, and cleans up."""
+    """Starts servers in-process (on the dispatcher), on pipes or as subprocesses; cleans up.
+
+    By default a test talks to an McpDispatcher through a DispatcherClient:
+    the protocol without the transport.  ``PIPES`` (or ``@over_pipes`` on a
+    test) serves it with McpServer on real pipes instead; ``COMMAND`` runs
+    the command in a subprocess.
+    """
 
     def setUp(self):
         self.dir = temp_dir(self)
@@ -5056,6 +5146,7 @@ class McpTestBase(unittest.TestCase):
     # True in the *CommandTests subclasses: the same tests run against the command in
     # a subprocess; ``server`` is then None and ``store`` a second store on its file.
     COMMAND = False
+    PIPES = False                           # True: McpServer on real pipes, in this process
     FLAGS = {"default_ttl_ms": "--default-ttl", "max_ttl_ms": "--max-ttl",
              "page_size": "--page-size", "max_line_bytes": "--max-line-bytes",
              "poll_interval_ms": "--poll-interval", "workers": "--workers",
@@ -5087,6 +5178,24 @@ class McpTestBase(unittest.TestCase):
             return client, None, store
         store = taskstore.TaskStore(db, **({"clock": clock} if clock else {}))
         self.addCleanup(store.close)
+        if not (self.PIPES or getattr(getattr(self, self._testMethodName), "over_pipes", False)):
+            transport = {k: options.pop(k) for k in ("workers", "max_line_bytes",
+                                                     "shutdown_grace_s") if k in options}
+            if "max_waiting" in options:
+                raise AssertionError("max_waiting is the transport's: mark the test @over_pipes")
+            dispatcher = taskstore.McpDispatcher(store, **options)
+            if demo:
+                taskstore.add_demo_tools(dispatcher)
+            for name, handler, kwargs in tools:
+                dispatcher.add_tool(name, handler, **kwargs)
+            client = DispatcherClient(dispatcher, store, **transport)
+
+            def close():
+                client.close()
+                self.assertTrue(client.wait_eof(), "work still running after close")
+                self.assertEqual(client.bad_lines, [])
+            self.addCleanup(close)
+            return client, dispatcher, store
         server = taskstore.McpServer(store, **options)
         if demo:
             taskstore.add_demo_tools(server)
@@ -5324,6 +5433,7 @@ class McpProtocolTests(McpTestBase):
         listed = {t["taskId"]: t for t in client.result("tasks/list")["tasks"]}
         self.assertEqual(listed[task_id]["statusMessage"], taskstore.MCP_CANCELLED_MESSAGE)
 
+    @over_pipes
     def test_waits_past_max_waiting_are_refused_at_once_and_the_rest_still_works(self):
         client, _, store = self.start_server(max_waiting=2)
         done = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "done"})
@@ -9440,6 +9550,8 @@ class McpFuzzTests(McpTestBase):
     answered correctly.
     """
 
+    PIPES = True                # malformed lines are what the transport reads first
+
     # -32005: ServerBusy, when the tasks/result calls on the running task fill the waiting pool.
     CLIENT_ERRORS = (-32700, -32600, -32601, -32602, taskstore.ServerBusy.jsonrpc_code)
     SERVER_METHODS = ("notifications/tasks/status", "notifications/progress",
@@ -9539,6 +9651,8 @@ class McpFuzzTests(McpTestBase):
 
 class McpHostileInputTests(McpTestBase):
     """One line each: the inputs the fuzzer found that stopped the server or gave -32603."""
+
+    PIPES = True                # line limits and nesting bombs meet the reader first
 
     def test_recursion_bomb_is_a_parse_error_and_the_server_goes_on(self):
         client, _, _ = self.start_server(max_line_bytes=1 << 20)
@@ -9648,6 +9762,8 @@ def rss_bytes(pid):
 
 class McpResourceLimitTests(McpTestBase):
     """A handler that ignores its cancel event, a full disk, floods, and the entropy of ids."""
+
+    PIPES = True                # pools, floods and shutdown are the transport's
 
     @unittest.skipUnless(os.path.exists("/proc/self/status"), "reads RSS from /proc")
     def test_a_flood_of_waiting_requests_gets_a_bounded_pool_and_quick_answers(self):
@@ -9949,6 +10065,8 @@ store.close()
 
 class McpTasksRunElsewhereTests(McpTestBase):
     """Tasks a client created, run by another process on the same file."""
+
+    PIPES = True                # following other processes is the transport's thread
 
     def test_status_notifications_follow_a_task_another_process_runs(self):
         client, _ = self.start_process("--db", self.db, "--workers", "1")
