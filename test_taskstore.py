@@ -5782,6 +5782,99 @@ class McpProtocolTests(McpTestBase):
             server.add_tool("bad", square, task_support="sometimes")
 
 
+class McpDispatcherTests(unittest.TestCase):
+    """The dispatcher alone: one message in, the messages to send out; no pipes, no server."""
+
+    def setUp(self):
+        self.store = taskstore.TaskStore(os.path.join(temp_dir(self), "mcp.db"))
+        self.addCleanup(self.store.close)
+        self.later = queue.Queue()          # what the dispatcher sends on its own
+        self.dispatcher = taskstore.McpDispatcher(self.store, send=self.later.put)
+        taskstore.add_demo_tools(self.dispatcher)
+
+    def receive(self, msg_id, method, params=None):
+        message = {"jsonrpc": "2.0", "id": msg_id, "method": method}
+        if params is not None:
+            message["params"] = params
+        return self.dispatcher.receive(message)
+
+    def initialize(self, capabilities=None):
+        """initialize may write (it is work), so run its work here; return the answer."""
+        [work] = self.receive(1, "initialize", {"protocolVersion": "2025-11-25",
+                                                "capabilities": capabilities or {}})
+        self.assertEqual((work.kind, work.msg_id), ("write", 1))
+        [answer] = work.run()
+        return answer
+
+    def test_initialize_is_answered_at_once_and_locks_the_era(self):
+        answer = self.initialize()
+        self.assertEqual(answer["id"], 1)
+        self.assertEqual(answer["result"]["protocolVersion"], "2025-11-25")
+        self.assertIn("tasks", answer["result"]["capabilities"])
+        self.assertEqual(self.dispatcher.era, "2025-11-25")
+        [refused] = self.receive(2, "tools/list", {"_meta": era2_meta()})
+        self.assertEqual(refused["error"]["code"], -32600)
+        self.assertEqual(self.dispatcher.receive({"jsonrpc": "2.0",
+                                                  "method": "notifications/initialized"}), [])
+
+    def test_bad_lines_are_answered_with_id_null(self):
+        [parse] = self.dispatcher.receive_line(b"not json")
+        self.assertEqual((parse["id"], parse["error"]["code"]), (None, -32700))
+        [batch] = self.dispatcher.receive_line(b'[{"jsonrpc": "2.0", "id": 1, "method": "ping"}]')
+        self.assertEqual((batch["id"], batch["error"]["code"]), (None, -32600))
+        [long] = self.dispatcher.too_long(1024)
+        self.assertEqual((long["id"], long["error"]["code"]), (None, -32600))
+        self.assertIn("1024 bytes", long["error"]["message"])
+
+    def test_the_modern_era_is_chosen_by_the_envelope(self):
+        [found] = self.receive(1, "server/discover", {"_meta": era2_meta()})
+        self.assertIn("2026-07-28", found["result"]["supportedVersions"])
+        self.assertEqual(self.dispatcher.era, "2026-07-28")
+        [refused] = self.receive(2, "initialize", {"protocolVersion": "2025-11-25"})
+        self.assertEqual(refused["error"]["code"], -32022)
+
+    def test_a_task_request_is_work_whose_run_answers_with_the_task(self):
+        self.initialize()
+        [work] = self.receive(2, "tools/call", {"name": "sleep_then_echo", "task": {},
+                                                "arguments": {"seconds": 600, "text": "x"}})
+        self.assertIsInstance(work, taskstore.McpWork)
+        self.assertEqual((work.kind, work.msg_id), ("write", 2))
+        [answer] = work.run()
+        task = answer["result"]["task"]
+        self.assertEqual((answer["id"], task["status"]), (2, "working"))
+        # Nothing runs it here (no Runner): it is only stored, and a read needs no work.
+        [got] = self.receive(3, "tasks/get", {"taskId": task["taskId"]})
+        self.assertEqual(got["result"]["taskId"], task["taskId"])
+        [waiting] = self.receive(4, "tasks/result", {"taskId": task["taskId"]})
+        self.assertEqual(waiting.kind, "wait")
+        self.store.cancel(task["taskId"])
+        [result] = waiting.run()
+        self.assertTrue(result["result"]["isError"])
+
+    def test_an_elicitation_request_and_its_answer_are_messages(self):
+        self.initialize({"elicitation": {}})
+        [work] = self.receive(2, "tools/call", {"name": "ask_user",
+                                                "arguments": {"question": "Name?"}})
+        self.assertEqual(work.kind, "wait")             # inline: it waits for the user
+        answers = queue.Queue()
+        thread = threading.Thread(target=lambda: answers.put(work.run()), daemon=True)
+        thread.start()
+        self.addCleanup(thread.join, TIMEOUT)
+        self.addCleanup(self.dispatcher.close)
+        ask = self.later.get(timeout=TIMEOUT)
+        self.assertEqual((ask["id"], ask["method"]), ("srv-1", "elicitation/create"))
+        with self.assertLogs("taskstore", "WARNING") as logs:
+            self.assertEqual(self.dispatcher.receive({"jsonrpc": "2.0", "id": "srv-9",
+                                                      "result": {}}), [])
+        self.assertIn("sent no request with that id", logs.output[0])
+        [handed] = self.dispatcher.receive({"jsonrpc": "2.0", "id": "srv-1", "result": {
+            "action": "accept", "content": {"answer": "Ada"}}})
+        self.assertEqual((handed.kind, handed.msg_id), ("answer", None))
+        self.assertEqual(handed.run(), [])
+        [answer] = answers.get(timeout=TIMEOUT)
+        self.assertEqual((answer["id"], answer["result"]["content"][0]["text"]), (2, "Ada"))
+
+
 class ElicitationSchemaTests(unittest.TestCase):
     """elicitation_problems: what MCP's restricted requestedSchema can say, checked."""
 
