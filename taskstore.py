@@ -3094,12 +3094,14 @@ DEFAULT_MCP_TTL_MS = 3600 * 1000
 DEFAULT_MCP_POLL_INTERVAL_MS = 500
 DEFAULT_MCP_PAGE_SIZE = 50
 DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
-# Requests that only read the store (never block, never wait for a task) run on
-# the reader thread; the others run on two bounded pools so that they never hold
-# up the reader: requests that wait for work (a tasks/result for an unfinished
-# task, a tools/call run inline) on the waiting pool, everything else that may
-# write (and so wait for a busy file) on the write pool.  Past either one's
-# limit a request is refused at once with ServerBusy.
+# Requests that only read the store (never block, never wait for a task) are
+# answered by McpDispatcher.receive itself, on the transport's reader thread;
+# the others come back as McpWork that the transport runs on two bounded pools
+# so that they never hold up the reader: requests that wait for work (a
+# tasks/result for an unfinished task, a tools/call run inline) on the waiting
+# pool, everything else that may write (and so wait for a busy file) on the
+# write pool.  Past either one's limit a request is refused at once with
+# ServerBusy.
 _QUICK_METHODS = frozenset(("ping", "tasks/get", "tasks/status", "tasks/list", "tools/list",
                             "server/discover"))
 DEFAULT_MCP_MAX_WAITING = 64            # waiting requests served at once (--max-waiting)
@@ -3823,9 +3825,13 @@ class McpDispatcher:
     Example (no pipes, no threads)::
 
         dispatcher = McpDispatcher(store)
-        dispatcher.receive({"jsonrpc": "2.0", "id": 1, "method": "initialize",
-                            "params": {"protocolVersion": "2025-11-25"}})
-        # -> [{"jsonrpc": "2.0", "id": 1, "result": {"protocolVersion": ...}}]
+        add_demo_tools(dispatcher)
+        dispatcher.receive({"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+        # -> [{"jsonrpc": "2.0", "id": 1, "result": {"tools": [...]}}]
+        [work] = dispatcher.receive({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                                     "params": {"name": "echo", "arguments": {"text": "hi"}}})
+        work.run()      # blocks while the tool runs (McpWork "wait")
+        # -> [{"jsonrpc": "2.0", "id": 2, "result": {"content": [...], "isError": false}}]
     """
 
     def __init__(self, store, *, default_ttl_ms=DEFAULT_MCP_TTL_MS, max_ttl_ms=None,
@@ -4086,15 +4092,15 @@ class McpDispatcher:
                         self._pending.pop(request_id, None)
                     raise Cancelled() from None
 
-
-    # -- dispatch (sans-IO) --------------------------------------------------
+    # -- requests: method tables, errors, eras ----------------------------------
 
     def handle_request(self, message, era=_UNSET):
         """Answer one decoded JSON-RPC request; return the response (None: no answer).
 
-        Blocks while the method does (``tasks/result``, inline tool calls).
-        *era* is what ``_select_era`` said for this message (computed here when
-        not given).
+        Blocks while the method does (``tasks/result``, inline tool calls):
+        ``receive`` calls it at once only for requests that never wait, and
+        otherwise wraps it in McpWork.  *era* is what ``_select_era`` said for
+        this message (computed here when not given).
         """
         msg_id = message.get("id")
         try:
@@ -4121,7 +4127,7 @@ class McpDispatcher:
         except Exception as exc:
             if not isinstance(exc, TaskStoreError):
                 logger.exception("internal error in %s", message.get("method"))
-            return {"jsonrpc": "2.0", "id": msg_id, "error": to_jsonrpc_error(exc)}
+            return _error_message(msg_id, exc)
         if result is _NO_RESPONSE:
             return None
         return {"jsonrpc": "2.0", "id": msg_id, "result": result}
