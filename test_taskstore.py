@@ -5256,7 +5256,7 @@ class McpTestBase(unittest.TestCase):
 
 
 class McpProtocolTests(McpTestBase):
-    """Every method and error path of the stdio server, in-process over real pipes."""
+    """Every method and error path of the 2025-11-25 era, on the dispatcher in-process."""
 
     def test_initialize_negotiates_2025_11_25_and_declares_tasks(self):
         client, _, _ = self.start_server()
@@ -8348,7 +8348,7 @@ class Era2TestBase(McpTestBase):
         if "result" not in response:
             raise AssertionError(f"{method} failed: {response}")
         result = response["result"]
-        self.assertIn("resultType", result, "M10: every result carries resultType")
+        self.assertIn("resultType", result, "every 2026-07-28 result carries resultType")
         return result
 
     def mcreate(self, client, name, arguments, capabilities=None, **params):
@@ -8378,14 +8378,14 @@ class Era2TestBase(McpTestBase):
         return self.mget(client, task_id)
 
     def assertNoServerRequests(self, client):
-        """M8: nothing the server wrote is a JSON-RPC request."""
+        """Nothing the server wrote is a JSON-RPC request (2026-07-28 has none)."""
         self.discover(client)              # everything written before it is read
         requests = [m for m in client.log + client.unread() if "method" in m and "id" in m]
         self.assertEqual(requests, [])
 
 
 class Era2ProtocolTests(Era2TestBase):
-    """Rules E1-E4 and M1-M10 over raw pipes, in-process."""
+    """How the first request picks the era, and the 2026-07-28 tasks extension, on the dispatcher."""
 
     def test_discover_answers_every_field_the_new_era_requires(self):
         client, _, _ = self.start_fresh()
@@ -8397,7 +8397,7 @@ class Era2ProtocolTests(Era2TestBase):
         self.assertEqual(result["capabilities"]["extensions"],
                          {"io.modelcontextprotocol/tasks": {}})
         self.assertIn("tools", result["capabilities"])
-        self.assertNotIn("tasks", result["capabilities"], "M1: never capabilities.tasks")
+        self.assertNotIn("tasks", result["capabilities"], "the extension, never capabilities.tasks")
         self.assertEqual((result["ttlMs"], result["cacheScope"]), (0, "private"))
         self.assertEqual(result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"],
                          "taskstore")
@@ -8423,7 +8423,7 @@ class Era2ProtocolTests(Era2TestBase):
                 self.assertEqual(response["error"]["data"]["supported"],
                                  ["2026-07-28", "2025-11-25"])
                 self.assertEqual(response["error"]["data"]["requested"], version)
-        # Nothing was locked: the client may still fall back to the handshake (E1).
+        # Nothing was locked: the client may still fall back to the handshake.
         self.assertEqual(client.initialize()["protocolVersion"], "2025-11-25")
 
     def test_missing_client_capabilities_is_32602(self):
@@ -8447,7 +8447,7 @@ class Era2ProtocolTests(Era2TestBase):
         self.assertError(client.call("ping"), -32600)
         response = self.mcall(client, "server/discover", version="2099-01-01")
         self.assertEqual(response["error"]["data"]["supported"], ["2026-07-28"])
-        # M7: the legacy-only methods do not exist in this era.
+        # The legacy-only methods do not exist in this era.
         for method in ("tasks/result", "tasks/list", "tasks/status", "ping"):
             with self.subTest(method=method):
                 self.assertError(self.mcall(client, method, {"taskId": "task_x"}), -32601)
@@ -8476,7 +8476,7 @@ class Era2ProtocolTests(Era2TestBase):
 
     def test_unenveloped_first_request_is_answered_promptly_and_locks_nothing(self):
         client, _, _ = self.start_fresh()
-        self.assertError(client.call("server/discover"), -32601)    # E3, at once
+        self.assertError(client.call("server/discover"), -32601)    # once legacy, at once
         self.assertEqual(client.result("ping"), {})
         self.assertEqual(self.discover(client)["resultType"], "complete")
 
@@ -8502,7 +8502,7 @@ class Era2ProtocolTests(Era2TestBase):
                           "ttlMs", "pollIntervalMs", "result", "_meta"})
         self.assertNoServerRequests(client)
         self.assertEqual([m for m in client.log if "method" in m], [],
-                         "M8: no notifications about a task either")
+                         "no notifications about a task either")
 
     def test_undeclared_call_runs_inline_and_task_only_tools_are_32021(self):
         client, _, store = self.start_modern()
@@ -8675,7 +8675,7 @@ class Era2ProtocolTests(Era2TestBase):
 
     def test_legacy_created_task_read_and_cancelled_with_the_legacy_capability(self):
         client, _, store = self.start_modern()
-        # As if created by a 2025-11-25 server on the same file (M9).
+        # As if created by a 2025-11-25 server on the same file.
         legacy = store.create(taskstore.MCP_TASK_KIND, {"name": "sleep_then_echo", "arguments": {
             "seconds": 600, "text": "x"}}, ttl_ms=60000, meta={"session": "s", "era": "2025-11-25"})
         modern = self.mcreate(client, "sleep_then_echo", {"seconds": 600, "text": "y"})["taskId"]
@@ -8812,7 +8812,7 @@ class Era2CommandTests(Era2TestBase):
                          "cancelled")
         self.assertEqual(self.mget(modern, report)["status"], "cancelled")
         self.assertEqual(side.wait(report, timeout=TIMEOUT, terminal=True).status, CANCELLED)
-        # Created by the legacy client, read and cancelled by the modern one (M9).
+        # Created by the legacy client, read and cancelled by the modern one.
         old = self.create_task(legacy, "sleep_then_echo", {"seconds": 600, "text": "x"})["taskId"]
         old_caps = {"tasks": {"cancel": {}}}
         self.assertEqual(self.mget(modern, old, capabilities=old_caps)["status"], "working")
@@ -10252,7 +10252,7 @@ class McpKilledQueueTests(McpTestBase):
         got = client.result("tasks/get", {"taskId": busy["taskId"]})
         self.assertTrue(got["statusMessage"].startswith("CRASH_RECOVERY"), got)
         got = client.result("tasks/get", {"taskId": queued["taskId"]})
-        # MCP-TASKS.md section 6: working when its process died -> failed, CRASH_RECOVERY;
+        # Working when its process died -> failed, CRASH_RECOVERY;
         # README: the same as at EOF, where _fail_unstarted fails it.
         self.assertEqual(got["status"], "failed", got)
         self.assertTrue(got.get("statusMessage", "").startswith("CRASH_RECOVERY"), got)
