@@ -66,7 +66,7 @@ __all__ = [
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
     "FAILED", "CANCELLED",
     # MCP server (section 9)
-    "McpServer", "McpTool", "ToolContext", "McpError", "ParseError", "InvalidRequest",
+    "McpServer", "McpDispatcher", "McpWork", "McpTool", "ToolContext", "McpError", "ParseError", "InvalidRequest",
     "MethodNotFound", "ServerBusy", "add_demo_tools", "text_result", "mcp_task_to_wire", "check_arguments", "add_mcp_parser",
     "run_mcp", "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
     "mcp_task_to_modern_wire", "MissingClientCapability",
