@@ -5102,7 +5102,7 @@ class DispatcherClient(McpTestClient):
             raise ValueError("send after close")
         if not isinstance(message, bytes):
             message = json.dumps(message).encode() + b"\n"
-        for line in message.splitlines():
+        for line in message.split(b"\n"):     # as the transport splits: on newlines only
             if len(line) > self.max_line_bytes:
                 self._deliver(self.dispatcher.too_long(self.max_line_bytes))
             elif line.strip():
