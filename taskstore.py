@@ -66,10 +66,10 @@ __all__ = [
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
     "FAILED", "CANCELLED",
     # MCP server (section 9)
-    "McpServer", "McpTool", "ToolContext", "McpError", "ParseError", "InvalidRequest",
+    "McpServer", "McpDispatcher", "McpWork", "McpTool", "ToolContext", "McpError", "ParseError", "InvalidRequest",
     "MethodNotFound", "ServerBusy", "add_demo_tools", "text_result", "mcp_task_to_wire", "check_arguments", "add_mcp_parser",
     "run_mcp", "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
-    "mcp_task_to_modern_wire", "mcp_jsonrpc_error", "MissingClientCapability",
+    "mcp_task_to_modern_wire", "MissingClientCapability",
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
     "ElicitationMismatch", "elicitation_problems",
     "MCP_CANCELLED_MESSAGE",
@@ -3063,21 +3063,28 @@ class Runner:
 #   2026-07-28 ("modern"): no handshake, every request carries its version and
 #     capabilities in params._meta, tasks are the io.modelcontextprotocol/tasks
 #     extension (SEP-2663).
-# The first request of a process picks its era (MCP-TASKS-EXTENSION.md section
-# 10, E1-E4) and the era is then locked.  One lifecycle, two wire projections:
-# mcp_task_to_wire (legacy Task) and mcp_task_to_modern_wire (modern
-# CreateTaskResult / DetailedTask) are the only producers of a task's wire
-# shape.  Rules: no SQL and no store locking here; errors reach the client only
-# through mcp_jsonrpc_error, i.e. to_jsonrpc_error plus the class's extra data
-# (or, for tasks/result, as the error stored when the task failed); the
-# reader thread never blocks on the store (a request that may wait or write
-# runs on one of two bounded pools, past which it is refused); McpServer._send
-# is the only writer of the output stream, and in the modern era it never
-# writes a request.
+# The first request of a connection picks its era and the era is then locked:
+# a client speaks one era for its whole life, so a request of the other era
+# is a mistake to refuse, not to guess about.  The tasks wire format is the
+# public specification's
+# (https://modelcontextprotocol.io/specification/2025-11-25/basic/utilities/tasks).
+# One lifecycle, two wire projections: mcp_task_to_wire (legacy Task) and
+# mcp_task_to_modern_wire (modern CreateTaskResult / DetailedTask) are the only
+# producers of a task's wire shape.
+# Two layers, as for LMSP in section 10: McpDispatcher decides (one decoded
+# message in, the messages to send and the blocking work to run out; no
+# streams, no threads), McpServer moves lines (a reader thread, two bounded
+# pools that run the dispatcher's work, past which a request is refused, and
+# the only writer of the output stream).  Rules: no SQL and no store locking
+# here; errors reach the client only through to_jsonrpc_error, which carries
+# each class's extra data (or, for tasks/result, as the error stored when the
+# task failed); the reader thread never blocks on the store; in the modern era
+# the server never sends a request.
 
 MCP_PROTOCOL_VERSION = "2025-11-25"
 # Older revisions are served the way the 1.x SDK serves them: same
-# capabilities, and a task request is still honoured (MCP-TASKS.md section 6).
+# capabilities, and a task request is still honoured (a client on an older
+# revision that asks for a task has read a newer one).
 MCP_PROTOCOL_VERSIONS = (MCP_PROTOCOL_VERSION, "2025-06-18", "2025-03-26", "2024-11-05")
 MCP_TASK_KIND = "mcp.tools/call"        # the store kind of every task this adapter creates
 RELATED_TASK = "io.modelcontextprotocol/related-task"
@@ -3087,12 +3094,14 @@ DEFAULT_MCP_TTL_MS = 3600 * 1000
 DEFAULT_MCP_POLL_INTERVAL_MS = 500
 DEFAULT_MCP_PAGE_SIZE = 50
 DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
-# Requests that only read the store (never block, never wait for a task) run on
-# the reader thread; the others run on two bounded pools so that they never hold
-# up the reader: requests that wait for work (a tasks/result for an unfinished
-# task, a tools/call run inline) on the waiting pool, everything else that may
-# write (and so wait for a busy file) on the write pool.  Past either one's
-# limit a request is refused at once with ServerBusy.
+# Requests that only read the store (never block, never wait for a task) are
+# answered by McpDispatcher.receive itself, on the transport's reader thread;
+# the others come back as McpWork that the transport runs on two bounded pools
+# so that they never hold up the reader: requests that wait for work (a
+# tasks/result for an unfinished task, a tools/call run inline) on the waiting
+# pool, everything else that may write (and so wait for a busy file) on the
+# write pool.  Past either one's limit a request is refused at once with
+# ServerBusy.
 _QUICK_METHODS = frozenset(("ping", "tasks/get", "tasks/status", "tasks/list", "tools/list",
                             "server/discover"))
 DEFAULT_MCP_MAX_WAITING = 64            # waiting requests served at once (--max-waiting)
@@ -3105,7 +3114,7 @@ _MCP_TERMINAL = frozenset(MCP_STATUS[s] for s in TERMINAL_STATES)  # cancelling 
 MCP_CANCELLED_MESSAGE = "The task was cancelled."
 _UNSET = object()
 _NO_RESPONSE = object()                 # an inline call cancelled by the client gets no answer
-# The 2026-07-28 era (MCP-TASKS-EXTENSION.md).  The era is named by its version.
+# The 2026-07-28 era (the tasks extension).  The era is named by its version.
 MCP_MODERN_VERSION = "2026-07-28"
 MCP_MODERN_VERSIONS = (MCP_MODERN_VERSION,)      # versions served through the _meta envelope
 MCP_SUPPORTED_VERSIONS = (MCP_MODERN_VERSION, MCP_PROTOCOL_VERSION)   # server/discover, -32022
@@ -3220,16 +3229,9 @@ class UnsupportedProtocolVersion(TaskStoreError):
         self.jsonrpc_data = {"supported": list(supported), "requested": requested}
 
 
-def mcp_jsonrpc_error(exc):
-    """``to_jsonrpc_error`` plus the class's extra ``jsonrpc_data`` (-32021, -32022).
-
-    A shim until the core's mapping merges ``jsonrpc_data`` itself (CORE_REQUESTS.md).
-    """
-    error = to_jsonrpc_error(exc)
-    extra = getattr(exc, "jsonrpc_data", None) if isinstance(exc, TaskStoreError) else None
-    if extra:
-        error["data"] = {**error.get("data", {}), **extra}
-    return error
+def _error_message(msg_id, exc):
+    """Return the JSON-RPC error response to request *msg_id* for *exc*."""
+    return {"jsonrpc": "2.0", "id": msg_id, "error": to_jsonrpc_error(exc)}
 
 
 class _StoredError(Exception):
@@ -3337,7 +3339,8 @@ def _task_payload(task):
     if status == "completed":
         result = dict(task.result)
     elif status == "cancelled":
-        # MCP-TASKS.md section 6: never a bare {_meta}.
+        # A cancelled task still answers a CallToolResult, never a bare {_meta}:
+        # clients validate the result's shape before they look at the status.
         result = text_result(f"Task {task.id} was cancelled", is_error=True)
     elif isinstance(task.result, dict):
         result = dict(task.result)          # the tool's own isError result
@@ -3512,8 +3515,9 @@ def elicitation_problems(schema, content):
 def _task_request(params):
     """Return ``(ttl, legacy, optional)`` when *params* ask for a task, else None.
 
-    ``ttl`` is ``_UNSET`` when the request names none.  Precedence follows
-    MCP-TASKS.md 2.4: ``params.task``, then the lesson's ``_meta.task``, then
+    ``ttl`` is ``_UNSET`` when the request names none.  The specification's
+    form wins over the older ones a client may still send: ``params.task``,
+    then the lesson's ``_meta.task``, then
     the SEP draft's ``_meta["modelcontextprotocol.io/task"]`` (its
     ``keepAlive`` is the TTL hint; its client-chosen ``taskId`` is ignored).
     ``optional`` is True when the lesson's form leaves the choice to the
@@ -3687,9 +3691,9 @@ class ToolContext:
     tools rarely need it: the same handler serves both eras.
     """
 
-    def __init__(self, server, *, task_ctx=None, progress_token=None, era=_LEGACY,
+    def __init__(self, dispatcher, *, task_ctx=None, progress_token=None, era=_LEGACY,
                  capabilities=None):
-        self._server = server
+        self._dispatcher = dispatcher
         self._task_ctx = task_ctx
         self._progress_token = progress_token
         self.task_id = task_ctx.task_id if task_ctx is not None else None
@@ -3716,7 +3720,7 @@ class ToolContext:
             else:
                 self._task_ctx.progress(value, total=total, message=message)
         elif self._progress_token is not None:
-            self._server._notify_progress(self._progress_token, value, total, message, None)
+            self._dispatcher._notify_progress(self._progress_token, value, total, message, None)
 
     def elicit(self, message, requested_schema):
         """Ask the user through the client (``elicitation/create``) and wait for the answer.
@@ -3747,16 +3751,16 @@ class ToolContext:
             answer = self._task_ctx.ask({"method": "elicitation/create", "params": params,
                                          "key": f"elicit-{secrets.token_hex(8)}"})
             return self._elicit_result(answer, requested_schema)
-        if "elicitation" not in self._server.client_capabilities:
+        if "elicitation" not in self._dispatcher.client_capabilities:
             raise McpError(-32601, "the client does not support elicitation")
         if self._task_ctx is not None and \
-                self._task_ctx.task.meta.get("session") != self._server._session:
+                self._task_ctx.task.meta.get("session") != self._dispatcher._session:
             # Claimed from a file shared with another server: its client is not ours.
             raise McpError(-32603, "the client that created this task is not connected here")
         if self._task_ctx is not None:
             answer = self._task_ctx.ask({"method": "elicitation/create", "params": params})
         else:
-            answer = self._server._request("elicitation/create", params, self.cancelled)
+            answer = self._dispatcher._request("elicitation/create", params, self.cancelled)
         return self._elicit_result(answer, requested_schema)
 
     @staticmethod
@@ -3778,41 +3782,62 @@ class ToolContext:
         return result
 
 
-class McpServer:
-    """An MCP server over a TaskStore, for both eras of MCP tasks.
+class McpWork(typing.NamedTuple):
+    """Work a request needs that may block, described for the transport to run.
 
-    Register tools with ``add_tool`` or the ``tool`` decorator, then call
-    ``serve()``: it reads one JSON-RPC message per line from *infile* and
-    writes one per line to *outfile* until EOF or ``stop()``.  The first
-    request picks the era for the whole process (``era``): ``initialize`` ->
-    2025-11-25 (core tasks: a task-augmented ``tools/call``); a request whose
-    ``params._meta`` names ``io.modelcontextprotocol/protocolVersion`` ->
-    2026-07-28 (the ``io.modelcontextprotocol/tasks`` extension: the server
-    makes a task of every non-forbidden tool call of a client that declares
-    it).  Either way a task is a store task (kind ``mcp.tools/call``) run by
-    this server's Runner.  Reads are answered on the reader thread; requests
-    that may wait or write run on two bounded thread pools (``max_waiting``).
+    ``McpDispatcher.receive`` returns one instead of a response when answering
+    would wait (``kind`` "wait": a tasks/result for an unfinished task, a
+    tools/call run inline) or write to a file that may be busy (``kind``
+    "write"), or when an answer to one of our requests must be handed to the
+    work that waits for it (``kind`` "answer").  The transport calls ``run()``
+    on a thread of its choosing and sends the messages it returns; ``msg_id``
+    is the request's id, for the error the transport sends if it refuses the
+    work (ServerBusy), None for an answer.
+    """
 
-    Example::
+    kind: str
+    msg_id: object
+    run: object
 
-        store = TaskStore("my.db")
-        server = McpServer(store)
 
-        @server.tool(input_schema={"type": "object", "required": ["text"],
-                                   "properties": {"text": {"type": "string"}}},
-                     task_support="optional")
-        def shout(ctx, args):
-            return args["text"].upper()
+class McpDispatcher:
+    """The MCP protocol over a TaskStore, for both eras of MCP tasks, without I/O.
 
-        server.serve()          # stdin/stdout until EOF
-        store.close()
+    ``receive(message)`` takes one decoded JSON-RPC message and returns what
+    to do: the messages to send at once (dicts) and ``McpWork`` for the
+    transport to run.  Messages that arise later on their own (progress and
+    status notifications, our elicitation requests "srv-N") go to ``send``,
+    a callable the transport supplies; by default they collect in
+    ``outbox``.  Nothing here reads or writes a stream or starts a thread;
+    what blocks (``McpWork.run``, ``handle_request`` of a waiting method,
+    a tool asking its user) blocks the caller's thread only.
+
+    The first request picks the era for the whole connection (``era``):
+    ``initialize`` -> 2025-11-25 (core tasks: a task-augmented
+    ``tools/call``); a request whose ``params._meta`` names
+    ``io.modelcontextprotocol/protocolVersion`` -> 2026-07-28 (the
+    ``io.modelcontextprotocol/tasks`` extension: the server makes a task of
+    every non-forbidden tool call of a client that declares it).  Either way
+    a task is a store task (kind ``mcp.tools/call``); a Runner given
+    ``run_task`` as that kind's handler runs it, and ``owner`` is that
+    Runner's ``process_id``.
+
+    Example (no pipes, no threads)::
+
+        dispatcher = McpDispatcher(store)
+        add_demo_tools(dispatcher)
+        dispatcher.receive({"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+        # -> [{"jsonrpc": "2.0", "id": 1, "result": {"tools": [...]}}]
+        [work] = dispatcher.receive({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                                     "params": {"name": "echo", "arguments": {"text": "hi"}}})
+        work.run()      # blocks while the tool runs (McpWork "wait")
+        # -> [{"jsonrpc": "2.0", "id": 2, "result": {"content": [...], "isError": false}}]
     """
 
     def __init__(self, store, *, default_ttl_ms=DEFAULT_MCP_TTL_MS, max_ttl_ms=None,
                  allow_unlimited_ttl=False, poll_interval_ms=DEFAULT_MCP_POLL_INTERVAL_MS,
-                 list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, workers=4,
-                 max_line_bytes=DEFAULT_MAX_LINE_BYTES, name="taskstore", version=__version__,
-                 shutdown_grace_s=SHUTDOWN_GRACE_S, max_waiting=DEFAULT_MCP_MAX_WAITING):
+                 list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, name="taskstore",
+                 version=__version__, send=None):
         self.store = store
         self.default_ttl_ms = default_ttl_ms
         self.max_ttl_ms = max_ttl_ms if max_ttl_ms is not None else store.max_ttl_ms
@@ -3820,36 +3845,32 @@ class McpServer:
         self.poll_interval_ms = poll_interval_ms
         self.list_tasks = list_tasks
         self.page_size = page_size
-        self.max_line_bytes = max_line_bytes
         self.server_info = {"name": name, "version": version}
-        self.shutdown_grace_s = shutdown_grace_s
         self.client_capabilities = {}
         self.era = None                     # "2025-11-25" or "2026-07-28" once chosen
         self.tools = {}
-        self.runner = Runner(store, {MCP_TASK_KIND: self._run_task}, workers=workers)
-        # Tasks created by this server carry this id in their meta, so that
-        # only its own client hears their notifications and input requests.
+        self.outbox = []
+        self.send = send if send is not None else self.outbox.append
+        self.owner = None                   # the Runner's process_id, recorded on each task
+        # Set when the connection ends: waits (tasks/result, a tool's question)
+        # give up, and the transport stops sending anything but answers.
+        self.closing = threading.Event()
+        # Set whenever a task joins those followed (see followed()), so that
+        # whoever follows them stops sleeping.
+        self.follow_wake = threading.Event()
+        # Tasks created here carry this id in their meta, so that only this
+        # connection's client hears their notifications and input requests.
         self._session = secrets.token_hex(8)
-        self._stop = threading.Event()
-        self._stop_requested = False
-        self._out = None
-        self._write_lock = threading.Lock()
         self._lock = threading.Lock()       # guards the dicts and sets below; never held long
         self._pending = {}                  # our request id -> (task id or None, callback)
         self._inline = {}                   # client request id -> ToolContext of an inline call
         self._sent = {}                     # task id -> (version, MCP status, progress) notified
         # Status notifications follow each task's event log, told once and in
-        # order whether this process moved the task (the listener) or another
-        # one did (the follower thread): see _tell_status.
+        # order whether this process moved the task (on_change) or another one
+        # did (moved): see _tell_status.
         self._told = {}                     # task id -> (last event seq handled, MCP status told)
         self._followed = set()              # this session's tasks not yet told terminal
         self._notify_lock = threading.Lock()    # one teller at a time; taken before _lock
-        self._follow_wake = threading.Event()
-        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
-            raise InvalidParams("max_waiting must be an integer >= 1", param="max_waiting")
-        self.max_waiting = max_waiting
-        self._waiting = _Pool(max_waiting, 0, "taskstore-mcp-waiting")
-        self._writes = _Pool(MCP_WRITE_THREADS, MCP_WRITE_BACKLOG, "taskstore-mcp-write")
         self._requests_sent = 0             # our requests' ids are "srv-1", "srv-2", ...
         # method -> fn(params, request_id) -> result
         self._methods = {
@@ -3906,133 +3927,80 @@ class McpServer:
             return handler
         return register
 
-    # -- transport -----------------------------------------------------------
+    # -- messages in, messages out ---------------------------------------------
 
-    def serve(self, infile=None, outfile=None):
-        """Serve one client on *infile*/*outfile* (binary; default stdin/stdout); once.
+    def receive_line(self, line):
+        """Decode one line (bytes, without caring for its newline) and ``receive`` it.
 
-        Returns after EOF on *infile* or ``stop()``, once running work has
-        been given ``shutdown_grace_s`` and the Runner has applied each
-        unfinished task's restart policy (so no later process sees it working).
+        A line that is not JSON gets -32700, one that JSON cannot carry
+        safely (too deep, an unpaired surrogate) -32600, both with id null:
+        the id itself may be unusable.
         """
-        self._out = outfile if outfile is not None else sys.stdout.buffer
-        if infile is None:
-            # A raw stdin: the reader thread blocks in read() holding no lock, so
-            # the interpreter can exit while it still waits (after SIGTERM).  Not
-            # closed, for the same reason; closefd=False leaves fd 0 alone.
-            infile = open(sys.stdin.fileno(), "rb", buffering=0, closefd=False)
-        self.store.add_listener(self._on_change)
-        self.runner.start()
-        reader = threading.Thread(target=self._read_loop, args=(infile,),
-                                  name="taskstore-mcp-reader", daemon=True)
-        reader.start()
-        follower = threading.Thread(target=self._follow, name="taskstore-mcp-follower",
-                                    daemon=True)
-        follower.start()
-        try:
-            # A timed wait, so that stop()'s flag is seen promptly.
-            while not self._stop.wait(0.1) and not self._stop_requested:
-                pass
-        finally:
-            self._stop.set()
-            with self._lock:
-                inline = list(self._inline.values())
-            for ctx in inline:              # inline calls stop with the tasks
-                ctx.cancelled.set()
-            # Runner.stop releases this runner's tasks: started ones and the
-            # session's still-queued ones (created with owner=) get their
-            # policy, so none shows as working with nobody to run it.
-            self.runner.stop(timeout=self.shutdown_grace_s)
-            deadline = time.monotonic() + 0.5
-            for pool in (self._waiting, self._writes):
-                pool.close(deadline)
-            self._follow_wake.set()
-            follower.join(max(0.0, deadline - time.monotonic()))
-            self.store.remove_listener(self._on_change)
-            with self._write_lock:
-                self._out = None
-            logger.info("mcp server stopped")
-
-    def stop(self):
-        """Ask ``serve()`` to return; safe from any thread and from a signal handler.
-
-        It only sets a flag (a signal handler must not take a lock the main
-        thread may hold); ``serve()`` notices it within 0.1 s.
-        """
-        self._stop_requested = True
-
-    def _read_loop(self, infile):
-        lines = _LineReader(infile, self.max_line_bytes)
-        try:
-            while not self._stop.is_set():
-                line, too_long = lines.next()
-                if line is None:
-                    break
-                if too_long:
-                    self._reply(None, error=to_jsonrpc_error(InvalidRequest(
-                        f"message exceeds {self.max_line_bytes} bytes")))
-                elif line.strip():
-                    self._dispatch_line(line)
-        except Exception:                   # a broken stream must not go unnoticed
-            logger.exception("mcp reader failed")
-        finally:
-            self._stop.set()
-
-    def _dispatch_line(self, line):
         try:
             message = json.loads(line)
         except (ValueError, RecursionError):    # bad UTF-8; RecursionError: a nesting bomb
-            self._reply(None, error=to_jsonrpc_error(ParseError("parse error: not JSON")))
-            return
+            return [_error_message(None, ParseError("parse error: not JSON"))]
         problem = _json_problem(message, text=line)
-        if problem is not None:             # the id itself may be unusable: answer id null
-            self._reply(None, error=to_jsonrpc_error(InvalidRequest(f"the message {problem}")))
-            return
+        if problem is not None:
+            return [_error_message(None, InvalidRequest(f"the message {problem}"))]
+        return self.receive(message)
+
+    def too_long(self, limit):
+        """Return the answer to a line longer than *limit* bytes (dropped unread)."""
+        return [_error_message(None, InvalidRequest(f"message exceeds {limit} bytes"))]
+
+    def receive(self, message):
+        """Take one decoded message; return the messages to send now and the work to run.
+
+        Each item is a JSON-RPC message (a dict, to send as it is) or an
+        ``McpWork``.  A request that never waits is answered here and now,
+        in arrival order; one that may wait or write comes back as work.  A
+        notification returns nothing; a response to one of our requests
+        returns the work that hands it to whoever waits for it.
+        """
         try:
             kind = _message_kind(message)
         except InvalidRequest as exc:
             msg_id = message.get("id") if isinstance(message, dict) else None
             valid_id = isinstance(msg_id, (str, int)) and not isinstance(msg_id, bool)
-            self._reply(msg_id if valid_id else None, error=to_jsonrpc_error(exc))
-            return
+            return [_error_message(msg_id if valid_id else None, exc)]
         if kind == "response":
             with self._lock:
                 entry = self._pending.pop(message["id"], None)
             if entry is None:
                 self._answer_not_awaited(message["id"])
-            else:                           # its callback may write to the store
-                threading.Thread(target=entry[1], args=(message,), daemon=True,
-                                 name="taskstore-mcp-answer").start()
-        elif kind == "notification":
-            self._notification(message)
-        else:
-            # The era is decided here, in arrival order, not on the request's thread.
-            try:
-                era = self._select_era(message)
-            except TaskStoreError as exc:
-                era = exc
-            pool = self._pool_for(message, era)
-            if pool is None:
-                # A read that never waits: answered here, in order, without the
-                # cost of a thread (most of a tasks/get round trip otherwise).
-                self._run_request(message, era)
-            elif not pool.submit(functools.partial(self._run_request, message, era)):
-                if pool is self._waiting:
-                    busy = ServerBusy(f"too many requests are waiting: at most {pool.size} at "
-                                      "once (tasks/result for an unfinished task, tools/call "
-                                      "run inline); try again later")
-                else:
-                    busy = ServerBusy(f"too many requests in progress: at most {pool.size} "
-                                      f"at once and {pool.backlog} in line; try again later")
-                self._reply(message["id"], error=mcp_jsonrpc_error(busy))
+                return []
+            callback = entry[1]
 
-    def _pool_for(self, message, era):
-        """Return the pool that serves a request, or None to answer it on the reader thread.
+            def answer():                   # it may write to the store: work
+                callback(message)
+                return []
+            return [McpWork("answer", None, answer)]
+        if kind == "notification":
+            self._notification(message)
+            return []
+        # The era is decided here, in arrival order, not on the work's thread.
+        try:
+            era = self._select_era(message)
+        except TaskStoreError as exc:
+            era = exc
+        work = self._work_kind(message, era)
+        if work is None:
+            response = self.handle_request(message, era)
+            return [] if response is None else [response]
+
+        def run():
+            response = self.handle_request(message, era)
+            return [] if response is None else [response]
+        return [McpWork(work, message["id"], run)]
+
+    def _work_kind(self, message, era):
+        """Return the McpWork kind of a request ("wait" or "write"), or None to answer at once.
 
         None for reads that never wait and for anything answered at once with
-        an error; the waiting pool for a tasks/result whose task MCP does not
-        show as finished and for a tools/call that runs inline; the write pool
-        for the rest (creating a task, cancel, update, initialize).
+        an error; "wait" for a tasks/result whose task MCP does not show as
+        finished and for a tools/call that runs inline; "write" for the rest
+        (creating a task, cancel, update, initialize).
         """
         method = message.get("method")
         if method in _QUICK_METHODS or isinstance(era, Exception) or (
@@ -4045,10 +4013,10 @@ class McpServer:
                 finished = mcp_status(self._get_task(params)) in _MCP_TERMINAL
             except TaskStoreError:
                 return None                 # answered at once with the same error
-            return None if finished else self._waiting
+            return None if finished else "wait"
         if method == "tools/call" and self._runs_inline(params, era):
-            return self._waiting
-        return self._writes
+            return "wait"
+        return "write"
 
     def _runs_inline(self, params, era):
         """True when a tools/call will run its tool inline (as ``_tools_call*`` decide)."""
@@ -4065,42 +4033,21 @@ class McpServer:
         except TaskStoreError:
             return False                    # -32602 at once
 
-    def _run_request(self, message, era=_UNSET):
-        response = self.handle_request(message, era)
-        if response is not None:
-            self._send(response)
 
-    def _send(self, message):
-        """Write one message as one line; the only writer of the output stream."""
-        if "method" in message and self._stop.is_set():
-            # After EOF the client has gone (or is going): no more notifications
-            # or requests of ours, only the answers still owed.
-            return
-        try:
-            data = dumps(message).encode("utf-8") + b"\n"
-        except (TypeError, ValueError):
-            logger.exception("unserialisable message")
-            if "id" not in message or "method" in message:
-                return
-            data = dumps({"jsonrpc": "2.0", "id": message["id"],
-                          "error": to_jsonrpc_error(RuntimeError())}).encode("utf-8") + b"\n"
-        with self._write_lock:
-            if self._out is None:
-                return
-            try:
-                self._out.write(data)
-                self._out.flush()
-            except (OSError, ValueError):   # the client went away
-                logger.info("mcp output closed")
-                self._stop.set()
+    def close(self):
+        """End the connection's waits: inline calls are cancelled, waits give up.
 
-    def _reply(self, msg_id, result=None, error=None):
-        message = {"jsonrpc": "2.0", "id": msg_id}
-        message.update({"error": error} if error is not None else {"result": result})
-        self._send(message)
+        Safe to call more than once; the transport calls it at EOF.
+        """
+        self.closing.set()
+        with self._lock:
+            inline = list(self._inline.values())
+        for ctx in inline:
+            ctx.cancelled.set()
+        self.follow_wake.set()
 
     def _notify(self, method, params):
-        self._send({"jsonrpc": "2.0", "method": method, "params": params})
+        self.send({"jsonrpc": "2.0", "method": method, "params": params})
 
     def _request_id_locked(self):
         # A space of their own ("srv-N"), so that a server request's id never
@@ -4108,6 +4055,7 @@ class McpServer:
         # matching of answers.
         self._requests_sent += 1
         return f"srv-{self._requests_sent}"
+
 
     def _answer_not_awaited(self, msg_id):
         """Log a response that no request of ours waits for: a late answer, or a mistake."""
@@ -4120,34 +4068,39 @@ class McpServer:
             logger.warning("dropped an answer to id %r: this server sent no request with that "
                            "id (its requests have string ids \"srv-1\", \"srv-2\", ...)", msg_id)
 
+
     def _request(self, method, params, cancelled):
         """Send a request to the client; block until it answers; return the response.
 
+        Runs on the thread of the work that asks (an inline tool call); the
+        answer arrives through ``receive`` as ``McpWork`` of kind "answer".
+
         Raises:
-            Cancelled: *cancelled* was set, or the server stops, before the answer.
+            Cancelled: *cancelled* was set, or the connection ends, before the answer.
         """
         answers = queue.Queue(1)
         with self._lock:
             request_id = self._request_id_locked()
             self._pending[request_id] = (None, answers.put)
-        self._send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+        self.send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
         while True:
             try:
                 return answers.get(timeout=0.1)
             except queue.Empty:
-                if cancelled.is_set() or self._stop.is_set():
+                if cancelled.is_set() or self.closing.is_set():
                     with self._lock:
                         self._pending.pop(request_id, None)
                     raise Cancelled() from None
 
-    # -- dispatch (sans-IO) --------------------------------------------------
+    # -- requests: method tables, errors, eras ----------------------------------
 
     def handle_request(self, message, era=_UNSET):
         """Answer one decoded JSON-RPC request; return the response (None: no answer).
 
-        Blocks while the method does (``tasks/result``, inline tool calls).
-        *era* is what ``_select_era`` said for this message (computed here when
-        not given).
+        Blocks while the method does (``tasks/result``, inline tool calls):
+        ``receive`` calls it at once only for requests that never wait, and
+        otherwise wraps it in McpWork.  *era* is what ``_select_era`` said for
+        this message (computed here when not given).
         """
         msg_id = message.get("id")
         try:
@@ -4174,13 +4127,13 @@ class McpServer:
         except Exception as exc:
             if not isinstance(exc, TaskStoreError):
                 logger.exception("internal error in %s", message.get("method"))
-            return {"jsonrpc": "2.0", "id": msg_id, "error": mcp_jsonrpc_error(exc)}
+            return _error_message(msg_id, exc)
         if result is _NO_RESPONSE:
             return None
         return {"jsonrpc": "2.0", "id": msg_id, "result": result}
 
     def _select_era(self, message):
-        """Return the era that serves *message*, locking the process's era (E1-E4).
+        """Return the era that serves *message*, locking the connection's era.
 
         ``initialize`` locks 2025-11-25; a request carrying the 2026-07-28
         envelope (``params._meta`` with a served protocolVersion) locks
@@ -4225,7 +4178,7 @@ class McpServer:
                 self.era = _LEGACY
             return _LEGACY
 
-    # -- the 2026-07-28 era (MCP-TASKS-EXTENSION.md section 10, M1-M10) --------
+    # -- the 2026-07-28 era (the io.modelcontextprotocol/tasks extension) -------
 
     def _handle_modern(self, message):
         """Answer one 2026-07-28 request; return its result (``resultType`` always set)."""
@@ -4251,12 +4204,17 @@ class McpServer:
 
     @staticmethod
     def _declares_tasks(capabilities):
-        """M2: the tasks extension, declared on this very request (never remembered)."""
+        """True when this very request declares the tasks extension.
+
+        Never remembered from an earlier request: in 2026-07-28 each request
+        carries its own capabilities, and a client may drop the extension.
+        """
         extensions = capabilities.get("extensions")
         return isinstance(extensions, dict) and TASKS_EXTENSION in extensions
 
     def _discover(self, params, _, capabilities):
-        # M1: everything a modern client checks, at once (a hang costs a 10 s probe).
+        # Everything a modern client checks, answered at once: a client that hears
+        # nothing waits out a 10 s probe before it falls back to initialize.
         return {"supportedVersions": list(MCP_SUPPORTED_VERSIONS),
                 "capabilities": {"tools": {"listChanged": False},
                                  "extensions": {TASKS_EXTENSION: {}}},
@@ -4279,8 +4237,9 @@ class McpServer:
         return tool, arguments
 
     def _tools_call_modern(self, params, msg_id, capabilities):
-        # M3: params.task is never read; the server decides.  A client declaring the
-        # extension gets a task for every tool that is not "forbidden".
+        # The extension lets the server decide, so params.task is never read: a
+        # client declaring the extension gets a task for every tool that is not
+        # "forbidden".
         tool, arguments = self._lookup_tool(params)
         declared = self._declares_tasks(capabilities)
         if not declared and tool.task_support == "required":
@@ -4296,16 +4255,17 @@ class McpServer:
                                  meta={"session": self._session, "progressToken": None,
                                        "legacy": False, "era": _MODERN,
                                        "capabilities": capabilities},
-                                 owner=self.runner.process_id)
+                                 owner=self.owner)
         # Committed above: a tasks/get for this id resolves from now on.
         return mcp_task_to_modern_wire(task, self.poll_interval_ms, created=True)
 
     def _modern_task(self, params, capabilities, legacy_ok):
         """Return the task a modern tasks/* request names, after the -32021 gate.
 
-        M9: a request that does not declare the extension but declares the
+        A request that does not declare the extension but declares the
         legacy ``tasks`` capability may read or cancel (``legacy_ok``) a task
-        created in the 2025-11-25 era; anything else undeclared is -32021.
+        created in the 2025-11-25 era, so a client that upgrades mid-task
+        still reaches it; anything else undeclared is -32021.
         """
         if self._declares_tasks(capabilities):
             return self._get_task(params)
@@ -4321,8 +4281,9 @@ class McpServer:
         return mcp_task_to_modern_wire(task, self.poll_interval_ms)
 
     def _tasks_update_modern(self, params, _, capabilities):
-        # M5: answers for outstanding keys are stored -- and so retired -- before
-        # the ack; unknown, stale or repeated keys are ignored.
+        # Answers for outstanding keys are stored -- and so retired -- before the
+        # ack, so a client that polls after the ack never sees the question again;
+        # unknown, stale or repeated keys are ignored (a retry must be harmless).
         task = self._modern_task(params, capabilities, legacy_ok=False)
         responses = params.get("inputResponses")
         if not isinstance(responses, dict):
@@ -4341,7 +4302,8 @@ class McpServer:
         return {}
 
     def _tasks_cancel_modern(self, params, _, capabilities):
-        # M6: a plain ack; a terminal task stays as it is and is no error.
+        # A plain ack: a terminal task stays as it is and is no error, because
+        # the client cannot know whether the task ended before its cancel arrived.
         task = self._modern_task(params, capabilities, legacy_ok=True)
         if not task.terminal:
             with contextlib.suppress(NotCancelable):
@@ -4374,7 +4336,11 @@ class McpServer:
                 "serverInfo": self.server_info}
 
     def _grant_ttl(self, requested):
-        """MCP-TASKS.md section 6: default when absent, capped, null only if allowed."""
+        """Return the ttl granted: the default when absent, capped, null only if allowed.
+
+        The specification lets the receiver override a requested ttl; a cap
+        keeps one client from pinning rows in the file forever.
+        """
         cap = self.max_ttl_ms
 
         def capped(ttl):
@@ -4401,7 +4367,8 @@ class McpServer:
         task_request = _task_request(params)
         if task_request is not None and task_request[2] and tool.task_support == "forbidden":
             task_request = None             # the lesson's "the server decides": inline
-        # MCP-TASKS.md section 6: taskSupport violations are -32601, never a tool result.
+        # taskSupport violations are -32601 (the specification's word), never a tool
+        # result: the model must not read them as the tool's answer.
         if task_request is not None and tool.task_support == "forbidden":
             raise MethodNotFound(f"Tool {name} does not support task-augmented execution")
         if task_request is None and tool.task_support == "required":
@@ -4416,10 +4383,10 @@ class McpServer:
                                  ttl_ms=ttl_ms,
                                  meta={"session": self._session, "progressToken": token,
                                        "legacy": legacy, "era": _LEGACY},
-                                 owner=self.runner.process_id)
+                                 owner=self.owner)
         with self._lock:                    # another process may run it: follow its events
             self._followed.add(task.id)
-        self._follow_wake.set()
+        self.follow_wake.set()
         return _create_task_result(task, self.poll_interval_ms, legacy)
 
     def _call_inline(self, tool, arguments, token, msg_id, era=_LEGACY, capabilities=None):
@@ -4446,7 +4413,7 @@ class McpServer:
             return text_result(f"Tool {tool.name} failed with an internal error", is_error=True)
         return _as_call_tool_result(value)
 
-    def _run_task(self, task_ctx, payload):
+    def run_task(self, task_ctx, payload):
         """Runner handler for kind ``mcp.tools/call``: run the tool, map its outcome."""
         tool = self.tools.get(payload.get("name"))
         if tool is None:        # e.g. a task queued by a server with other tools
@@ -4480,11 +4447,11 @@ class McpServer:
     def _tasks_result(self, params, _):
         task = self._get_task(params, _LESSON_ID_KEYS)
         while mcp_status(task) not in _MCP_TERMINAL:
-            if self._stop.is_set():
+            if self.closing.is_set():
                 raise StoreClosed("the server is shutting down")
             # Bounded waits so that shutdown is noticed; in-process changes wake it at once.
             task = self.store.wait(task.id, timeout=0.25, since_version=task.version)
-        if self._stop.is_set():
+        if self.closing.is_set():
             # Stopping, and read after the stop began: what the task shows now may be the
             # shutdown's own CRASH_RECOVERY, so every answer not given yet is this one.
             raise StoreClosed("the server is shutting down")
@@ -4515,14 +4482,14 @@ class McpServer:
 
     # -- store changes -> notifications and input requests ----------------------
 
-    def _on_change(self, task, change):
-        """Store listener: tell this session's client about its tasks."""
-        if (task.kind != MCP_TASK_KIND or task.meta.get("session") != self._session
-                or self._out is None):
+    def on_change(self, task, change):
+        """Store listener: tell this session's client about its tasks (through ``send``)."""
+        if task.kind != MCP_TASK_KIND or task.meta.get("session") != self._session:
             return
         if task.meta.get("era", _LEGACY) != _LEGACY:
-            # M8: a 2026-07-28 task is polled; nothing about it is pushed (no
-            # status notifications, no progress, never a request).
+            # A 2026-07-28 task is polled; nothing about it is pushed (no status
+            # notifications, no progress, never a request): that era's clients
+            # have no channel for server-initiated messages.
             return
         status = mcp_status(task)
         token = task.meta.get("progressToken")
@@ -4587,38 +4554,32 @@ class McpServer:
             if told in _MCP_TERMINAL:
                 self._followed.discard(task.id)
 
-    def _follow(self):
-        """Tell the client about its tasks when another process moves them (a thread).
+    def followed(self):
+        """Return ``{task id: last event seq told}`` for this session's unfinished tasks.
 
-        The listener sees this process's commits only.  This thread waits on
-        the store for events past those told (``wait_any``: woken by this
-        process's commits, re-reading every ``poll_interval`` for the
-        others'), and tells them through ``_tell_status`` as the listener
-        does, so nothing is told twice.  With no task to follow it sleeps.
+        The store listener (``on_change``) sees this process's commits only;
+        whoever follows these tasks (the transport's follower thread) waits on
+        the store for events past those seqs and hands what moved to ``moved``.
+        ``follow_wake`` is set when a task joins them.
         """
-        while not self._stop.is_set():
-            with self._lock:
-                seen = {task_id: self._told.get(task_id, (0, ""))[0]
-                        for task_id in self._followed}
-            if not seen:
-                self._follow_wake.wait()
-                self._follow_wake.clear()
+        with self._lock:
+            return {task_id: self._told.get(task_id, (0, ""))[0]
+                    for task_id in self._followed}
+
+    def moved(self, tasks):
+        """Tell the client about its tasks that another process moved.
+
+        *tasks* maps task id -> the task as read now (None: purged), as
+        ``TaskStore.wait_any`` returns it; the news goes out through
+        ``_tell_status`` as the listener's does, so nothing is told twice.
+        """
+        for task_id, task in tasks.items():
+            if task is None:                # purged: nothing more will happen to it
+                with self._lock:
+                    self._followed.discard(task_id)
                 continue
-            try:
-                moved = self.store.wait_any(seen, timeout=self.store.poll_interval)
-            except StoreClosed:
-                return
-            except TaskStoreError as exc:   # a file that is locked or full: look again later
-                logger.warning("cannot follow this session's tasks: %s", exc)
-                self._stop.wait(self.store.poll_interval)
-                continue
-            for task_id, task in moved.items():
-                if task is None:            # purged: nothing more will happen to it
-                    with self._lock:
-                        self._followed.discard(task_id)
-                    continue
-                with self._notify_lock:
-                    self._tell_status(task)
+            with self._notify_lock:
+                self._tell_status(task)
 
     def _send_input_request(self, task):
         request = task.input_request
@@ -4636,8 +4597,8 @@ class McpServer:
         with self._lock:
             request_id = self._request_id_locked()
             self._pending[request_id] = (task.id, answered)
-        self._send({"jsonrpc": "2.0", "id": request_id, "method": request["method"],
-                    "params": params})
+        self.send({"jsonrpc": "2.0", "id": request_id, "method": request["method"],
+                   "params": params})
 
     def _notify_progress(self, token, value, total, message, task_id):
         params = {"progressToken": token, "progress": value}
@@ -4648,6 +4609,221 @@ class McpServer:
         if task_id is not None:
             params["_meta"] = {RELATED_TASK: {"taskId": task_id}}
         self._notify("notifications/progress", params)
+
+
+class McpServer:
+    """An MCP server on stdio: an McpDispatcher, its Runner, and the threads that move lines.
+
+    Register tools with ``add_tool`` or the ``tool`` decorator, then call
+    ``serve()``: it reads one JSON-RPC message per line from *infile* and
+    writes one per line to *outfile* until EOF or ``stop()``.  What each
+    message means and what answers it is ``dispatcher``'s business (see
+    McpDispatcher, which also says how the era is chosen); this class only
+    reads lines, runs the work the dispatcher describes on two bounded thread
+    pools (``max_waiting``; past either's limit a request is refused at once
+    with ServerBusy), follows this session's tasks in other processes, and
+    writes.  Tasks are run by this server's Runner.
+
+    Example::
+
+        store = TaskStore("my.db")
+        server = McpServer(store)
+
+        @server.tool(input_schema={"type": "object", "required": ["text"],
+                                   "properties": {"text": {"type": "string"}}},
+                     task_support="optional")
+        def shout(ctx, args):
+            return args["text"].upper()
+
+        server.serve()          # stdin/stdout until EOF
+        store.close()
+    """
+
+    def __init__(self, store, *, default_ttl_ms=DEFAULT_MCP_TTL_MS, max_ttl_ms=None,
+                 allow_unlimited_ttl=False, poll_interval_ms=DEFAULT_MCP_POLL_INTERVAL_MS,
+                 list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, workers=4,
+                 max_line_bytes=DEFAULT_MAX_LINE_BYTES, name="taskstore", version=__version__,
+                 shutdown_grace_s=SHUTDOWN_GRACE_S, max_waiting=DEFAULT_MCP_MAX_WAITING):
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
+            raise InvalidParams("max_waiting must be an integer >= 1", param="max_waiting")
+        self.store = store
+        self.dispatcher = McpDispatcher(
+            store, default_ttl_ms=default_ttl_ms, max_ttl_ms=max_ttl_ms,
+            allow_unlimited_ttl=allow_unlimited_ttl, poll_interval_ms=poll_interval_ms,
+            list_tasks=list_tasks, page_size=page_size, name=name, version=version,
+            send=self._send)
+        self.max_line_bytes = max_line_bytes
+        self.shutdown_grace_s = shutdown_grace_s
+        self.max_waiting = max_waiting
+        self.runner = Runner(store, {MCP_TASK_KIND: self.dispatcher.run_task}, workers=workers)
+        # The dispatcher's closing event is ours: EOF, a broken output or stop()
+        # end the waits it runs for us as well as our loops.
+        self._stop = self.dispatcher.closing
+        self._stop_requested = False
+        self._out = None
+        self._write_lock = threading.Lock()
+        self._waiting = _Pool(max_waiting, 0, "taskstore-mcp-waiting")
+        self._writes = _Pool(MCP_WRITE_THREADS, MCP_WRITE_BACKLOG, "taskstore-mcp-write")
+
+    # The protocol's state and tool registry live in the dispatcher; these
+    # keep the server's older attributes and methods working.
+    era = property(lambda self: self.dispatcher.era)
+    tools = property(lambda self: self.dispatcher.tools)
+    client_capabilities = property(lambda self: self.dispatcher.client_capabilities)
+
+    def add_tool(self, name, handler, **options):
+        """Register a tool (``McpDispatcher.add_tool``)."""
+        return self.dispatcher.add_tool(name, handler, **options)
+
+    def tool(self, name=None, **options):
+        """Decorator form of ``add_tool`` (``McpDispatcher.tool``)."""
+        return self.dispatcher.tool(name, **options)
+
+    def handle_request(self, message, era=_UNSET):
+        """Answer one decoded request here and now (``McpDispatcher.handle_request``)."""
+        return self.dispatcher.handle_request(message, era)
+
+    def serve(self, infile=None, outfile=None):
+        """Serve one client on *infile*/*outfile* (binary; default stdin/stdout); once.
+
+        Returns after EOF on *infile* or ``stop()``, once running work has
+        been given ``shutdown_grace_s`` and the Runner has applied each
+        unfinished task's restart policy (so no later process sees it working).
+        """
+        self._out = outfile if outfile is not None else sys.stdout.buffer
+        if infile is None:
+            # A raw stdin: the reader thread blocks in read() holding no lock, so
+            # the interpreter can exit while it still waits (after SIGTERM).  Not
+            # closed, for the same reason; closefd=False leaves fd 0 alone.
+            infile = open(sys.stdin.fileno(), "rb", buffering=0, closefd=False)
+        self.store.add_listener(self._on_change)
+        self.runner.start()
+        self.dispatcher.owner = self.runner.process_id
+        reader = threading.Thread(target=self._read_loop, args=(infile,),
+                                  name="taskstore-mcp-reader", daemon=True)
+        reader.start()
+        follower = threading.Thread(target=self._follow, name="taskstore-mcp-follower",
+                                    daemon=True)
+        follower.start()
+        try:
+            # A timed wait, so that stop()'s flag is seen promptly.
+            while not self._stop.wait(0.1) and not self._stop_requested:
+                pass
+        finally:
+            self.dispatcher.close()         # inline calls stop with the tasks
+            # Runner.stop releases this runner's tasks: started ones and the
+            # session's still-queued ones (created with owner=) get their
+            # policy, so none shows as working with nobody to run it.
+            self.runner.stop(timeout=self.shutdown_grace_s)
+            deadline = time.monotonic() + 0.5
+            for pool in (self._waiting, self._writes):
+                pool.close(deadline)
+            follower.join(max(0.0, deadline - time.monotonic()))
+            self.store.remove_listener(self._on_change)
+            with self._write_lock:
+                self._out = None
+            logger.info("mcp server stopped")
+
+    def stop(self):
+        """Ask ``serve()`` to return; safe from any thread and from a signal handler.
+
+        It only sets a flag (a signal handler must not take a lock the main
+        thread may hold); ``serve()`` notices it within 0.1 s.
+        """
+        self._stop_requested = True
+
+    def _read_loop(self, infile):
+        lines = _LineReader(infile, self.max_line_bytes)
+        try:
+            while not self._stop.is_set():
+                line, too_long = lines.next()
+                if line is None:
+                    break
+                if too_long:
+                    self._deliver(self.dispatcher.too_long(self.max_line_bytes))
+                elif line.strip():
+                    self._deliver(self.dispatcher.receive_line(line))
+        except Exception:                   # a broken stream must not go unnoticed
+            logger.exception("mcp reader failed")
+        finally:
+            self._stop.set()
+
+    def _deliver(self, items):
+        """Send the dispatcher's messages; run its work on the pool its kind names."""
+        for item in items:
+            if not isinstance(item, McpWork):
+                self._send(item)
+            elif item.kind == "answer":     # rare, and must never be refused
+                threading.Thread(target=self._run, args=(item,), daemon=True,
+                                 name="taskstore-mcp-answer").start()
+            else:
+                pool = self._waiting if item.kind == "wait" else self._writes
+                if not pool.submit(functools.partial(self._run, item)):
+                    self._send(_error_message(item.msg_id, self._busy(pool)))
+
+    def _busy(self, pool):
+        if pool is self._waiting:
+            return ServerBusy(f"too many requests are waiting: at most {pool.size} at "
+                              "once (tasks/result for an unfinished task, tools/call "
+                              "run inline); try again later")
+        return ServerBusy(f"too many requests in progress: at most {pool.size} "
+                          f"at once and {pool.backlog} in line; try again later")
+
+    def _run(self, work):
+        for message in work.run():
+            self._send(message)
+
+    def _on_change(self, task, change):
+        if self._out is not None:           # only while serving: nobody to tell otherwise
+            self.dispatcher.on_change(task, change)
+
+    def _follow(self):
+        """Tell the client about its tasks when another process moves them (a thread).
+
+        Waits on the store for events past those told (``wait_any``: woken by
+        this process's commits, re-reading every ``poll_interval`` for the
+        others') and hands them to the dispatcher.  With no task to follow it
+        sleeps until ``follow_wake``.
+        """
+        dispatcher = self.dispatcher
+        while not self._stop.is_set():
+            seen = dispatcher.followed()
+            if not seen:
+                dispatcher.follow_wake.wait()
+                dispatcher.follow_wake.clear()
+                continue
+            try:
+                moved = self.store.wait_any(seen, timeout=self.store.poll_interval)
+            except StoreClosed:
+                return
+            except TaskStoreError as exc:   # a file that is locked or full: look again later
+                logger.warning("cannot follow this session's tasks: %s", exc)
+                self._stop.wait(self.store.poll_interval)
+                continue
+            dispatcher.moved(moved)
+
+    def _send(self, message):
+        """Write one message as one line; the only writer of the output stream."""
+        if "method" in message and self._stop.is_set():
+            # After EOF the client has gone (or is going): no more notifications
+            # or requests of ours, only the answers still owed.
+            return
+        try:
+            data = dumps(message).encode("utf-8") + b"\n"
+        except (TypeError, ValueError):
+            logger.exception("unserialisable message")
+            if "id" not in message or "method" in message:
+                return
+            data = dumps(_error_message(message["id"], RuntimeError())).encode("utf-8") + b"\n"
+        with self._write_lock:
+            if self._out is None:
+                return
+            try:
+                self._out.write(data)
+                self._out.flush()
+            except (OSError, ValueError):   # the client went away
+                logger.info("mcp output closed")
+                self._stop.set()
 
 
 # -- demo tools (their contract is in the README; clients and tests rely on it) --

@@ -5046,8 +5046,98 @@ def _status_of(message, task_id):
             and message["params"]["taskId"] == task_id)
 
 
+class DispatcherClient(McpTestClient):
+    """The McpTestClient API on an McpDispatcher in this process: no pipes, no server.
+
+    ``send`` hands each message to the dispatcher (bytes as lines, as the
+    transport would read them) and queues what it returns; the dispatcher's
+    ``McpWork`` runs on a thread of its own, as the transport would run it on
+    a pool, and what it sends later arrives through ``send``.  Every message
+    is round-tripped through JSON, so tests see wire shapes.  ``close`` is
+    the transport's EOF: waits end, the Runner stops, no more notifications.
+    """
+
+    def __init__(self, dispatcher, store, *, workers=4, max_line_bytes=None,
+                 shutdown_grace_s=taskstore.SHUTDOWN_GRACE_S):
+        self._inbox = queue.Queue()
+        self._kept = []
+        self.log = []
+        self._ids = iter(range(1, 10**9))
+        self.bad_lines = []
+        self.dispatcher, self.store = dispatcher, store
+        self.max_line_bytes = max_line_bytes or taskstore.DEFAULT_MAX_LINE_BYTES
+        self.shutdown_grace_s = shutdown_grace_s
+        self._work = []
+        self._closed = False
+        dispatcher.send = self._later
+        self.runner = taskstore.Runner(store, {taskstore.MCP_TASK_KIND: dispatcher.run_task},
+                                       workers=workers).start()
+        dispatcher.owner = self.runner.process_id
+        store.add_listener(self._on_change)
+
+    def _on_change(self, task, change):
+        if not self._closed:
+            self.dispatcher.on_change(task, change)
+
+    def _later(self, message):
+        if "method" in message and self.dispatcher.closing.is_set():
+            return                          # after EOF, only the answers still owed
+        self._put(message)
+
+    def _put(self, message):
+        self._inbox.put(json.loads(taskstore.dumps(message)))
+
+    def _deliver(self, items):
+        for item in items:
+            if isinstance(item, taskstore.McpWork):
+                thread = threading.Thread(target=lambda work=item: [
+                    self._put(m) for m in work.run()], daemon=True, name="test-mcp-work")
+                thread.start()
+                self._work.append(thread)
+            else:
+                self._put(item)
+
+    def send(self, message):
+        if self._closed:
+            raise ValueError("send after close")
+        if not isinstance(message, bytes):
+            message = json.dumps(message).encode() + b"\n"
+        for line in message.split(b"\n"):     # as the transport splits: on newlines only
+            if len(line) > self.max_line_bytes:
+                self._deliver(self.dispatcher.too_long(self.max_line_bytes))
+            elif line.strip():
+                self._deliver(self.dispatcher.receive_line(line))
+
+    def close(self):
+        """End the session as the transport does at EOF; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.dispatcher.close()
+        self.runner.stop(timeout=self.shutdown_grace_s)
+        for thread in self._work:
+            thread.join(TIMEOUT)
+        self.store.remove_listener(self._on_change)
+        self._inbox.put(None)               # EOF marker
+
+    def wait_eof(self, timeout=TIMEOUT):
+        return self._closed and not any(t.is_alive() for t in self._work)
+
+
+def over_pipes(test):
+    """Mark a test of the stdio transport: its server runs on real pipes, not in-process."""
+    test.over_pipes = True
+    return test
+
+
 class McpTestBase(unittest.TestCase):
-    """Starts servers in-process on pipes or as subprocesses, and cleans up."""
+    """Starts servers in-process (on the dispatcher), on pipes or as subprocesses; cleans up.
+
+    By default a test talks to an McpDispatcher through a DispatcherClient:
+    the protocol without the transport.  ``PIPES`` (or ``@over_pipes`` on a
+    test) serves it with McpServer on real pipes instead; ``COMMAND`` runs
+    the command in a subprocess.
+    """
 
     def setUp(self):
         self.dir = temp_dir(self)
@@ -5056,6 +5146,7 @@ class McpTestBase(unittest.TestCase):
     # True in the *CommandTests subclasses: the same tests run against the command in
     # a subprocess; ``server`` is then None and ``store`` a second store on its file.
     COMMAND = False
+    PIPES = False                           # True: McpServer on real pipes, in this process
     FLAGS = {"default_ttl_ms": "--default-ttl", "max_ttl_ms": "--max-ttl",
              "page_size": "--page-size", "max_line_bytes": "--max-line-bytes",
              "poll_interval_ms": "--poll-interval", "workers": "--workers",
@@ -5087,6 +5178,24 @@ class McpTestBase(unittest.TestCase):
             return client, None, store
         store = taskstore.TaskStore(db, **({"clock": clock} if clock else {}))
         self.addCleanup(store.close)
+        if not (self.PIPES or getattr(getattr(self, self._testMethodName), "over_pipes", False)):
+            transport = {k: options.pop(k) for k in ("workers", "max_line_bytes",
+                                                     "shutdown_grace_s") if k in options}
+            if "max_waiting" in options:
+                raise AssertionError("max_waiting is the transport's: mark the test @over_pipes")
+            dispatcher = taskstore.McpDispatcher(store, **options)
+            if demo:
+                taskstore.add_demo_tools(dispatcher)
+            for name, handler, kwargs in tools:
+                dispatcher.add_tool(name, handler, **kwargs)
+            client = DispatcherClient(dispatcher, store, **transport)
+
+            def close():
+                client.close()
+                self.assertTrue(client.wait_eof(), "work still running after close")
+                self.assertEqual(client.bad_lines, [])
+            self.addCleanup(close)
+            return client, dispatcher, store
         server = taskstore.McpServer(store, **options)
         if demo:
             taskstore.add_demo_tools(server)
@@ -5147,7 +5256,7 @@ class McpTestBase(unittest.TestCase):
 
 
 class McpProtocolTests(McpTestBase):
-    """Every method and error path of the stdio server, in-process over real pipes."""
+    """Every method and error path of the 2025-11-25 era, on the dispatcher in-process."""
 
     def test_initialize_negotiates_2025_11_25_and_declares_tasks(self):
         client, _, _ = self.start_server()
@@ -5324,6 +5433,7 @@ class McpProtocolTests(McpTestBase):
         listed = {t["taskId"]: t for t in client.result("tasks/list")["tasks"]}
         self.assertEqual(listed[task_id]["statusMessage"], taskstore.MCP_CANCELLED_MESSAGE)
 
+    @over_pipes
     def test_waits_past_max_waiting_are_refused_at_once_and_the_rest_still_works(self):
         client, _, store = self.start_server(max_waiting=2)
         done = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "done"})
@@ -5670,6 +5780,99 @@ class McpProtocolTests(McpTestBase):
                          -32602, "'n' must be of type integer")
         with self.assertRaises(taskstore.InvalidParams):
             server.add_tool("bad", square, task_support="sometimes")
+
+
+class McpDispatcherTests(unittest.TestCase):
+    """The dispatcher alone: one message in, the messages to send out; no pipes, no server."""
+
+    def setUp(self):
+        self.store = taskstore.TaskStore(os.path.join(temp_dir(self), "mcp.db"))
+        self.addCleanup(self.store.close)
+        self.later = queue.Queue()          # what the dispatcher sends on its own
+        self.dispatcher = taskstore.McpDispatcher(self.store, send=self.later.put)
+        taskstore.add_demo_tools(self.dispatcher)
+
+    def receive(self, msg_id, method, params=None):
+        message = {"jsonrpc": "2.0", "id": msg_id, "method": method}
+        if params is not None:
+            message["params"] = params
+        return self.dispatcher.receive(message)
+
+    def initialize(self, capabilities=None):
+        """initialize may write (it is work), so run its work here; return the answer."""
+        [work] = self.receive(1, "initialize", {"protocolVersion": "2025-11-25",
+                                                "capabilities": capabilities or {}})
+        self.assertEqual((work.kind, work.msg_id), ("write", 1))
+        [answer] = work.run()
+        return answer
+
+    def test_initialize_is_answered_at_once_and_locks_the_era(self):
+        answer = self.initialize()
+        self.assertEqual(answer["id"], 1)
+        self.assertEqual(answer["result"]["protocolVersion"], "2025-11-25")
+        self.assertIn("tasks", answer["result"]["capabilities"])
+        self.assertEqual(self.dispatcher.era, "2025-11-25")
+        [refused] = self.receive(2, "tools/list", {"_meta": era2_meta()})
+        self.assertEqual(refused["error"]["code"], -32600)
+        self.assertEqual(self.dispatcher.receive({"jsonrpc": "2.0",
+                                                  "method": "notifications/initialized"}), [])
+
+    def test_bad_lines_are_answered_with_id_null(self):
+        [parse] = self.dispatcher.receive_line(b"not json")
+        self.assertEqual((parse["id"], parse["error"]["code"]), (None, -32700))
+        [batch] = self.dispatcher.receive_line(b'[{"jsonrpc": "2.0", "id": 1, "method": "ping"}]')
+        self.assertEqual((batch["id"], batch["error"]["code"]), (None, -32600))
+        [long] = self.dispatcher.too_long(1024)
+        self.assertEqual((long["id"], long["error"]["code"]), (None, -32600))
+        self.assertIn("1024 bytes", long["error"]["message"])
+
+    def test_the_modern_era_is_chosen_by_the_envelope(self):
+        [found] = self.receive(1, "server/discover", {"_meta": era2_meta()})
+        self.assertIn("2026-07-28", found["result"]["supportedVersions"])
+        self.assertEqual(self.dispatcher.era, "2026-07-28")
+        [refused] = self.receive(2, "initialize", {"protocolVersion": "2025-11-25"})
+        self.assertEqual(refused["error"]["code"], -32022)
+
+    def test_a_task_request_is_work_whose_run_answers_with_the_task(self):
+        self.initialize()
+        [work] = self.receive(2, "tools/call", {"name": "sleep_then_echo", "task": {},
+                                                "arguments": {"seconds": 600, "text": "x"}})
+        self.assertIsInstance(work, taskstore.McpWork)
+        self.assertEqual((work.kind, work.msg_id), ("write", 2))
+        [answer] = work.run()
+        task = answer["result"]["task"]
+        self.assertEqual((answer["id"], task["status"]), (2, "working"))
+        # Nothing runs it here (no Runner): it is only stored, and a read needs no work.
+        [got] = self.receive(3, "tasks/get", {"taskId": task["taskId"]})
+        self.assertEqual(got["result"]["taskId"], task["taskId"])
+        [waiting] = self.receive(4, "tasks/result", {"taskId": task["taskId"]})
+        self.assertEqual(waiting.kind, "wait")
+        self.store.cancel(task["taskId"])
+        [result] = waiting.run()
+        self.assertTrue(result["result"]["isError"])
+
+    def test_an_elicitation_request_and_its_answer_are_messages(self):
+        self.initialize({"elicitation": {}})
+        [work] = self.receive(2, "tools/call", {"name": "ask_user",
+                                                "arguments": {"question": "Name?"}})
+        self.assertEqual(work.kind, "wait")             # inline: it waits for the user
+        answers = queue.Queue()
+        thread = threading.Thread(target=lambda: answers.put(work.run()), daemon=True)
+        thread.start()
+        self.addCleanup(thread.join, TIMEOUT)
+        self.addCleanup(self.dispatcher.close)
+        ask = self.later.get(timeout=TIMEOUT)
+        self.assertEqual((ask["id"], ask["method"]), ("srv-1", "elicitation/create"))
+        with self.assertLogs("taskstore", "WARNING") as logs:
+            self.assertEqual(self.dispatcher.receive({"jsonrpc": "2.0", "id": "srv-9",
+                                                      "result": {}}), [])
+        self.assertIn("sent no request with that id", logs.output[0])
+        [handed] = self.dispatcher.receive({"jsonrpc": "2.0", "id": "srv-1", "result": {
+            "action": "accept", "content": {"answer": "Ada"}}})
+        self.assertEqual((handed.kind, handed.msg_id), ("answer", None))
+        self.assertEqual(handed.run(), [])
+        [answer] = answers.get(timeout=TIMEOUT)
+        self.assertEqual((answer["id"], answer["result"]["content"][0]["text"]), (2, "Ada"))
 
 
 class ElicitationSchemaTests(unittest.TestCase):
@@ -8145,7 +8348,7 @@ class Era2TestBase(McpTestBase):
         if "result" not in response:
             raise AssertionError(f"{method} failed: {response}")
         result = response["result"]
-        self.assertIn("resultType", result, "M10: every result carries resultType")
+        self.assertIn("resultType", result, "every 2026-07-28 result carries resultType")
         return result
 
     def mcreate(self, client, name, arguments, capabilities=None, **params):
@@ -8175,14 +8378,14 @@ class Era2TestBase(McpTestBase):
         return self.mget(client, task_id)
 
     def assertNoServerRequests(self, client):
-        """M8: nothing the server wrote is a JSON-RPC request."""
+        """Nothing the server wrote is a JSON-RPC request (2026-07-28 has none)."""
         self.discover(client)              # everything written before it is read
         requests = [m for m in client.log + client.unread() if "method" in m and "id" in m]
         self.assertEqual(requests, [])
 
 
 class Era2ProtocolTests(Era2TestBase):
-    """Rules E1-E4 and M1-M10 over raw pipes, in-process."""
+    """How the first request picks the era, and the 2026-07-28 tasks extension, on the dispatcher."""
 
     def test_discover_answers_every_field_the_new_era_requires(self):
         client, _, _ = self.start_fresh()
@@ -8194,7 +8397,7 @@ class Era2ProtocolTests(Era2TestBase):
         self.assertEqual(result["capabilities"]["extensions"],
                          {"io.modelcontextprotocol/tasks": {}})
         self.assertIn("tools", result["capabilities"])
-        self.assertNotIn("tasks", result["capabilities"], "M1: never capabilities.tasks")
+        self.assertNotIn("tasks", result["capabilities"], "the extension, never capabilities.tasks")
         self.assertEqual((result["ttlMs"], result["cacheScope"]), (0, "private"))
         self.assertEqual(result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"],
                          "taskstore")
@@ -8220,7 +8423,7 @@ class Era2ProtocolTests(Era2TestBase):
                 self.assertEqual(response["error"]["data"]["supported"],
                                  ["2026-07-28", "2025-11-25"])
                 self.assertEqual(response["error"]["data"]["requested"], version)
-        # Nothing was locked: the client may still fall back to the handshake (E1).
+        # Nothing was locked: the client may still fall back to the handshake.
         self.assertEqual(client.initialize()["protocolVersion"], "2025-11-25")
 
     def test_missing_client_capabilities_is_32602(self):
@@ -8244,7 +8447,7 @@ class Era2ProtocolTests(Era2TestBase):
         self.assertError(client.call("ping"), -32600)
         response = self.mcall(client, "server/discover", version="2099-01-01")
         self.assertEqual(response["error"]["data"]["supported"], ["2026-07-28"])
-        # M7: the legacy-only methods do not exist in this era.
+        # The legacy-only methods do not exist in this era.
         for method in ("tasks/result", "tasks/list", "tasks/status", "ping"):
             with self.subTest(method=method):
                 self.assertError(self.mcall(client, method, {"taskId": "task_x"}), -32601)
@@ -8273,7 +8476,7 @@ class Era2ProtocolTests(Era2TestBase):
 
     def test_unenveloped_first_request_is_answered_promptly_and_locks_nothing(self):
         client, _, _ = self.start_fresh()
-        self.assertError(client.call("server/discover"), -32601)    # E3, at once
+        self.assertError(client.call("server/discover"), -32601)    # once legacy, at once
         self.assertEqual(client.result("ping"), {})
         self.assertEqual(self.discover(client)["resultType"], "complete")
 
@@ -8299,7 +8502,7 @@ class Era2ProtocolTests(Era2TestBase):
                           "ttlMs", "pollIntervalMs", "result", "_meta"})
         self.assertNoServerRequests(client)
         self.assertEqual([m for m in client.log if "method" in m], [],
-                         "M8: no notifications about a task either")
+                         "no notifications about a task either")
 
     def test_undeclared_call_runs_inline_and_task_only_tools_are_32021(self):
         client, _, store = self.start_modern()
@@ -8472,7 +8675,7 @@ class Era2ProtocolTests(Era2TestBase):
 
     def test_legacy_created_task_read_and_cancelled_with_the_legacy_capability(self):
         client, _, store = self.start_modern()
-        # As if created by a 2025-11-25 server on the same file (M9).
+        # As if created by a 2025-11-25 server on the same file.
         legacy = store.create(taskstore.MCP_TASK_KIND, {"name": "sleep_then_echo", "arguments": {
             "seconds": 600, "text": "x"}}, ttl_ms=60000, meta={"session": "s", "era": "2025-11-25"})
         modern = self.mcreate(client, "sleep_then_echo", {"seconds": 600, "text": "y"})["taskId"]
@@ -8609,7 +8812,7 @@ class Era2CommandTests(Era2TestBase):
                          "cancelled")
         self.assertEqual(self.mget(modern, report)["status"], "cancelled")
         self.assertEqual(side.wait(report, timeout=TIMEOUT, terminal=True).status, CANCELLED)
-        # Created by the legacy client, read and cancelled by the modern one (M9).
+        # Created by the legacy client, read and cancelled by the modern one.
         old = self.create_task(legacy, "sleep_then_echo", {"seconds": 600, "text": "x"})["taskId"]
         old_caps = {"tasks": {"cancel": {}}}
         self.assertEqual(self.mget(modern, old, capabilities=old_caps)["status"], "working")
@@ -9440,6 +9643,8 @@ class McpFuzzTests(McpTestBase):
     answered correctly.
     """
 
+    PIPES = True                # malformed lines are what the transport reads first
+
     # -32005: ServerBusy, when the tasks/result calls on the running task fill the waiting pool.
     CLIENT_ERRORS = (-32700, -32600, -32601, -32602, taskstore.ServerBusy.jsonrpc_code)
     SERVER_METHODS = ("notifications/tasks/status", "notifications/progress",
@@ -9539,6 +9744,8 @@ class McpFuzzTests(McpTestBase):
 
 class McpHostileInputTests(McpTestBase):
     """One line each: the inputs the fuzzer found that stopped the server or gave -32603."""
+
+    PIPES = True                # line limits and nesting bombs meet the reader first
 
     def test_recursion_bomb_is_a_parse_error_and_the_server_goes_on(self):
         client, _, _ = self.start_server(max_line_bytes=1 << 20)
@@ -9648,6 +9855,8 @@ def rss_bytes(pid):
 
 class McpResourceLimitTests(McpTestBase):
     """A handler that ignores its cancel event, a full disk, floods, and the entropy of ids."""
+
+    PIPES = True                # pools, floods and shutdown are the transport's
 
     @unittest.skipUnless(os.path.exists("/proc/self/status"), "reads RSS from /proc")
     def test_a_flood_of_waiting_requests_gets_a_bounded_pool_and_quick_answers(self):
@@ -9950,6 +10159,8 @@ store.close()
 class McpTasksRunElsewhereTests(McpTestBase):
     """Tasks a client created, run by another process on the same file."""
 
+    PIPES = True                # following other processes is the transport's thread
+
     def test_status_notifications_follow_a_task_another_process_runs(self):
         client, _ = self.start_process("--db", self.db, "--workers", "1")
         client.initialize()
@@ -10041,7 +10252,7 @@ class McpKilledQueueTests(McpTestBase):
         got = client.result("tasks/get", {"taskId": busy["taskId"]})
         self.assertTrue(got["statusMessage"].startswith("CRASH_RECOVERY"), got)
         got = client.result("tasks/get", {"taskId": queued["taskId"]})
-        # MCP-TASKS.md section 6: working when its process died -> failed, CRASH_RECOVERY;
+        # Working when its process died -> failed, CRASH_RECOVERY;
         # README: the same as at EOF, where _fail_unstarted fails it.
         self.assertEqual(got["status"], "failed", got)
         self.assertTrue(got.get("statusMessage", "").startswith("CRASH_RECOVERY"), got)
