@@ -6304,7 +6304,7 @@ def add_http_parser(subparsers):
     """Add the ``http`` subcommand (the LMSP server) to the CLI's *subparsers*."""
     p = subparsers.add_parser("http", help="serve the LMSP 1.0 task routes over HTTP",
                               description="Serve the LMSP 1.0 task routes over HTTP.")
-    p.add_argument("--db", default=DEFAULT_DB, help="SQLite file (default: %(default)s)")
+    _add_db_option(p)                   # --db PATH (./taskstore.db), --sync
     p.add_argument("--host", default=DEFAULT_HTTP_HOST, help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT,
                    help="port; 0 picks a free one (default: %(default)s)")
@@ -6352,9 +6352,6 @@ def add_http_parser(subparsers):
                    help="seconds between SSE keep-alive comments (default: %(default)s)")
     p.add_argument("--max-db-bytes", type=_positive(int), default=None,
                    help="cap on the store file's size; writes beyond it get 503 (default: none)")
-    p.add_argument("--sync", choices=("normal", "full"), default="normal",
-                   help="SQLite synchronous mode: normal survives process crashes, full also "
-                        "power loss (default: %(default)s)")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="log every request line at DEBUG level (never headers or tokens; "
                         "default: INFO)")
@@ -6440,22 +6437,28 @@ def build_parser():
     parser.add_argument("--version", action="version", version=f"taskstore {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
-    add_mcp_parser(commands)
-    add_http_parser(commands)
+    add_mcp_parser(commands)            # section 9
+    add_http_parser(commands)           # section 10
+    _add_tasks_parser(commands)
+    return parser
 
+
+def _add_tasks_parser(commands):
+    """Add ``tasks`` and its verbs, the admin commands, to the command line's *commands*."""
     tasks = commands.add_parser("tasks", help="inspect and manage a store file",
                                 description="Inspect and manage the tasks of a store file.")
     verbs = tasks.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
 
-    def verb(name, help_text):
+    def verb(name, help_text, func):
         sub = verbs.add_parser(name, help=help_text, description=help_text)
         _add_db_option(sub)
         sub.add_argument("--json", action="store_true",
                          help="print JSON for scripts instead of a table (default: table)")
+        sub.set_defaults(func=func)
         return sub
 
-    sub = verb("list", "List tasks, newest first.")
+    sub = verb("list", "List tasks, newest first.", _tasks_list)
     sub.add_argument("--status", action="append", type=_status_filter, metavar="WORD",
                      help="only tasks in this status: a stored status (" + ", ".join(STATES)
                           + "), or an MCP word (working means queued, loading and running; "
@@ -6466,17 +6469,18 @@ def build_parser():
     sub.add_argument("--principal", help="only this principal's tasks (default: everyone's)")
     sub.add_argument("--limit", type=int, default=50, help="page size (default: %(default)s)")
     sub.add_argument("--cursor", help="the next_cursor a previous page printed (default: first page)")
-    sub = verb("show", "Show one task in full.")
+    sub = verb("show", "Show one task in full.", _tasks_show)
     sub.add_argument("task_id", help="the task id")
-    sub = verb("cancel", "Cancel a task.")
+    sub = verb("cancel", "Cancel a task.", _tasks_cancel)
     sub.add_argument("task_id", help="the task id")
-    sub = verb("events", "Print a task's event log.")
+    sub = verb("events", "Print a task's event log.", _tasks_events)
     sub.add_argument("task_id", help="the task id")
     sub.add_argument("--after", type=int, help="only events after this sequence number "
                      "(default: from the first)")
-    verb("reap", "Delete what retention says is over, now.")
-    verb("recover", "Apply the restart policy to tasks whose owner is provably dead.")
-    return parser
+    verb("reap", "Delete what retention says is over, now.", _tasks_reap)
+    verb("recover", "Apply the restart policy to tasks whose owner is provably dead.",
+         _tasks_recover)
+    return tasks
 
 
 def _status_words():
@@ -6540,57 +6544,94 @@ def _print_table(rows, headers):
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
 
 
-def _tasks_command(args):
+def _admin_store(args, writes=False):
+    """Open ``--db`` for a ``tasks`` verb: read-only unless it *writes*.
+
+    Never creates a store file (a mistyped path is an error, not a new empty
+    store) and never recovers on open: only ``tasks recover`` moves tasks of
+    dead owners, so that looking at a store never changes it.
+    """
     if not os.path.exists(args.db):
         raise StoreUnavailable(f"{args.db}: no such store file")
-    writes = args.verb in ("cancel", "reap", "recover")
-    with TaskStore(args.db, synchronous=args.sync, recover_on_open=False,
-                   readonly=not writes) as store:
-        if args.verb == "list":
-            statuses = None if args.status is None else sorted(
-                {state for states in args.status for state in states})
-            tasks, cursor = store.list(status=statuses, kind=args.kind,
-                                       principal=args.principal, limit=args.limit,
-                                       cursor=args.cursor)
-            awaiting = store.awaiting_recovery(tasks)
-            if args.json:
-                print(dumps({"tasks": [_admin_view(t, awaiting) for t in tasks],
-                             "next_cursor": cursor}))
-            else:
-                _print_table([(t.id, t.kind, _status_cell(t, awaiting), iso_time(t.created_at),
-                               iso_time(t.updated_at), _clip(t.status_message or "", 40))
-                              for t in tasks], ("ID", "KIND", "STATUS", "CREATED", "UPDATED",
-                                                "MESSAGE"))
-                if cursor:
-                    print(f"next page: --cursor {cursor}")
-        elif args.verb in ("show", "cancel"):
-            task = (store.get if args.verb == "show" else store.cancel)(args.task_id)
-            awaiting = store.awaiting_recovery([task])
-            view = _admin_view(task, awaiting)
-            if args.json:
-                print(dumps(view))
-            else:
-                view["status"] = _status_cell(task, awaiting)
-                for key, value in view.items():
-                    if key.endswith("_at") and isinstance(value, int):
-                        value = iso_time(value)
-                    print(f"{key + ':':16}{value if isinstance(value, str) else dumps(value)}")
-        elif args.verb == "events":
-            events = store.events(args.task_id, after=args.after)
-            if args.json:
-                print(dumps([{"task_id": e.task_id, "seq": e.seq, "type": e.type,
-                              "data": e.data, "created_at": e.created_at} for e in events]))
-            else:
-                _print_table([(e.seq, iso_time(e.created_at), e.type, _clip(e.data_json, 60))
-                              for e in events], ("SEQ", "TIME", "TYPE", "DATA"))
-        elif args.verb == "reap":
-            counts = store.reap()
-            print(dumps(counts) if args.json else
-                  ", ".join(f"{v} {k}" for k, v in counts.items()) + " deleted")
-        elif args.verb == "recover":
-            moved = store.recover()
-            print(dumps({"recovered": moved}) if args.json else
-                  f"{moved} {'task' if moved == 1 else 'tasks'} recovered")
+    return TaskStore(args.db, synchronous=args.sync, recover_on_open=False, readonly=not writes)
+
+
+def _tasks_list(args):
+    """``tasks list``: one page of tasks, newest first, and the cursor of the next."""
+    with _admin_store(args) as store:
+        statuses = None if args.status is None else sorted(
+            {state for states in args.status for state in states})
+        tasks, cursor = store.list(status=statuses, kind=args.kind, principal=args.principal,
+                                   limit=args.limit, cursor=args.cursor)
+        awaiting = store.awaiting_recovery(tasks)
+        if args.json:
+            print(dumps({"tasks": [_admin_view(t, awaiting) for t in tasks],
+                         "next_cursor": cursor}))
+        else:
+            _print_table([(t.id, t.kind, _status_cell(t, awaiting), iso_time(t.created_at),
+                           iso_time(t.updated_at), _clip(t.status_message or "", 40))
+                          for t in tasks], ("ID", "KIND", "STATUS", "CREATED", "UPDATED",
+                                            "MESSAGE"))
+            if cursor:
+                print(f"next page: --cursor {cursor}")
+    return 0
+
+
+def _tasks_show(args):
+    """``tasks show``: one task in full."""
+    with _admin_store(args) as store:
+        _print_task(store, store.get(args.task_id), args.json)
+    return 0
+
+
+def _tasks_cancel(args):
+    """``tasks cancel``: cancel a task, then show it as ``tasks show`` does."""
+    with _admin_store(args, writes=True) as store:
+        _print_task(store, store.cancel(args.task_id), args.json)
+    return 0
+
+
+def _print_task(store, task, as_json):
+    awaiting = store.awaiting_recovery([task])
+    view = _admin_view(task, awaiting)
+    if as_json:
+        print(dumps(view))
+        return
+    view["status"] = _status_cell(task, awaiting)
+    for key, value in view.items():
+        if key.endswith("_at") and isinstance(value, int):
+            value = iso_time(value)
+        print(f"{key + ':':16}{value if isinstance(value, str) else dumps(value)}")
+
+
+def _tasks_events(args):
+    """``tasks events``: a task's event log, oldest first."""
+    with _admin_store(args) as store:
+        events = store.events(args.task_id, after=args.after)
+    if args.json:
+        print(dumps([{"task_id": e.task_id, "seq": e.seq, "type": e.type,
+                      "data": e.data, "created_at": e.created_at} for e in events]))
+    else:
+        _print_table([(e.seq, iso_time(e.created_at), e.type, _clip(e.data_json, 60))
+                      for e in events], ("SEQ", "TIME", "TYPE", "DATA"))
+    return 0
+
+
+def _tasks_reap(args):
+    """``tasks reap``: one retention pass now; print what it deleted."""
+    with _admin_store(args, writes=True) as store:
+        counts = store.reap()
+    print(dumps(counts) if args.json else
+          ", ".join(f"{v} {k}" for k, v in counts.items()) + " deleted")
+    return 0
+
+
+def _tasks_recover(args):
+    """``tasks recover``: hand the tasks of dead owners to their restart policy now."""
+    with _admin_store(args, writes=True) as store:
+        moved = store.recover()
+    print(dumps({"recovered": moved}) if args.json else
+          f"{moved} {'task' if moved == 1 else 'tasks'} recovered")
     return 0
 
 
@@ -6602,9 +6643,7 @@ def main(argv=None):
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="taskstore: %(levelname)s %(message)s")
     try:
-        if args.command == "tasks":
-            return _tasks_command(args)
-        return args.func(args)
+        return args.func(args)              # every command sets its own (set_defaults)
     except TaskStoreError as exc:
         print(f"taskstore: error: {exc}", file=sys.stderr)
         return 1

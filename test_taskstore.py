@@ -2064,6 +2064,33 @@ class AdminCommandTests(OwnedTaskTestCase):
         self.assertIn("taskstore.db", out)
         self.assertIn("(default: 50)", out)
 
+    @staticmethod
+    def commands(parser, path=()):
+        """Yield ``(words, parser)`` for every command under *parser*, nested ones too."""
+        for action in parser._actions:
+            if isinstance(action.choices, dict):            # a subcommand's parsers
+                for name, sub in action.choices.items():
+                    yield path + (name,), sub
+                    yield from AdminCommandTests.commands(sub, path + (name,))
+
+    def test_every_command_has_a_function_and_explains_every_option_with_its_default(self):
+        commands = dict(self.commands(taskstore.build_parser()))
+        self.assertLessEqual({("mcp",), ("http",), ("tasks", "list"), ("tasks", "recover")},
+                             set(commands))
+        for words, parser in commands.items():
+            with self.subTest(command=" ".join(words)):
+                leaf = not any(isinstance(a.choices, dict) for a in parser._actions)
+                if leaf:                # main() runs exactly this: args.func(args)
+                    self.assertTrue(callable(parser.get_default("func")))
+                for action in parser._actions:
+                    if action.option_strings and action.dest != "help":
+                        self.assertIn("default", action.help or "", action.option_strings)
+                code, out, _ = self.run_main(*words, "--help")
+                self.assertEqual(code, 0)
+                if leaf:                # each opens a store, through the one shared helper
+                    self.assertIn("--db PATH", out)
+                    self.assertIn("--sync {normal,full}", out)
+
 
 # =============================================================================
 # Several processes on one file
