@@ -6395,11 +6395,17 @@ def cmd_http(args):
         return 1
     runner.start()
     store.start_reaper(args.reap_interval)
+
     # shutdown() waits for serve_forever() to return, so it cannot run in the
     # thread serving (where signal handlers run); a helper thread calls it.
     def stop(signum, frame):
         threading.Thread(target=server.shutdown, daemon=True).start()
-    signal.signal(signal.SIGTERM, stop)
+    # Only the main thread may set a handler; a caller running this elsewhere
+    # stops the server by its own means.  The handler we replace comes back on
+    # return, so an application that runs the server and then goes on keeps its own.
+    replace = threading.current_thread() is threading.main_thread()
+    if replace:
+        previous = signal.signal(signal.SIGTERM, stop)
     print(f"taskstore: listening on {server.url}", file=sys.stderr, flush=True)
     try:
         server.serve_forever(poll_interval=0.25)
@@ -6412,6 +6418,10 @@ def cmd_http(args):
         store.close()
         # The counterpart of the listening line: the server has let go of the port and the file.
         print(f"taskstore: stopped listening on {server.url}", file=sys.stderr, flush=True)
+        # Last, so that a second SIGTERM while closing does not cut the close short.
+        # (None: the handler was not set from Python, so the default is the best guess.)
+        if replace:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     return 0
 
 
@@ -6423,6 +6433,7 @@ def cmd_http(args):
 # command works with no options on ./taskstore.db.  Only this section prints.
 
 def _add_db_option(parser):
+    """Add the two options of every command that opens a store file: ``--db``, ``--sync``."""
     parser.add_argument("--db", default=DEFAULT_DB, metavar="PATH",
                         help="the store file (default: %(default)s in the current folder)")
     parser.add_argument("--sync", choices=("normal", "full"), default="normal",

@@ -2064,6 +2064,37 @@ class AdminCommandTests(OwnedTaskTestCase):
         self.assertIn("taskstore.db", out)
         self.assertIn("(default: 50)", out)
 
+    @unittest.skipUnless(hasattr(signal, "SIGTERM"), "POSIX only")
+    def test_http_command_gives_back_the_sigterm_handler_it_replaced(self):
+        """An application that runs the server in-process keeps its own SIGTERM handler."""
+        def ours(signum, frame):
+            pass
+        self.addCleanup(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, ours))
+        root = logging.getLogger()      # main() configures logging when nothing has
+        self.addCleanup(setattr, root, "handlers", root.handlers[:])
+        listening = threading.Event()
+
+        class Stderr(io.StringIO):
+            def write(self, text):
+                if "taskstore: listening on" in text:
+                    listening.set()
+                return super().write(text)
+
+        def terminate():
+            # The handler is set before the listening line is printed.
+            if listening.wait(TIMEOUT):
+                os.kill(os.getpid(), signal.SIGTERM)
+        killer = threading.Thread(target=terminate)
+        killer.start()
+        self.addCleanup(killer.join, TIMEOUT)
+        with contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(Stderr()) as err:
+            code = taskstore.main(["http", "--db", os.path.join(self.dir, "http.db"),
+                                   "--port", "0"])
+        self.assertEqual(code, 0, err.getvalue())
+        self.assertIn("taskstore: stopped listening on", err.getvalue())
+        self.assertIs(signal.getsignal(signal.SIGTERM), ours)
+
     @staticmethod
     def commands(parser, path=()):
         """Yield ``(words, parser)`` for every command under *parser*, nested ones too."""
