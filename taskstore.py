@@ -55,6 +55,10 @@ SQLite 3.31+).  Keep this header; bump only ``__version__``.
 """
 
 __version__ = "0.1.0"
+# The library.  The command line (main, build_parser, each command's parser and
+# runner) is not in it: ``from taskstore import *`` in a notebook gets the store
+# and the servers, not argparse plumbing.  pyproject.toml's console script names
+# taskstore:main directly.
 __all__ = [
     "TaskStore", "Task", "Event", "Runner", "TaskContext", "Reaper",
     "TaskStoreError", "InvalidParams", "InvalidCursor", "TaskNotFound", "TaskExpired",
@@ -62,13 +66,13 @@ __all__ = [
     "StoreClosed", "StoreUnavailable", "TaskFailed", "Cancelled",
     "TRANSITIONS", "STATES", "TERMINAL_STATES", "CANCELLED_STATES", "POLICIES", "next_state",
     "mcp_status", "lmsp_status", "to_jsonrpc_error", "to_problem", "problem_object",
-    "fingerprint", "new_id", "is_task_id", "iso_time", "main",
+    "fingerprint", "new_id", "is_task_id", "iso_time",
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
     "FAILED", "CANCELLED",
     # MCP server (section 9)
     "McpServer", "McpTool", "ToolContext", "McpError", "ParseError", "InvalidRequest",
-    "MethodNotFound", "ServerBusy", "add_demo_tools", "text_result", "mcp_task_to_wire", "check_arguments", "add_mcp_parser",
-    "run_mcp", "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
+    "MethodNotFound", "ServerBusy", "add_demo_tools", "text_result", "mcp_task_to_wire", "check_arguments",
+    "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
     "mcp_task_to_modern_wire", "mcp_jsonrpc_error", "MissingClientCapability",
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
     "ElicitationMismatch", "elicitation_problems",
@@ -76,7 +80,7 @@ __all__ = [
     # LMSP HTTP server (section 10)
     "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
-    "response_object", "lmsp_event", "task_error_problem", "parse_idempotency_key", "add_http_parser", "cmd_http",
+    "response_object", "lmsp_event", "task_error_problem", "parse_idempotency_key",
     "Unauthorized", "RouteNotFound", "MethodNotAllowed", "PayloadTooLarge", "UnsupportedMediaType", "UnsupportedCapability",
     "ServiceUnavailable", "Forbidden",
 ]

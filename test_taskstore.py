@@ -1884,6 +1884,13 @@ class PackagingTests(unittest.TestCase):
         for name in taskstore.__all__:
             self.assertTrue(hasattr(taskstore, name), name)
 
+    def test_all_is_the_library_not_the_command_line(self):
+        for name in ("main", "build_parser", "add_mcp_parser", "run_mcp", "add_http_parser",
+                     "cmd_http"):
+            with self.subTest(name=name):
+                self.assertTrue(callable(getattr(taskstore, name)))    # the command needs them
+                self.assertNotIn(name, taskstore.__all__)
+
     def test_version_is_printed(self):
         out = subprocess.run([sys.executable, TASKSTORE_PY, "--version"], capture_output=True,
                              text=True, timeout=TIMEOUT)
