@@ -4803,7 +4803,8 @@ def run_mcp(args):
 # =============================================================================
 # 10. LMSP HTTP server
 # =============================================================================
-# The LMSP 1.0 task routes (spec/LMSP.md) over the standard library's
+# The LMSP 1.0 task routes under /lmsp/v1 (create, list, get, cancel and a
+# resumable event stream; the README lists them) over the standard library's
 # http.server.  Rules: this section never writes SQL and never decides a
 # status; it validates, calls the store, and projects.  The task object, the
 # response object and the event projection are each built by ONE function
@@ -4835,7 +4836,9 @@ _CORS_EXPOSE_HEADERS = "Location, Idempotent-Replayed"
 _CORS_MAX_AGE_S = 600
 FINAL_EVENTS = frozenset(("response.completed", "response.incomplete",
                           "response.failed", "response.cancelled"))
-# A failed task's problem: B.2 says 503 for a restart, 500 for everything else.
+# The HTTP status in a failed task's problem: 503 when a server restart ended
+# it (nothing was wrong with the request, so trying again may work), 500 for
+# any other failure.
 _TASK_ERROR_STATUS = {"server_restarted": 503}
 
 
@@ -4909,7 +4912,7 @@ class BackendError(TaskStoreError):
 # -- Wire shapes: the task object, the response object, the event projection --
 
 def task_error_problem(error):
-    """Return the B.2 problem object for a stored task error ``{"code", "message"}``."""
+    """Return the problem object a failed task shows for its stored error ``{"code", "message"}``."""
     code = error.get("code", "internal_error")
     status = _TASK_ERROR_STATUS.get(code, 500)
     return problem_object(status, code, error.get("message") or "task failed")
@@ -4939,7 +4942,7 @@ def response_object(task, status=None):
 
 
 def task_object(task):
-    """Return the LMSP task object (A.1) of *task*."""
+    """Return the LMSP task object of *task*: what create, get, list and cancel answer with."""
     status = lmsp_status(task)
     return {"id": task.id, "object": "task", "type": "response", "status": status,
             "created_at": task.created_at // 1000, "updated_at": task.updated_at // 1000,
@@ -4957,7 +4960,7 @@ _STATUS_EVENTS = {"queued": "response.queued", "loading": "response.loading",
 
 
 def lmsp_event(task, event):
-    """Project one stored event of *task* to ``(sse_event_name, data)`` (B.4).
+    """Project one stored event of *task* to the stream's ``(sse_event_name, data)``.
 
     One stored event is one SSE event with the same sequence number.  Event 0
     (``created``) is ``response.created``; status events become the lifecycle
@@ -4988,7 +4991,11 @@ def _with_type(head, name, **fields):
 
 
 def sse_frame(name, data):
-    """Encode one server-sent event; the id is the sequence number (B.5)."""
+    """Encode one server-sent event.
+
+    Its id is the event's sequence number: a client that reconnects sends the
+    last one it saw as ``Last-Event-ID`` and resumes right after it.
+    """
     return (f"id: {data['sequence_number']}\nevent: {name}\ndata: {dumps(data)}\n\n").encode()
 
 
@@ -5001,7 +5008,8 @@ _SF_STRING = re.compile(r'\A"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"\Z')   
 def parse_idempotency_key(values):
     """Return the key of the ``Idempotency-Key`` header values, or None without one.
 
-    A bare token and an RFC 8941 quoted string name the same key (B.11).
+    A bare token and an RFC 8941 quoted string name the same key: clients
+    send either, and one request must not become two because of quoting.
 
     Raises:
         InvalidParams: several headers, an unbalanced quote, a bad character,
@@ -5099,7 +5107,10 @@ def _json_body(body, content_type):
 
 
 def validate_create(body, backend):
-    """Validate a create body (A.1); return ``(response_request, on_restart)``.
+    """Validate a create body; return ``(response_request, on_restart)``.
+
+    The body is ``{"type": "response", "input": <a Responses request>,
+    "on_restart": "fail" | "retry" | "resume"}``.
 
     Raises:
         InvalidParams: a missing or mistyped field (``param`` names it).
@@ -5137,7 +5148,9 @@ def validate_create(body, backend):
     check = getattr(backend, "validate", None)
     if check is not None:
         check(request)
-    request = {k: v for k, v in request.items() if k != "stream"}   # A.1: stream is ignored
+    # A task always streams through its event log, so the request's own
+    # stream flag means nothing here and is dropped rather than refused.
+    request = {k: v for k, v in request.items() if k != "stream"}
     return request, policy
 
 
@@ -5265,7 +5278,9 @@ def response_handler(backend):
             # The runner confirms the cancel and keeps this as the partial result.
             return out.response("cancelled")
         return out.finish(info.get("usage"), info.get("incomplete_reason"))
-    handle.has_loading_phase = True     # LMSP A.2: loading until the first output
+    # A claimed response task shows loading (the model may still be loading)
+    # until the backend's first output, then running.
+    handle.has_loading_phase = True
     return handle
 
 
@@ -5297,8 +5312,8 @@ def request_text(request):
 def demo_chunks(text):
     """Split *text* into chunks: a run of non-whitespace plus the whitespace after it.
 
-    Leading whitespace belongs to the first chunk, so the chunks always
-    concatenate to *text* (B.11).
+    Leading whitespace belongs to the first chunk, so the deltas a client
+    joins always give back *text* exactly.
     """
     return re.findall(r"\s*\S+\s*", text) or ([text] if text else [])
 
@@ -5689,7 +5704,8 @@ class LMSPApp:
         principal = request["principal"]
         idempotency = None
         if key is not None:
-            # B.3: the scope is principal + method + path, so keys never cross principals.
+            # A key is scoped to principal + method + path: two principals that
+            # happen to pick the same key make two tasks, and neither sees the other's.
             scope = f"lmsp\n{principal or ''}\nPOST\n{LMSP_PREFIX}/tasks"
             idempotency = (scope, key, fingerprint(body),
                            int(self.idempotency_retention * 1000))
@@ -5744,7 +5760,9 @@ class LMSPApp:
         task_id = self._task_id(task_id)
         principal = request["principal"]
         header = request["headers"].get("Last-Event-ID")
-        if header is not None and header.strip() != "":     # B.5: the header wins
+        # Last-Event-ID wins over ?after=: a reconnecting EventSource resends the
+        # URL it was opened with, and the header says where it actually got to.
+        if header is not None and header.strip() != "":
             after = parse_cursor(header.strip(), "Last-Event-ID")
             param = "Last-Event-ID"
         else:
@@ -6040,7 +6058,9 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
             if chunked and stream.complete:
                 self.wfile.write(b"0\r\n\r\n")
         except OSError:
-            pass            # the client went away; the task is not affected (B.5)
+            # The client went away.  The task runs on (a stream only watches it),
+            # and the client may come back with Last-Event-ID.
+            pass
         finally:
             stream.close()
 
@@ -6279,7 +6299,10 @@ def _load_backend_key(key_file=None, environ=None, warn=None):
     return key
 
 
+# -- command line: the http command (section 11 adds it to the parser) --------
+
 def _origin_arg(value):
+    """argparse type of ``--allow-origin``: an origin pattern, lower-cased."""
     origin = value.strip().lower()
     if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s?#]+", origin):
         raise argparse.ArgumentTypeError(
@@ -6289,6 +6312,7 @@ def _origin_arg(value):
 
 
 def _non_negative(value):
+    """argparse type: a float that is at least 0."""
     number = float(value)
     if not number >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
@@ -6296,6 +6320,7 @@ def _non_negative(value):
 
 
 def _positive(kind):
+    """An argparse type: a number of *kind* greater than 0."""
     def parse(value):
         number = kind(value)
         if number <= 0:
@@ -6433,8 +6458,13 @@ def cmd_http(args):
 # 11. Command line
 # =============================================================================
 # ``main(argv) -> int``: 0 on success, 1 on a store error (one line on
-# stderr), 2 on a usage error (argparse).  Options refine, never enable: every
-# command works with no options on ./taskstore.db.  Only this section prints.
+# stderr), 2 on a usage error (argparse).  Every command names its own function
+# with ``set_defaults(func=...)`` and main() calls it, so no command is special:
+# mcp and http keep their parser and runner beside their server (sections 9 and
+# 10), the ``tasks`` verbs live here.  Every command that opens a store takes
+# --db and --sync from one helper, so they mean the same everywhere.  Options
+# refine, never enable: every command works with no options on ./taskstore.db.
+# Only command-line code prints (here and the http command); the library logs.
 
 def _add_db_option(parser):
     """Add the two options of every command that opens a store file: ``--db``, ``--sync``."""
