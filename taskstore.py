@@ -55,6 +55,10 @@ SQLite 3.31+).  Keep this header; bump only ``__version__``.
 """
 
 __version__ = "0.1.0"
+# The library.  The command line (main, build_parser, each command's parser and
+# runner) is not in it: ``from taskstore import *`` in a notebook gets the store
+# and the servers, not argparse plumbing.  pyproject.toml's console script names
+# taskstore:main directly.
 __all__ = [
     "TaskStore", "Task", "Event", "Runner", "TaskContext", "Reaper",
     "TaskStoreError", "InvalidParams", "InvalidCursor", "TaskNotFound", "TaskExpired",
@@ -62,13 +66,14 @@ __all__ = [
     "StoreClosed", "StoreUnavailable", "TaskFailed", "Cancelled",
     "TRANSITIONS", "STATES", "TERMINAL_STATES", "CANCELLED_STATES", "POLICIES", "next_state",
     "mcp_status", "lmsp_status", "to_jsonrpc_error", "to_problem", "problem_object",
-    "fingerprint", "new_id", "is_task_id", "iso_time", "main",
+    "fingerprint", "new_id", "is_task_id", "iso_time",
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
     "FAILED", "CANCELLED",
     # MCP server (section 9)
-    "McpServer", "McpDispatcher", "McpWork", "McpTool", "ToolContext", "McpError", "ParseError", "InvalidRequest",
-    "MethodNotFound", "ServerBusy", "add_demo_tools", "text_result", "mcp_task_to_wire", "check_arguments", "add_mcp_parser",
-    "run_mcp", "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
+    "McpServer", "McpDispatcher", "McpWork", "McpTool", "ToolContext", "McpError",
+    "ParseError", "InvalidRequest", "MethodNotFound", "ServerBusy", "add_demo_tools",
+    "text_result", "mcp_task_to_wire", "check_arguments",
+    "MCP_PROTOCOL_VERSION", "MCP_TASK_KIND", "RELATED_TASK",
     "mcp_task_to_modern_wire", "MissingClientCapability",
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
     "ElicitationMismatch", "elicitation_problems",
@@ -76,7 +81,7 @@ __all__ = [
     # LMSP HTTP server (section 10)
     "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
-    "response_object", "lmsp_event", "task_error_problem", "parse_idempotency_key", "add_http_parser", "cmd_http",
+    "response_object", "lmsp_event", "task_error_problem", "parse_idempotency_key",
     "Unauthorized", "RouteNotFound", "MethodNotAllowed", "PayloadTooLarge", "UnsupportedMediaType", "UnsupportedCapability",
     "ServiceUnavailable", "Forbidden",
 ]
@@ -4975,7 +4980,8 @@ def run_mcp(args):
 # =============================================================================
 # 10. LMSP HTTP server
 # =============================================================================
-# The LMSP 1.0 task routes (spec/LMSP.md) over the standard library's
+# The LMSP 1.0 task routes under /lmsp/v1 (create, list, get, cancel and a
+# resumable event stream; the README lists them) over the standard library's
 # http.server.  Rules: this section never writes SQL and never decides a
 # status; it validates, calls the store, and projects.  The task object, the
 # response object and the event projection are each built by ONE function
@@ -5007,7 +5013,9 @@ _CORS_EXPOSE_HEADERS = "Location, Idempotent-Replayed"
 _CORS_MAX_AGE_S = 600
 FINAL_EVENTS = frozenset(("response.completed", "response.incomplete",
                           "response.failed", "response.cancelled"))
-# A failed task's problem: B.2 says 503 for a restart, 500 for everything else.
+# The HTTP status in a failed task's problem: 503 when a server restart ended
+# it (nothing was wrong with the request, so trying again may work), 500 for
+# any other failure.
 _TASK_ERROR_STATUS = {"server_restarted": 503}
 
 
@@ -5081,7 +5089,7 @@ class BackendError(TaskStoreError):
 # -- Wire shapes: the task object, the response object, the event projection --
 
 def task_error_problem(error):
-    """Return the B.2 problem object for a stored task error ``{"code", "message"}``."""
+    """Return the problem object a failed task shows for its stored error ``{"code", "message"}``."""
     code = error.get("code", "internal_error")
     status = _TASK_ERROR_STATUS.get(code, 500)
     return problem_object(status, code, error.get("message") or "task failed")
@@ -5111,7 +5119,7 @@ def response_object(task, status=None):
 
 
 def task_object(task):
-    """Return the LMSP task object (A.1) of *task*."""
+    """Return the LMSP task object of *task*: what create, get, list and cancel answer with."""
     status = lmsp_status(task)
     return {"id": task.id, "object": "task", "type": "response", "status": status,
             "created_at": task.created_at // 1000, "updated_at": task.updated_at // 1000,
@@ -5129,7 +5137,7 @@ _STATUS_EVENTS = {"queued": "response.queued", "loading": "response.loading",
 
 
 def lmsp_event(task, event):
-    """Project one stored event of *task* to ``(sse_event_name, data)`` (B.4).
+    """Project one stored event of *task* to the stream's ``(sse_event_name, data)``.
 
     One stored event is one SSE event with the same sequence number.  Event 0
     (``created``) is ``response.created``; status events become the lifecycle
@@ -5160,7 +5168,11 @@ def _with_type(head, name, **fields):
 
 
 def sse_frame(name, data):
-    """Encode one server-sent event; the id is the sequence number (B.5)."""
+    """Encode one server-sent event.
+
+    Its id is the event's sequence number: a client that reconnects sends the
+    last one it saw as ``Last-Event-ID`` and resumes right after it.
+    """
     return (f"id: {data['sequence_number']}\nevent: {name}\ndata: {dumps(data)}\n\n").encode()
 
 
@@ -5173,7 +5185,8 @@ _SF_STRING = re.compile(r'\A"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"\Z')   
 def parse_idempotency_key(values):
     """Return the key of the ``Idempotency-Key`` header values, or None without one.
 
-    A bare token and an RFC 8941 quoted string name the same key (B.11).
+    A bare token and an RFC 8941 quoted string name the same key: clients
+    send either, and one request must not become two because of quoting.
 
     Raises:
         InvalidParams: several headers, an unbalanced quote, a bad character,
@@ -5271,7 +5284,10 @@ def _json_body(body, content_type):
 
 
 def validate_create(body, backend):
-    """Validate a create body (A.1); return ``(response_request, on_restart)``.
+    """Validate a create body; return ``(response_request, on_restart)``.
+
+    The body is ``{"type": "response", "input": <a Responses request>,
+    "on_restart": "fail" | "retry" | "resume"}``.
 
     Raises:
         InvalidParams: a missing or mistyped field (``param`` names it).
@@ -5309,7 +5325,9 @@ def validate_create(body, backend):
     check = getattr(backend, "validate", None)
     if check is not None:
         check(request)
-    request = {k: v for k, v in request.items() if k != "stream"}   # A.1: stream is ignored
+    # A task always streams through its event log, so the request's own
+    # stream flag means nothing here and is dropped rather than refused.
+    request = {k: v for k, v in request.items() if k != "stream"}
     return request, policy
 
 
@@ -5437,7 +5455,9 @@ def response_handler(backend):
             # The runner confirms the cancel and keeps this as the partial result.
             return out.response("cancelled")
         return out.finish(info.get("usage"), info.get("incomplete_reason"))
-    handle.has_loading_phase = True     # LMSP A.2: loading until the first output
+    # A claimed response task shows loading (the model may still be loading)
+    # until the backend's first output, then running.
+    handle.has_loading_phase = True
     return handle
 
 
@@ -5469,8 +5489,8 @@ def request_text(request):
 def demo_chunks(text):
     """Split *text* into chunks: a run of non-whitespace plus the whitespace after it.
 
-    Leading whitespace belongs to the first chunk, so the chunks always
-    concatenate to *text* (B.11).
+    Leading whitespace belongs to the first chunk, so the deltas a client
+    joins always give back *text* exactly.
     """
     return re.findall(r"\s*\S+\s*", text) or ([text] if text else [])
 
@@ -5861,7 +5881,8 @@ class LMSPApp:
         principal = request["principal"]
         idempotency = None
         if key is not None:
-            # B.3: the scope is principal + method + path, so keys never cross principals.
+            # A key is scoped to principal + method + path: two principals that
+            # happen to pick the same key make two tasks, and neither sees the other's.
             scope = f"lmsp\n{principal or ''}\nPOST\n{LMSP_PREFIX}/tasks"
             idempotency = (scope, key, fingerprint(body),
                            int(self.idempotency_retention * 1000))
@@ -5916,7 +5937,9 @@ class LMSPApp:
         task_id = self._task_id(task_id)
         principal = request["principal"]
         header = request["headers"].get("Last-Event-ID")
-        if header is not None and header.strip() != "":     # B.5: the header wins
+        # Last-Event-ID wins over ?after=: a reconnecting EventSource resends the
+        # URL it was opened with, and the header says where it actually got to.
+        if header is not None and header.strip() != "":
             after = parse_cursor(header.strip(), "Last-Event-ID")
             param = "Last-Event-ID"
         else:
@@ -6212,7 +6235,9 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
             if chunked and stream.complete:
                 self.wfile.write(b"0\r\n\r\n")
         except OSError:
-            pass            # the client went away; the task is not affected (B.5)
+            # The client went away.  The task runs on (a stream only watches it),
+            # and the client may come back with Last-Event-ID.
+            pass
         finally:
             stream.close()
 
@@ -6451,7 +6476,10 @@ def _load_backend_key(key_file=None, environ=None, warn=None):
     return key
 
 
+# -- command line: the http command (section 11 adds it to the parser) --------
+
 def _origin_arg(value):
+    """argparse type of ``--allow-origin``: an origin pattern, lower-cased."""
     origin = value.strip().lower()
     if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s?#]+", origin):
         raise argparse.ArgumentTypeError(
@@ -6461,6 +6489,7 @@ def _origin_arg(value):
 
 
 def _non_negative(value):
+    """argparse type: a float that is at least 0."""
     number = float(value)
     if not number >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
@@ -6468,6 +6497,7 @@ def _non_negative(value):
 
 
 def _positive(kind):
+    """An argparse type: a number of *kind* greater than 0."""
     def parse(value):
         number = kind(value)
         if number <= 0:
@@ -6480,7 +6510,7 @@ def add_http_parser(subparsers):
     """Add the ``http`` subcommand (the LMSP server) to the CLI's *subparsers*."""
     p = subparsers.add_parser("http", help="serve the LMSP 1.0 task routes over HTTP",
                               description="Serve the LMSP 1.0 task routes over HTTP.")
-    p.add_argument("--db", default=DEFAULT_DB, help="SQLite file (default: %(default)s)")
+    _add_db_option(p)                   # --db PATH (./taskstore.db), --sync
     p.add_argument("--host", default=DEFAULT_HTTP_HOST, help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT,
                    help="port; 0 picks a free one (default: %(default)s)")
@@ -6528,9 +6558,6 @@ def add_http_parser(subparsers):
                    help="seconds between SSE keep-alive comments (default: %(default)s)")
     p.add_argument("--max-db-bytes", type=_positive(int), default=None,
                    help="cap on the store file's size; writes beyond it get 503 (default: none)")
-    p.add_argument("--sync", choices=("normal", "full"), default="normal",
-                   help="SQLite synchronous mode: normal survives process crashes, full also "
-                        "power loss (default: %(default)s)")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="log every request line at DEBUG level (never headers or tokens; "
                         "default: INFO)")
@@ -6574,11 +6601,17 @@ def cmd_http(args):
         return 1
     runner.start()
     store.start_reaper(args.reap_interval)
+
     # shutdown() waits for serve_forever() to return, so it cannot run in the
     # thread serving (where signal handlers run); a helper thread calls it.
     def stop(signum, frame):
         threading.Thread(target=server.shutdown, daemon=True).start()
-    signal.signal(signal.SIGTERM, stop)
+    # Only the main thread may set a handler; a caller running this elsewhere
+    # stops the server by its own means.  The handler we replace comes back on
+    # return, so an application that runs the server and then goes on keeps its own.
+    replace = threading.current_thread() is threading.main_thread()
+    if replace:
+        previous = signal.signal(signal.SIGTERM, stop)
     print(f"taskstore: listening on {server.url}", file=sys.stderr, flush=True)
     try:
         server.serve_forever(poll_interval=0.25)
@@ -6591,669 +6624,27 @@ def cmd_http(args):
         store.close()
         # The counterpart of the listening line: the server has let go of the port and the file.
         print(f"taskstore: stopped listening on {server.url}", file=sys.stderr, flush=True)
+        # Last, so that a second SIGTERM while closing does not cut the close short.
+        # (None: the handler was not set from Python, so the default is the best guess.)
+        if replace:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     return 0
 
 
 # =============================================================================
-# 11. Benchmark
-# =============================================================================
-# ``python3 taskstore.py bench``: every workload runs 3 times on a temporary
-# file, against a raw-sqlite3 baseline measured in the same run with the same
-# ``synchronous`` setting; we report medians and ratios.  Durability is never
-# traded for speed: the store runs exactly as the README promises.
-
-def _raw_connect(path, sync):
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute(f"PRAGMA synchronous={sync.upper()}")
-    conn.execute("CREATE TABLE IF NOT EXISTS t (id TEXT PRIMARY KEY, kind TEXT, status TEXT, "
-                 "payload TEXT, result TEXT, created_at INTEGER)")
-    conn.execute("CREATE INDEX IF NOT EXISTS t_status ON t (status, kind)")
-    return conn
-
-
-def _raw_insert(conn, i):
-    conn.execute("BEGIN IMMEDIATE")
-    conn.execute("INSERT INTO t VALUES (?, 'bench', 'queued', ?, NULL, ?)",
-                 (f"task_{i:020d}{secrets.token_hex(8)}", '{"i":%d}' % i, i))
-    conn.execute("COMMIT")
-
-
-def _rss_bytes():
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource   # not Linux: peak RSS is the best the platform tells
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-class Bench:
-    """The workloads of ``taskstore.py bench``; each returns (taskstore ops/s, raw ops/s)."""
-
-    def __init__(self, n=5000, sync="normal"):
-        self.n = n
-        self.sync = sync
-        self.notes = {}
-        self.program = None     # {"mcp"|"http": command prefix}; None: this file
-        self.raw_first = False  # run_bench flips it between repetitions (see _pair)
-
-    @contextlib.contextmanager
-    def _files(self):
-        import tempfile
-        with tempfile.TemporaryDirectory(prefix="taskstore-bench-") as d:
-            yield os.path.join(d, "store.db"), os.path.join(d, "raw.db")
-
-    def _store(self, path, **kwargs):
-        return TaskStore(path, synchronous=self.sync, **kwargs)
-
-    @staticmethod
-    def _rate(count, fn):
-        start = time.perf_counter()
-        fn()
-        return count / max(time.perf_counter() - start, 1e-9)
-
-    def _pair(self, store, ours, theirs):
-        """Measure ``ours()`` and ``theirs()`` (each returns a rate) in turn; return both.
-
-        Between the two, the store checkpoints, so that its background
-        checkpoint never runs into the other measurement.  Which goes first
-        alternates from one repetition to the next: whatever the first of
-        two measurements pays (the fill's pages still being written out, a
-        colder cache) then weighs on both sides alike.
-        """
-        if self.raw_first:
-            theirs_rate = theirs()
-            store.checkpoint()
-            return ours(), theirs_rate
-        ours_rate = ours()
-        store.checkpoint()
-        return ours_rate, theirs()
-
-    def create(self):
-        """Workload: one create per call vs one raw INSERT per transaction."""
-        with self._files() as (spath, rpath), self._store(spath) as store, \
-                contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
-            return self._pair(
-                store, lambda: self._rate(self.n, lambda: [store.create("bench", {"i": i})
-                                                           for i in range(self.n)]),
-                lambda: self._rate(self.n, lambda: [_raw_insert(raw, i) for i in range(self.n)]))
-
-    def create_many(self, size=100):
-        """Workload: create_many of 100 tasks vs raw: 100 INSERTs per transaction."""
-        calls = max(1, self.n // size)
-
-        def raw_run(raw):
-            for c in range(calls):
-                raw.execute("BEGIN IMMEDIATE")
-                raw.executemany("INSERT INTO t VALUES (?, 'bench', 'queued', ?, NULL, ?)", [
-                    (f"task_{c:010d}{i:010d}{secrets.token_hex(8)}", '{"i":%d}' % i, i)
-                    for i in range(size)])
-                raw.execute("COMMIT")
-
-        with self._files() as (spath, rpath), self._store(spath) as store, \
-                contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
-            return self._pair(
-                store, lambda: self._rate(calls * size, lambda: [
-                    store.create_many("bench", [{"i": i} for i in range(size)])
-                    for _ in range(calls)]),
-                lambda: self._rate(calls * size, lambda: raw_run(raw)))
-
-    def lifecycle(self):
-        """Workload: create, claim, succeed vs raw INSERT and two guarded UPDATEs."""
-        def ours_run(store):
-            for i in range(self.n):
-                task = store.create("bench", {"i": i})
-                store._claim("proc_bench", ("bench",))
-                store.succeed(task.id, {"ok": True})
-
-        def raw_run(conn):
-            for i in range(self.n):
-                task_id = f"task_{i:020d}{secrets.token_hex(8)}"
-                conn.execute("BEGIN IMMEDIATE")
-                conn.execute("INSERT INTO t VALUES (?, 'bench', 'queued', ?, NULL, ?)",
-                             (task_id, '{"i":%d}' % i, i))
-                conn.execute("COMMIT")
-                conn.execute("BEGIN IMMEDIATE")
-                conn.execute("UPDATE t SET status = 'running' WHERE id = ? AND status = 'queued'",
-                             (task_id,))
-                conn.execute("COMMIT")
-                conn.execute("BEGIN IMMEDIATE")
-                conn.execute("UPDATE t SET status = 'succeeded', result = ? WHERE id = ? "
-                             "AND status = 'running'", ('{"ok":true}', task_id))
-                conn.execute("COMMIT")
-
-        with self._files() as (spath, rpath), self._store(spath) as store, \
-                contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
-            return self._pair(store, lambda: self._rate(self.n, lambda: ours_run(store)),
-                              lambda: self._rate(self.n, lambda: raw_run(raw)))
-
-    def concurrent_create(self, threads=8):
-        """Workload: 8 threads creating vs raw single-thread INSERTs."""
-        per = max(1, self.n // threads)
-
-        def ours_run(store):
-            def work():
-                for i in range(per):
-                    store.create("bench", {"i": i})
-            pool = [threading.Thread(target=work) for _ in range(threads)]
-            for t in pool:
-                t.start()
-            for t in pool:
-                t.join()
-
-        with self._files() as (spath, rpath), self._store(spath) as store, \
-                contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
-            return self._pair(
-                store, lambda: self._rate(per * threads, lambda: ours_run(store)),
-                lambda: self._rate(self.n, lambda: [_raw_insert(raw, i) for i in range(self.n)]))
-
-    def get(self):
-        """Workload: get by id vs raw SELECT by primary key."""
-        with self._files() as (spath, rpath), self._store(spath) as store, \
-                contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
-            ids = [store.create("bench", {"i": i}).id for i in range(min(self.n, 2000))]
-            raw_ids = []
-            for i in range(len(ids)):
-                _raw_insert(raw, i)
-            raw_ids = [r[0] for r in raw.execute("SELECT id FROM t")]
-            picks = [ids[i % len(ids)] for i in range(self.n)]
-            raw_picks = [raw_ids[i % len(raw_ids)] for i in range(self.n)]
-            store.checkpoint()
-            return self._pair(
-                store, lambda: self._rate(self.n, lambda: [store.get(i) for i in picks]),
-                lambda: self._rate(self.n, lambda: [
-                    raw.execute("SELECT * FROM t WHERE id = ?", (i,)).fetchone()
-                    for i in raw_picks]))
-
-    def event_replay(self, events=1000):
-        """Workload: read a 1,000-event log vs raw SELECT of the same rows."""
-        reps = max(3, self.n // 100)
-        with self._files() as (spath, rpath), self._store(spath) as store, \
-                contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
-            task = store.create("bench")
-            store.start(task.id)
-            for i in range(events - 2):
-                store.emit(task.id, "delta", {"i": i, "text": "word "})
-            raw.execute("CREATE TABLE e (task_id TEXT, seq INTEGER, type TEXT, data TEXT, "
-                        "created_at INTEGER, PRIMARY KEY (task_id, seq)) WITHOUT ROWID")
-            log = store.events(task.id)
-            assert len(log) == events
-            raw.execute("BEGIN")       # the same rows: same keys, same data, same times
-            raw.executemany("INSERT INTO e VALUES (?, ?, ?, ?, ?)", log)
-            raw.execute("COMMIT")
-            store.checkpoint()
-            return self._pair(
-                store, lambda: self._rate(reps, lambda: [store.events(task.id)
-                                                         for _ in range(reps)]),
-                lambda: self._rate(reps, lambda: [raw.execute(
-                    "SELECT seq, type, data, created_at FROM e WHERE task_id = ? AND seq >= 0 "
-                    "ORDER BY seq", (task.id,)).fetchall() for _ in range(reps)]))
-
-    def _fill(self, store, raw, count, finished):
-        """Bulk-load *count* tasks (2 events each) into both files, outside the timing."""
-        now = store._now_ms()
-        rows, events, raw_rows = [], [], []
-        for i in range(count):
-            task_id = new_id("task", now)
-            rows.append((task_id, "bench", SUCCEEDED if finished else RUNNING, now,
-                         now if finished else None, now - 1 if finished else None,
-                         None if finished else "proc_dead", 1))
-            events.append((task_id, 0, "created", "{}", now))
-            events.append((task_id, 1, "status", '{"status":"running","from":"queued"}', now))
-            raw_rows.append((task_id, "bench", "x", "{}", None, now))
-        with store._writing():
-            store._conn.executemany(
-                "INSERT INTO tasks (id, kind, status, policy, created_at, updated_at, finished_at, "
-                "purge_at, owner, last_seq) VALUES (?, ?, ?, 'fail', ?, ?, ?, ?, ?, ?)",
-                [(r[0], r[1], r[2], r[3], r[3], r[4], r[5], r[6], r[7]) for r in rows])
-            store._conn.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?)", events)
-        raw.execute("CREATE TABLE e (task_id TEXT, seq INTEGER, type TEXT, data TEXT, "
-                    "created_at INTEGER, PRIMARY KEY (task_id, seq)) WITHOUT ROWID")
-        raw.execute("BEGIN")
-        raw.executemany("INSERT INTO t VALUES (?, ?, ?, ?, ?, ?)", raw_rows)
-        raw.executemany("INSERT INTO e VALUES (?, ?, ?, ?, ?)", events)
-        raw.execute("COMMIT")
-
-    def reap(self):
-        """Workload: purge 20*n expired tasks vs raw DELETE of the same rows."""
-        count = self.n * 20
-        with self._files() as (spath, rpath), self._store(spath) as store, \
-                contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
-            self._fill(store, raw, count, finished=True)
-            store.checkpoint()
-
-            def raw_run():
-                # The same rows, chosen by a condition as any purge chooses
-                # them (an unconditional DELETE would truncate whole tables,
-                # which no retention rule can do).
-                raw.execute("BEGIN IMMEDIATE")
-                raw.execute("DELETE FROM e WHERE task_id IN (SELECT id FROM t WHERE created_at <= ?)",
-                            (store._now_ms(),))
-                raw.execute("DELETE FROM t WHERE created_at <= ?", (store._now_ms(),))
-                raw.execute("COMMIT")
-
-            rates = self._pair(
-                store, lambda: self._timed_transactions("reap", store, count, store.reap),
-                lambda: self._rate(count, raw_run))
-            assert store._conn.execute("SELECT count(*) FROM tasks").fetchone()[0] == 0
-            assert raw.execute("SELECT count(*) FROM t").fetchone()[0] == 0
-        return rates
-
-    def _timed_transactions(self, name, store, count, fn):
-        """Return fn's rate over *count*; note the longest write transaction it ran."""
-        longest, begun = [0.0], []
-
-        def trace(sql):
-            if sql == "BEGIN IMMEDIATE":
-                begun.append(time.perf_counter())
-            elif sql == "COMMIT" and begun:
-                longest[0] = max(longest[0], time.perf_counter() - begun[-1])
-
-        store._conn.set_trace_callback(trace)
-        try:
-            rate = self._rate(count, fn)
-        finally:
-            store._conn.set_trace_callback(None)
-        key = f"{name}_longest_transaction_ms"
-        self.notes[key] = max(self.notes.get(key, 0), round(longest[0] * 1000, 2))
-        return rate
-
-    def recover(self):
-        """Workload: recover 20*n tasks of a dead owner vs raw bulk UPDATE."""
-        count = self.n * 20
-        with self._files() as (spath, rpath), \
-                self._store(spath, recover_on_open=False) as store, \
-                contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
-            self._fill(store, raw, count, finished=False)
-            store.checkpoint()
-
-            def raw_run():
-                raw.execute("BEGIN IMMEDIATE")
-                raw.execute("UPDATE t SET status = 'failed' WHERE status = 'x'")
-                raw.execute("COMMIT")
-
-            rates = self._pair(
-                store, lambda: self._timed_transactions("recover", store, count, store.recover),
-                lambda: self._rate(count, raw_run))
-            assert store._conn.execute("SELECT count(*) FROM tasks WHERE status = ?",
-                                       (FAILED,)).fetchone()[0] == count
-        return rates
-
-    def memory(self, threads=4):
-        """Create and complete n * 200 tasks (1,000,000 at the default n); return RSS growth in MB.
-
-        *threads* callers each create a task, claim one and finish it, as a
-        busy service would; group commit serves them together.
-        """
-        count = self.n * 200
-        per = -(-count // threads)
-
-        def cycle(store, rounds):
-            for i in range(rounds):
-                store.create("bench")
-                task = store._claim("proc_bench", ("bench",))
-                if task is not None:
-                    store.succeed(task.id, i)
-
-        with self._files() as (spath, _), self._store(spath) as store:
-            cycle(store, min(count, 1000))               # warm up caches and code paths
-            before = _rss_bytes()
-            pool = [threading.Thread(target=cycle, args=(store, per)) for _ in range(threads)]
-            for t in pool:
-                t.start()
-            for t in pool:
-                t.join()
-            growth = _rss_bytes() - before
-            done = store._conn.execute("SELECT count(*) FROM tasks WHERE status = ?",
-                                       (SUCCEEDED,)).fetchone()[0]
-        self.notes["memory_tasks"] = per * threads
-        self.notes["memory_completed"] = done
-        return growth / 1e6, None
-
-    # -- the two servers: round trips through a real child process --------------
-
-    def _program(self, command):
-        """The command line of this module's *command*, or None when it has none yet."""
-        if self.program and command in self.program:
-            return [*self.program[command], command]
-        if f"add_{command}_parser" not in globals():
-            return None
-        return [sys.executable, os.path.abspath(__file__), command]
-
-    def _round_trips(self):
-        return max(50, self.n // 10)
-
-    @staticmethod
-    def _within(timeout, fn):
-        """Run *fn* in a thread; return its value, or raise TimeoutError after *timeout* s."""
-        out = []
-
-        def run():
-            try:
-                out.append((True, fn()))
-            except Exception as exc:            # handed to the caller below
-                out.append((False, exc))
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if not out:
-            raise TimeoutError(f"no answer within {timeout} s")
-        if not out[0][0]:
-            raise out[0][1]
-        return out[0][1]
-
-    @staticmethod
-    def _stop(proc):
-        import subprocess
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stderr is not None:
-            with contextlib.suppress(OSError):
-                proc.stderr.close()
-
-    @classmethod
-    def _alternating(cls, reps, ours, theirs, rounds=10):
-        """Time ``ours(k)`` and ``theirs(k)`` in alternating batches; return their rates.
-
-        Both servers are up for the whole measurement and take turns, so a
-        change in the machine's load or in how the scheduler places the two
-        processes weighs on both sides alike (round trips between processes
-        swing by a factor of several on a shared virtual machine).
-        """
-        batch = max(1, reps // rounds)
-        spent = [0.0, 0.0]
-        for _ in range(rounds):
-            for side, fn in enumerate((ours, theirs)):
-                start = time.perf_counter()
-                fn(batch)
-                spent[side] += time.perf_counter() - start
-        return batch * rounds / max(spent[0], 1e-9), batch * rounds / max(spent[1], 1e-9)
-
-    def mcp_roundtrip(self):
-        """Sequential ``tasks/get`` over stdio against a stdlib line-echo child."""
-        import subprocess
-        argv = self._program("mcp")
-        if argv is None:
-            self.notes["mcp_roundtrip"] = "skipped: this taskstore.py has no mcp command yet"
-            return None
-        reps = self._round_trips()
-
-        def rpc(proc, message):
-            proc.stdin.write(dumps(message).encode() + b"\n")
-            proc.stdin.flush()
-            while "id" in message:
-                line = proc.stdout.readline()
-                if not line:
-                    raise EOFError("the server closed stdout")
-                reply = json.loads(line)
-                if reply.get("id") == message["id"]:
-                    return reply
-            return None
-
-        with self._files() as (spath, _):
-            proc = subprocess.Popen(argv + ["--db", spath], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            echo = subprocess.Popen([sys.executable, "-c", _ECHO_CHILD], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE)
-            try:
-                def start():
-                    rpc(proc, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-                        "protocolVersion": "2025-11-25", "capabilities": {},
-                        "clientInfo": {"name": "taskstore-bench", "version": __version__}}})
-                    rpc(proc, {"jsonrpc": "2.0", "method": "notifications/initialized"})
-                    reply = rpc(proc, {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
-                        "name": "sleep_then_echo", "arguments": {"seconds": 0, "text": "x"},
-                        "task": {"ttl": 60000}}})
-                    return reply["result"]["task"]["taskId"]
-                task_id = self._within(60, start)
-                requests = [{"jsonrpc": "2.0", "id": 3 + i, "method": "tasks/get",
-                             "params": {"taskId": task_id}} for i in range(reps)]
-                for child in (proc, echo):                           # warm up
-                    rpc(child, requests[0])
-                ours, theirs = self._alternating(
-                    reps, lambda k: [rpc(proc, r) for r in requests[:k]],
-                    lambda k: [rpc(echo, r) for r in requests[:k]])
-                reply = rpc(proc, {**requests[0], "id": 0})
-                if "result" not in reply:
-                    raise ValueError(f"tasks/get failed: {reply.get('error')}")
-            except (OSError, ValueError, KeyError, TypeError, EOFError, TimeoutError) as exc:
-                self.notes["mcp_roundtrip"] = f"skipped: the mcp server did not answer ({exc})"
-                return None
-            finally:
-                self._stop(proc)
-                self._stop(echo)
-        return ours, theirs
-
-    def http_roundtrip(self):
-        """Sequential ``GET /lmsp/v1/tasks/{id}`` on one keep-alive connection vs http.server."""
-        import http.client
-        import subprocess
-        argv = self._program("http")
-        if argv is None:
-            self.notes["http_roundtrip"] = "skipped: this taskstore.py has no http command yet"
-            return None
-        reps = self._round_trips()
-
-        def serve(argv):
-            """Start a server that says where it listens on stderr; return (proc, host, port)."""
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE)
-
-            def listening():
-                for line in proc.stderr:
-                    found = re.search(rb"listening on http://([^\s:/]+|\[[^\]]+\]):(\d+)", line)
-                    if found:
-                        return found.group(1).decode().strip("[]"), int(found.group(2))
-                raise EOFError("the server exited before listening")
-            try:
-                host, port = self._within(60, listening)
-            except BaseException:
-                self._stop(proc)
-                raise
-            # Keep reading its log, so a chatty server never blocks on a full pipe.
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-            return proc, host, port
-
-        def get_all(conn, path, count):
-            for _ in range(count):
-                conn.request("GET", path)
-                response = conn.getresponse()
-                response.read()
-                if response.status != 200:
-                    raise ValueError(f"GET answered {response.status}")
-
-        with self._files() as (spath, _):
-            procs = []
-            try:
-                proc, host, port = serve(argv + ["--db", spath, "--port", "0"])
-                procs.append(proc)
-                base, base_host, base_port = serve([sys.executable, "-c", _HTTP_CHILD])
-                procs.append(base)
-                conn = http.client.HTTPConnection(host, port, timeout=60)
-                conn.request("POST", "/lmsp/v1/tasks", body=dumps(
-                    {"type": "response", "input": {"model": "m", "input": "hi"}}),
-                    headers={"Content-Type": "application/json"})
-                response = conn.getresponse()
-                created = json.loads(response.read())
-                if response.status >= 300:
-                    raise ValueError(f"POST answered {response.status}")
-                path = f"/lmsp/v1/tasks/{created['id']}"
-                base_conn = http.client.HTTPConnection(base_host, base_port, timeout=60)
-                get_all(conn, path, reps // 10)                      # warm up
-                get_all(base_conn, path, reps // 10)
-                ours, theirs = self._alternating(reps, lambda k: get_all(conn, path, k),
-                                                 lambda k: get_all(base_conn, path, k))
-                conn.close()
-                base_conn.close()
-            except (OSError, ValueError, KeyError, TypeError, EOFError, TimeoutError,
-                    http.client.HTTPException) as exc:
-                self.notes["http_roundtrip"] = f"skipped: the http server did not answer ({exc})"
-                return None
-            finally:
-                for proc in procs:
-                    self._stop(proc)
-        return ours, theirs
-
-
-# The baselines' children: the least a process can do for a line / a request.
-_ECHO_CHILD = """import sys
-for line in sys.stdin.buffer:
-    sys.stdout.buffer.write(line)
-    sys.stdout.buffer.flush()
-"""
-_HTTP_CHILD = """import http.server, sys
-BODY = b'{"id":"task_x","object":"task","status":"queued"}'
-class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True      # headers and body in two writes: no 40 ms ACK wait
-    def do_GET(self):
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(BODY)))
-        self.end_headers()
-        self.wfile.write(BODY)
-    def log_message(self, *args):
-        pass
-server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-print(f"baseline: listening on http://127.0.0.1:{server.server_port}", file=sys.stderr, flush=True)
-server.serve_forever()
-"""
-
-BENCH_WORKLOADS = {
-    # name: (method, target ratio); None: no target (the issue asks for none)
-    "create": ("create", 0.6),
-    "create_many": ("create_many", None),
-    "lifecycle": ("lifecycle", 0.5),
-    "concurrent_create": ("concurrent_create", 1.0),
-    "get": ("get", 0.5),
-    "event_replay": ("event_replay", 0.5),
-    "reap": ("reap", 1 / 3),
-    "recover": ("recover", 1 / 3),
-    "mcp_roundtrip": ("mcp_roundtrip", 0.5),
-    "http_roundtrip": ("http_roundtrip", 0.7),
-}
-MEMORY_TARGET_MB = 50
-
-
-def run_bench(n=5000, sync="normal", repeat=3, only=None, memory=True, program=None):
-    """Run the benchmark; return a JSON-ready dict of medians and ratios.
-
-    *program* (``{"mcp": [python, "run.py"], ...}``: a command prefix per
-    subcommand) runs the mcp/http round trips against another entry point;
-    by default this file.
-    """
-    bench = Bench(n, sync)
-    bench.program = program
-    results = {}
-    for name, (method, target) in BENCH_WORKLOADS.items():
-        if only and name not in only:
-            continue
-        runs = []
-        for rep in range(repeat):
-            bench.raw_first = rep % 2 == 1      # ours first, then raw first, ...
-            runs.append(getattr(bench, method)())
-        runs = [r for r in runs if r is not None]
-        if name == "concurrent_create" and sync == "full":
-            target = 2.0
-        if target is not None:
-            target = round(target, 3)
-        if not runs:
-            results[name] = {"skipped": bench.notes.get(name, "skipped"), "target_ratio": target}
-            continue
-        ours = sorted(r[0] for r in runs)[len(runs) // 2]
-        theirs = sorted(r[1] for r in runs)[len(runs) // 2]
-        results[name] = {"taskstore_ops_per_s": round(ours, 1), "raw_ops_per_s": round(theirs, 1),
-                         "ratio": round(ours / theirs, 3), "target_ratio": target,
-                         "meets_target": None if target is None else ours / theirs >= target}
-        if name in ("reap", "recover"):
-            results[name]["longest_transaction_ms"] = bench.notes[f"{name}_longest_transaction_ms"]
-            results[name]["meets_target"] = results[name]["meets_target"] and \
-                bench.notes[f"{name}_longest_transaction_ms"] <= 50
-    if memory and (not only or "memory" in only):
-        growth, _ = bench.memory()
-        results["memory"] = {"tasks": bench.notes["memory_tasks"],
-                             "completed": bench.notes["memory_completed"],
-                             "rss_growth_mb": round(growth, 1), "target_mb": MEMORY_TARGET_MB,
-                             "meets_target": growth < MEMORY_TARGET_MB}
-    return {"n": n, "sync": sync, "repeat": repeat, "python": sys.version.split()[0],
-            "sqlite": sqlite3.sqlite_version, "cpus": os.cpu_count(), "workloads": results}
-
-
-def bench_table(report):
-    """Render run_bench's report as the rows of the table ``bench`` prints."""
-    rows = []
-    for name, w in report["workloads"].items():
-        if name == "memory":
-            rows.append((name, f"{w['tasks']:,} tasks", "-", f"+{w['rss_growth_mb']} MB RSS",
-                         f"< {w['target_mb']} MB", "yes" if w["meets_target"] else "NO"))
-        else:
-            target = "-" if w["target_ratio"] is None else f">= {w['target_ratio']:.2f}"
-            if "skipped" in w:
-                rows.append((name, "-", "-", "-", target, w["skipped"]))
-                continue
-            if "longest_transaction_ms" in w:
-                target += f", longest txn {w['longest_transaction_ms']} ms <= 50"
-            met = {None: "-", True: "yes", False: "NO"}[w["meets_target"]]
-            rows.append((name, f"{w['taskstore_ops_per_s']:,.0f}", f"{w['raw_ops_per_s']:,.0f}",
-                         f"{w['ratio']:.2f}", target, met))
-    return rows
-
-
-def add_bench_parser(subparsers):
-    """Add the ``bench`` subcommand to the command line's *subparsers*."""
-    p = subparsers.add_parser(
-        "bench", help="measure the store against raw SQLite in the same run",
-        description="Run every workload 3 times on a temporary file and print the median "
-                    "operations per second of taskstore and of its raw-SQLite (or stdlib) "
-                    "baseline, and their ratio.")
-    p.add_argument("--n", type=int, default=5000, metavar="N",
-                   help="operations per workload; reap/recover use 20*N tasks, memory "
-                        "200*N (default: %(default)s)")
-    p.add_argument("--sync", choices=("normal", "full"), default="normal",
-                   help="synchronous mode of both the store and the baseline "
-                        "(default: %(default)s)")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of a table (default: table)")
-    p.set_defaults(func=_bench_command)
-    return p
-
-
-def _bench_command(args):
-    if args.n < 1:
-        raise InvalidParams("--n must be at least 1", param="n")
-    report = run_bench(n=args.n, sync=args.sync)
-    if args.json:
-        print(dumps(report))
-        return 0
-    print(f"taskstore bench: n={report['n']} sync={report['sync']} "
-          f"(medians of {report['repeat']} runs; Python {report['python']}, "
-          f"SQLite {report['sqlite']}, {report['cpus']} CPUs)")
-    _print_table(bench_table(report),
-                 ("WORKLOAD", "TASKSTORE OPS/S", "RAW OPS/S", "RATIO", "TARGET", "MET"))
-    return 0
-
-
-# =============================================================================
-# 12. Command line
+# 11. Command line
 # =============================================================================
 # ``main(argv) -> int``: 0 on success, 1 on a store error (one line on
-# stderr), 2 on a usage error (argparse).  Options refine, never enable: every
-# command works with no options on ./taskstore.db.  Only this section prints.
+# stderr), 2 on a usage error (argparse).  Every command names its own function
+# with ``set_defaults(func=...)`` and main() calls it, so no command is special:
+# mcp and http keep their parser and runner beside their server (sections 9 and
+# 10), the ``tasks`` verbs live here.  Every command that opens a store takes
+# --db and --sync from one helper, so they mean the same everywhere.  Options
+# refine, never enable: every command works with no options on ./taskstore.db.
+# Only command-line code prints (here and the http command); the library logs.
 
 def _add_db_option(parser):
+    """Add the two options of every command that opens a store file: ``--db``, ``--sync``."""
     parser.add_argument("--db", default=DEFAULT_DB, metavar="PATH",
                         help="the store file (default: %(default)s in the current folder)")
     parser.add_argument("--sync", choices=("normal", "full"), default="normal",
@@ -7268,23 +6659,28 @@ def build_parser():
     parser.add_argument("--version", action="version", version=f"taskstore {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
-    for name in ("add_mcp_parser", "add_http_parser", "add_bench_parser"):
-        if name in globals():
-            globals()[name](commands)
+    add_mcp_parser(commands)            # section 9
+    add_http_parser(commands)           # section 10
+    _add_tasks_parser(commands)
+    return parser
 
+
+def _add_tasks_parser(commands):
+    """Add ``tasks`` and its verbs, the admin commands, to the command line's *commands*."""
     tasks = commands.add_parser("tasks", help="inspect and manage a store file",
                                 description="Inspect and manage the tasks of a store file.")
     verbs = tasks.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
 
-    def verb(name, help_text):
+    def verb(name, help_text, func):
         sub = verbs.add_parser(name, help=help_text, description=help_text)
         _add_db_option(sub)
         sub.add_argument("--json", action="store_true",
                          help="print JSON for scripts instead of a table (default: table)")
+        sub.set_defaults(func=func)
         return sub
 
-    sub = verb("list", "List tasks, newest first.")
+    sub = verb("list", "List tasks, newest first.", _tasks_list)
     sub.add_argument("--status", action="append", type=_status_filter, metavar="WORD",
                      help="only tasks in this status: a stored status (" + ", ".join(STATES)
                           + "), or an MCP word (working means queued, loading and running; "
@@ -7295,17 +6691,18 @@ def build_parser():
     sub.add_argument("--principal", help="only this principal's tasks (default: everyone's)")
     sub.add_argument("--limit", type=int, default=50, help="page size (default: %(default)s)")
     sub.add_argument("--cursor", help="the next_cursor a previous page printed (default: first page)")
-    sub = verb("show", "Show one task in full.")
+    sub = verb("show", "Show one task in full.", _tasks_show)
     sub.add_argument("task_id", help="the task id")
-    sub = verb("cancel", "Cancel a task.")
+    sub = verb("cancel", "Cancel a task.", _tasks_cancel)
     sub.add_argument("task_id", help="the task id")
-    sub = verb("events", "Print a task's event log.")
+    sub = verb("events", "Print a task's event log.", _tasks_events)
     sub.add_argument("task_id", help="the task id")
     sub.add_argument("--after", type=int, help="only events after this sequence number "
                      "(default: from the first)")
-    verb("reap", "Delete what retention says is over, now.")
-    verb("recover", "Apply the restart policy to tasks whose owner is provably dead.")
-    return parser
+    verb("reap", "Delete what retention says is over, now.", _tasks_reap)
+    verb("recover", "Apply the restart policy to tasks whose owner is provably dead.",
+         _tasks_recover)
+    return tasks
 
 
 def _status_words():
@@ -7369,57 +6766,94 @@ def _print_table(rows, headers):
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
 
 
-def _tasks_command(args):
+def _admin_store(args, writes=False):
+    """Open ``--db`` for a ``tasks`` verb: read-only unless it *writes*.
+
+    Never creates a store file (a mistyped path is an error, not a new empty
+    store) and never recovers on open: only ``tasks recover`` moves tasks of
+    dead owners, so that looking at a store never changes it.
+    """
     if not os.path.exists(args.db):
         raise StoreUnavailable(f"{args.db}: no such store file")
-    writes = args.verb in ("cancel", "reap", "recover")
-    with TaskStore(args.db, synchronous=args.sync, recover_on_open=False,
-                   readonly=not writes) as store:
-        if args.verb == "list":
-            statuses = None if args.status is None else sorted(
-                {state for states in args.status for state in states})
-            tasks, cursor = store.list(status=statuses, kind=args.kind,
-                                       principal=args.principal, limit=args.limit,
-                                       cursor=args.cursor)
-            awaiting = store.awaiting_recovery(tasks)
-            if args.json:
-                print(dumps({"tasks": [_admin_view(t, awaiting) for t in tasks],
-                             "next_cursor": cursor}))
-            else:
-                _print_table([(t.id, t.kind, _status_cell(t, awaiting), iso_time(t.created_at),
-                               iso_time(t.updated_at), _clip(t.status_message or "", 40))
-                              for t in tasks], ("ID", "KIND", "STATUS", "CREATED", "UPDATED",
-                                                "MESSAGE"))
-                if cursor:
-                    print(f"next page: --cursor {cursor}")
-        elif args.verb in ("show", "cancel"):
-            task = (store.get if args.verb == "show" else store.cancel)(args.task_id)
-            awaiting = store.awaiting_recovery([task])
-            view = _admin_view(task, awaiting)
-            if args.json:
-                print(dumps(view))
-            else:
-                view["status"] = _status_cell(task, awaiting)
-                for key, value in view.items():
-                    if key.endswith("_at") and isinstance(value, int):
-                        value = iso_time(value)
-                    print(f"{key + ':':16}{value if isinstance(value, str) else dumps(value)}")
-        elif args.verb == "events":
-            events = store.events(args.task_id, after=args.after)
-            if args.json:
-                print(dumps([{"task_id": e.task_id, "seq": e.seq, "type": e.type,
-                              "data": e.data, "created_at": e.created_at} for e in events]))
-            else:
-                _print_table([(e.seq, iso_time(e.created_at), e.type, _clip(e.data_json, 60))
-                              for e in events], ("SEQ", "TIME", "TYPE", "DATA"))
-        elif args.verb == "reap":
-            counts = store.reap()
-            print(dumps(counts) if args.json else
-                  ", ".join(f"{v} {k}" for k, v in counts.items()) + " deleted")
-        elif args.verb == "recover":
-            moved = store.recover()
-            print(dumps({"recovered": moved}) if args.json else
-                  f"{moved} {'task' if moved == 1 else 'tasks'} recovered")
+    return TaskStore(args.db, synchronous=args.sync, recover_on_open=False, readonly=not writes)
+
+
+def _tasks_list(args):
+    """``tasks list``: one page of tasks, newest first, and the cursor of the next."""
+    with _admin_store(args) as store:
+        statuses = None if args.status is None else sorted(
+            {state for states in args.status for state in states})
+        tasks, cursor = store.list(status=statuses, kind=args.kind, principal=args.principal,
+                                   limit=args.limit, cursor=args.cursor)
+        awaiting = store.awaiting_recovery(tasks)
+        if args.json:
+            print(dumps({"tasks": [_admin_view(t, awaiting) for t in tasks],
+                         "next_cursor": cursor}))
+        else:
+            _print_table([(t.id, t.kind, _status_cell(t, awaiting), iso_time(t.created_at),
+                           iso_time(t.updated_at), _clip(t.status_message or "", 40))
+                          for t in tasks], ("ID", "KIND", "STATUS", "CREATED", "UPDATED",
+                                            "MESSAGE"))
+            if cursor:
+                print(f"next page: --cursor {cursor}")
+    return 0
+
+
+def _tasks_show(args):
+    """``tasks show``: one task in full."""
+    with _admin_store(args) as store:
+        _print_task(store, store.get(args.task_id), args.json)
+    return 0
+
+
+def _tasks_cancel(args):
+    """``tasks cancel``: cancel a task, then show it as ``tasks show`` does."""
+    with _admin_store(args, writes=True) as store:
+        _print_task(store, store.cancel(args.task_id), args.json)
+    return 0
+
+
+def _print_task(store, task, as_json):
+    awaiting = store.awaiting_recovery([task])
+    view = _admin_view(task, awaiting)
+    if as_json:
+        print(dumps(view))
+        return
+    view["status"] = _status_cell(task, awaiting)
+    for key, value in view.items():
+        if key.endswith("_at") and isinstance(value, int):
+            value = iso_time(value)
+        print(f"{key + ':':16}{value if isinstance(value, str) else dumps(value)}")
+
+
+def _tasks_events(args):
+    """``tasks events``: a task's event log, oldest first."""
+    with _admin_store(args) as store:
+        events = store.events(args.task_id, after=args.after)
+    if args.json:
+        print(dumps([{"task_id": e.task_id, "seq": e.seq, "type": e.type,
+                      "data": e.data, "created_at": e.created_at} for e in events]))
+    else:
+        _print_table([(e.seq, iso_time(e.created_at), e.type, _clip(e.data_json, 60))
+                      for e in events], ("SEQ", "TIME", "TYPE", "DATA"))
+    return 0
+
+
+def _tasks_reap(args):
+    """``tasks reap``: one retention pass now; print what it deleted."""
+    with _admin_store(args, writes=True) as store:
+        counts = store.reap()
+    print(dumps(counts) if args.json else
+          ", ".join(f"{v} {k}" for k, v in counts.items()) + " deleted")
+    return 0
+
+
+def _tasks_recover(args):
+    """``tasks recover``: hand the tasks of dead owners to their restart policy now."""
+    with _admin_store(args, writes=True) as store:
+        moved = store.recover()
+    print(dumps({"recovered": moved}) if args.json else
+          f"{moved} {'task' if moved == 1 else 'tasks'} recovered")
     return 0
 
 
@@ -7431,9 +6865,7 @@ def main(argv=None):
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="taskstore: %(levelname)s %(message)s")
     try:
-        if args.command == "tasks":
-            return _tasks_command(args)
-        return args.func(args)
+        return args.func(args)              # every command sets its own (set_defaults)
     except TaskStoreError as exc:
         print(f"taskstore: error: {exc}", file=sys.stderr)
         return 1

@@ -1884,6 +1884,13 @@ class PackagingTests(unittest.TestCase):
         for name in taskstore.__all__:
             self.assertTrue(hasattr(taskstore, name), name)
 
+    def test_all_is_the_library_not_the_command_line(self):
+        for name in ("main", "build_parser", "add_mcp_parser", "run_mcp", "add_http_parser",
+                     "cmd_http"):
+            with self.subTest(name=name):
+                self.assertTrue(callable(getattr(taskstore, name)))    # the command needs them
+                self.assertNotIn(name, taskstore.__all__)
+
     def test_version_is_printed(self):
         out = subprocess.run([sys.executable, TASKSTORE_PY, "--version"], capture_output=True,
                              text=True, timeout=TIMEOUT)
@@ -2063,6 +2070,64 @@ class AdminCommandTests(OwnedTaskTestCase):
         self.assertEqual(code, 0)
         self.assertIn("taskstore.db", out)
         self.assertIn("(default: 50)", out)
+
+    @unittest.skipUnless(hasattr(signal, "SIGTERM"), "POSIX only")
+    def test_http_command_gives_back_the_sigterm_handler_it_replaced(self):
+        """An application that runs the server in-process keeps its own SIGTERM handler."""
+        def ours(signum, frame):
+            pass
+        self.addCleanup(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, ours))
+        root = logging.getLogger()      # main() configures logging when nothing has
+        self.addCleanup(setattr, root, "handlers", root.handlers[:])
+        listening = threading.Event()
+
+        class Stderr(io.StringIO):
+            def write(self, text):
+                if "taskstore: listening on" in text:
+                    listening.set()
+                return super().write(text)
+
+        def terminate():
+            # The handler is set before the listening line is printed.
+            if listening.wait(TIMEOUT):
+                os.kill(os.getpid(), signal.SIGTERM)
+        killer = threading.Thread(target=terminate)
+        killer.start()
+        self.addCleanup(killer.join, TIMEOUT)
+        with contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(Stderr()) as err:
+            code = taskstore.main(["http", "--db", os.path.join(self.dir, "http.db"),
+                                   "--port", "0"])
+        self.assertEqual(code, 0, err.getvalue())
+        self.assertIn("taskstore: stopped listening on", err.getvalue())
+        self.assertIs(signal.getsignal(signal.SIGTERM), ours)
+
+    @staticmethod
+    def commands(parser, path=()):
+        """Yield ``(words, parser)`` for every command under *parser*, nested ones too."""
+        for action in parser._actions:
+            if isinstance(action.choices, dict):            # a subcommand's parsers
+                for name, sub in action.choices.items():
+                    yield path + (name,), sub
+                    yield from AdminCommandTests.commands(sub, path + (name,))
+
+    def test_every_command_has_a_function_and_explains_every_option_with_its_default(self):
+        commands = dict(self.commands(taskstore.build_parser()))
+        self.assertLessEqual({("mcp",), ("http",), ("tasks", "list"), ("tasks", "recover")},
+                             set(commands))
+        for words, parser in commands.items():
+            with self.subTest(command=" ".join(words)):
+                leaf = not any(isinstance(a.choices, dict) for a in parser._actions)
+                if leaf:                # main() runs exactly this: args.func(args)
+                    self.assertTrue(callable(parser.get_default("func")))
+                for action in parser._actions:
+                    if action.option_strings and action.dest != "help":
+                        self.assertIn("default", action.help or "", action.option_strings)
+                code, out, _ = self.run_main(*words, "--help")
+                self.assertEqual(code, 0)
+                if leaf:                # each opens a store, through the one shared helper
+                    self.assertIn("--db PATH", out)
+                    self.assertIn("--sync {normal,full}", out)
 
 
 # =============================================================================
@@ -10260,21 +10325,36 @@ class McpKilledQueueTests(McpTestBase):
 
 
 class BenchCommandTests(unittest.TestCase):
-    """``bench`` runs and reports well-formed figures; how fast they are is not tested."""
+    """``bench/bench.py`` runs and reports well-formed figures; how fast they are is not tested."""
+
+    BENCH_PY = os.path.join(HERE, "bench", "bench.py")
+
+    def load_bench(self):
+        """Import bench/bench.py as a module of its own (it is not on sys.path)."""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("taskstore_bench", self.BENCH_PY)
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        return bench
 
     def test_bench_json_reports_every_workload(self):
-        out = subprocess.run([sys.executable, TASKSTORE_PY, "bench", "--n", "200", "--json"],
-                             capture_output=True, text=True, timeout=600)
+        n = 20
+        # As the README runs it: from the repository root, by its path.
+        out = subprocess.run([sys.executable, os.path.join("bench", "bench.py"), "--n", str(n),
+                              "--json"], cwd=HERE, capture_output=True, text=True, timeout=600)
         self.assertEqual(out.returncode, 0, out.stderr)
         report = json.loads(out.stdout)                 # one JSON object, nothing else
-        self.assertEqual((report["n"], report["sync"], report["repeat"]), (200, "normal", 3))
+        self.assertEqual(set(report), {"n", "sync", "repeat", "python", "sqlite", "cpus",
+                                       "workloads"})
+        self.assertEqual((report["n"], report["sync"], report["repeat"]), (n, "normal", 3))
         workloads = report["workloads"]
-        self.assertEqual(set(workloads), set(taskstore.BENCH_WORKLOADS) | {"memory"})
+        names = self.load_bench().BENCH_WORKLOADS
+        self.assertEqual(set(workloads), set(names) | {"memory"})
         number = (int, float)
-        for name in taskstore.BENCH_WORKLOADS:
+        for name in names:
             figures = workloads[name]
             with self.subTest(workload=name):
-                self.assertNotIn("skipped", figures)     # both servers are in the module
+                self.assertNotIn("skipped", figures)     # both servers answered
                 for key in ("taskstore_ops_per_s", "raw_ops_per_s", "ratio"):
                     self.assertIsInstance(figures[key], number)
                     self.assertGreater(figures[key], 0)
@@ -10287,24 +10367,69 @@ class BenchCommandTests(unittest.TestCase):
         for name in ("reap", "recover"):
             self.assertIsInstance(workloads[name]["longest_transaction_ms"], number)
         memory = workloads["memory"]
-        self.assertEqual(memory["tasks"], 200 * 200)
-        self.assertEqual(memory["completed"], 200 * 200 + 1000)      # plus the warm-up
+        self.assertEqual(memory["tasks"], n * 200)
+        self.assertEqual(memory["completed"], n * 200 + 1000)      # plus the warm-up
         self.assertIsInstance(memory["rss_growth_mb"], number)
         self.assertIsInstance(memory["meets_target"], bool)
 
+    def test_bench_n_below_one_is_a_usage_error(self):
+        out = subprocess.run([sys.executable, self.BENCH_PY, "--n", "0"], cwd=HERE,
+                             capture_output=True, text=True, timeout=TIMEOUT)
+        self.assertEqual((out.returncode, out.stdout), (2, ""))
+        self.assertIn("--n: must be at least 1", out.stderr)
+
+    def test_taskstore_has_no_bench_command(self):
+        with contextlib.redirect_stderr(io.StringIO()) as err, \
+                self.assertRaises(SystemExit) as exit_:
+            taskstore.main(["bench"])
+        self.assertEqual(exit_.exception.code, 2)
+        self.assertIn("invalid choice: 'bench'", err.getvalue())
+
+    def test_reap_and_recover_start_from_tasks_the_store_made(self):
+        bench = self.load_bench()
+        count = 60
+        for finished in (False, True):
+            with self.subTest(finished=finished), tempfile.TemporaryDirectory() as d, \
+                    taskstore.TaskStore(os.path.join(d, "store.db"),
+                                        recover_on_open=False) as store, \
+                    contextlib.closing(bench._raw_connect(os.path.join(d, "raw.db"),
+                                                          "normal")) as raw:
+                with self.assertLogs("taskstore", "WARNING") if finished else \
+                        contextlib.nullcontext():       # the fill's recovery says what it did
+                    made = bench.Bench(n=1)._fill(store, raw, count, finished)
+                self.assertEqual(len(made), count)
+                self.assertEqual(raw.execute("SELECT count(*) FROM e").fetchone()[0], 2 * count)
+                if finished:
+                    # Failed by recovery, with no retention: expired at once, and
+                    # everything the reap workload deletes is there to delete.
+                    with self.assertRaises(taskstore.TaskExpired):
+                        store.get(made[0].id)
+                    self.assertEqual(store.reap(), {"tasks": count, "events": 2 * count,
+                                                    "idempotency": 0, "tombstones": 0})
+                else:
+                    tasks, _ = store.list(limit=count + 1)
+                    self.assertEqual(sorted(t.id for t in tasks), sorted(t.id for t in made))
+                    self.assertEqual({t.status for t in tasks}, {RUNNING})
+                    for task in tasks:
+                        self.assertEqual([e.type for e in store.events(task.id)],
+                                         ["created", "status"])
+                    # A dead owner's: what the recover workload recovers.
+                    self.assertEqual(store.awaiting_recovery(tasks), {t.id for t in made})
+
     def test_repetitions_alternate_which_side_is_measured_first(self):
+        bench = self.load_bench()
         order = []
 
         class Store:
             def checkpoint(self):
                 order.append("checkpoint")
 
-        def create(bench):
+        def create(self):
             order.append("rep")
-            return bench._pair(Store(), lambda: order.append("ours") or 2.0,
-                               lambda: order.append("raw") or 4.0)
-        with unittest.mock.patch.object(taskstore.Bench, "create", create):
-            report = taskstore.run_bench(n=10, repeat=3, only=["create"], memory=False)
+            return self._pair(Store(), lambda: order.append("ours") or 2.0,
+                              lambda: order.append("raw") or 4.0)
+        with unittest.mock.patch.object(bench.Bench, "create", create):
+            report = bench.run_bench(n=10, repeat=3, only=["create"], memory=False)
         self.assertEqual(order, ["rep", "ours", "checkpoint", "raw",
                                  "rep", "raw", "checkpoint", "ours",
                                  "rep", "ours", "checkpoint", "raw"])
@@ -10321,7 +10446,7 @@ class BenchCommandTests(unittest.TestCase):
             "mcp_roundtrip": {"skipped": "skipped: no mcp command", "target_ratio": 0.5},
             "memory": {"tasks": 1000, "completed": 1000, "rss_growth_mb": 1.5, "target_mb": 50,
                        "meets_target": True}}}
-        rows = taskstore.bench_table(report)
+        rows = self.load_bench().bench_table(report)
         self.assertEqual([r[0] for r in rows],
                          ["create", "create_many", "reap", "mcp_roundtrip", "memory"])
         self.assertEqual(rows[0][3:], ("0.50", ">= 0.60", "NO"))
