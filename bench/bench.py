@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import taskstore                                        # noqa: E402
-from taskstore import FAILED, SUCCEEDED, TaskStore, dumps   # noqa: E402
+from taskstore import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, TaskStore, dumps   # noqa: E402
 
 # The owner of the tasks the reap and recover workloads start from: a
 # registration that never existed, so recovery finds their owner dead.
@@ -235,40 +235,46 @@ class Bench:
                     "ORDER BY seq", (task.id,)).fetchall() for _ in range(reps)]))
 
     def _fill(self, store, raw, count, finished):
-        """Make *count* tasks of a dead owner, 2 events each, in both files, outside the timing.
+        """Make *count* tasks, 2 events each, in both files, outside the timing.
 
         The store's tasks are made by its own verbs: ``create_many`` queues
         them (event 0, ``created``), then each moves once (event 1, a
         ``status``).  Unfinished (*finished* false): ``start`` takes each to
-        ``running``, as a runner that then died left them.  Finished: the
-        store's own recovery fails the lot at once, and their retention of
-        zero makes every one of them due for purging from that moment.  The raw file gets
-        rows and events of the same sizes, written as plainly as SQL allows.
+        ``running`` under a dead owner, as a runner that then died left them.
+        Finished:
+        ``cancel`` ends each while still queued, and a retention of zero
+        makes every one due for purging from that moment (small rows, as a
+        purge mostly meets).  The raw file gets rows of the same sizes and
+        the store's own event texts, written as plainly as SQL allows.
         Returns the store's tasks as ``create_many`` made them.
         """
         tasks = []
         for first in range(0, count, FILL_BATCH):
             tasks += store.create_many(
-                "bench", [None] * min(FILL_BATCH, count - first), owner=DEAD_OWNER,
+                "bench", [None] * min(FILL_BATCH, count - first),
+                owner=None if finished else DEAD_OWNER,
                 retention_ms=0 if finished else None)
-        if finished:
-            failed = store.recover()
-            assert failed == count, (failed, count)
-        else:
-            def start(part):
-                for task in part:
-                    store.start(task.id)
-            pool = [threading.Thread(target=start, args=(tasks[i::FILL_THREADS],))
-                    for i in range(FILL_THREADS)]
-            for t in pool:
-                t.start()
-            for t in pool:
-                t.join()
+        move, status = (store.cancel, CANCELLED) if finished else (store.start, RUNNING)
+        # Finished tasks end one by one, in creation order, so that they fall
+        # due in that order, as tasks that ran for similar times do; starting
+        # is spread over threads that group commit serves together.
+        threads = 1 if finished else FILL_THREADS
+
+        def move_on(part):
+            for task in part:
+                move(task.id)
+        pool = [threading.Thread(target=move_on, args=(tasks[i::threads],))
+                for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        created = dumps({"kind": "bench"})
+        moved = dumps({"status": status, "from": QUEUED})
         events, raw_rows = [], []
         for task in tasks:
-            events.append((task.id, 0, "created", "{}", task.created_at))
-            events.append((task.id, 1, "status", '{"status":"running","from":"queued"}',
-                           task.created_at))
+            events.append((task.id, 0, "created", created, task.created_at))
+            events.append((task.id, 1, "status", moved, task.created_at))
             raw_rows.append((task.id, "bench", "x", "{}", None, task.created_at))
         raw.execute("CREATE TABLE e (task_id TEXT, seq INTEGER, type TEXT, data TEXT, "
                     "created_at INTEGER, PRIMARY KEY (task_id, seq)) WITHOUT ROWID")
