@@ -494,26 +494,51 @@ class LifecycleTests(StoreTestCase):
         self.assertEqual(self.store.wait(task.id, timeout=0.01, terminal=True).status, QUEUED)
 
     def test_close_wakes_waiters_and_later_calls_raise(self):
+        # The waiter's own poll and timeout are far beyond this test's bound
+        # (TIMEOUT), so only close() can end its wait in time; and its wait on
+        # the condition must report a notification, not a timeout.
+        never = 100 * TIMEOUT
+        self.store.close()
+        self.store = self.open_store(poll_interval=never)
         task = self.store.create("k")
-        started = threading.Event()
+        changed = self.store._changed
+        real_wait = changed.wait
+        in_wait = threading.Event()
+        woken = queue.Queue()
+
+        def spying_wait(timeout=None):
+            in_wait.set()
+            notified = real_wait(timeout)
+            woken.put(notified)
+            return notified
+
+        changed.wait = spying_wait
         out = queue.Queue()
 
         def waiter():
-            started.set()
             try:
-                self.store.wait(task.id, timeout=TIMEOUT, terminal=True)
+                self.store.wait(task.id, timeout=never, terminal=True)
             except taskstore.StoreClosed as exc:
                 out.put(exc)
+            else:
+                out.put(None)
 
-        thread = threading.Thread(target=waiter)
+        thread = threading.Thread(target=waiter, daemon=True)   # never joins if close fails
         thread.start()
-        self.assertTrue(started.wait(TIMEOUT))
-        # Wait until the waiter holds the condition: it then sits in wait().
+        self.assertTrue(in_wait.wait(TIMEOUT))
+        # The waiter held the lock until its wait() released it: once this
+        # thread gets the lock, the waiter is asleep on the condition.
         with self.store._lock:
             pass
         self.store.close()
+        try:
+            notified = woken.get(timeout=TIMEOUT)
+        except queue.Empty:
+            self.fail(f"close() did not wake the waiter within {TIMEOUT} s")
+        self.assertIs(notified, True, "the wait ended without a notification")
         self.assertIsInstance(out.get(timeout=TIMEOUT), taskstore.StoreClosed)
         thread.join(TIMEOUT)
+        self.assertFalse(thread.is_alive())
         for call in (lambda: self.store.get(task.id), lambda: self.store.create("k"),
                      lambda: self.store.list()):
             with self.assertRaises(taskstore.StoreClosed):
