@@ -2504,11 +2504,76 @@ class PausingConnection:
         return getattr(self._conn, name)
 
 
+class LinePeer:
+    """The reading half of every helper that talks to a child: a daemon thread
+    reads *stream* line by line onto a queue, so a test waits for a line with
+    a timeout instead of blocking on a pipe.
+
+    *parse* turns each line into the item queued (default: the line as read);
+    a line it rejects with ValueError is kept in ``bad_lines`` instead.  At
+    the end of the stream the thread queues None and closes the stream;
+    ``get`` leaves that None in place, so every later reader sees it too.
+    """
+
+    def __init__(self, stream, name, parse=None):
+        self.lines = queue.Queue()
+        self.bad_lines = []
+        self._stream, self._parse = stream, parse
+        self.thread = threading.Thread(target=self._read, name=name, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        with contextlib.suppress(ValueError, OSError):      # the stream was closed under us
+            with self._stream:
+                for line in self._stream:
+                    if self._parse is None:
+                        self.lines.put(line)
+                        continue
+                    try:
+                        item = self._parse(line)
+                    except ValueError:
+                        self.bad_lines.append(line)
+                    else:
+                        self.lines.put(item)
+        self.lines.put(None)
+
+    def get(self, timeout=TIMEOUT):
+        """The next item, or None at the end of the stream; queue.Empty after *timeout* s."""
+        item = self.lines.get(timeout=timeout)
+        if item is None:
+            self.lines.put(None)
+        return item
+
+    def rest(self, timeout=TIMEOUT):
+        """Every item up to the end of the stream (each waited for up to *timeout* s)."""
+        items = []
+        while (item := self.get(timeout)) is not None:
+            items.append(item)
+        return items
+
+    def wait_eof(self, timeout=TIMEOUT):
+        """Whether the stream ended (and every line was queued) within *timeout* s."""
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+
+def end_child(proc):
+    """Kill *proc* unless it has exited, reap it, and close its pipes (a cleanup)."""
+    if proc.poll() is None:
+        proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=TIMEOUT)
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):
+                stream.close()
+
+
 class ChildProcess:
     """A ``python -c script`` child whose stdout lines are read with a timeout.
 
-    The reader thread puts each line on a queue (None at end of file);
-    ``close`` (registered with addCleanup) kills, reaps and joins everything.
+    Its stdout is read by a LinePeer; ``close`` (registered with addCleanup)
+    kills, reaps and joins everything.
     """
 
     def __init__(self, test, script, db, *args):
@@ -2518,17 +2583,9 @@ class ChildProcess:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
             encoding="utf-8")
         self.pid = self.proc.pid
-        self._lines = queue.Queue()
-        self._reader = threading.Thread(target=self._read, name=f"child-{self.pid}-stdout",
-                                        daemon=True)
-        self._reader.start()
+        self.peer = LinePeer(self.proc.stdout, f"child-{self.pid}-stdout",
+                             parse=lambda line: line.rstrip("\n"))
         test.addCleanup(self.close)
-
-    def _read(self):
-        with contextlib.suppress(ValueError, OSError):
-            for line in self.proc.stdout:
-                self._lines.put(line.rstrip("\n"))
-        self._lines.put(None)
 
     def stderr(self):
         self._stderr.seek(0)
@@ -2537,12 +2594,11 @@ class ChildProcess:
     def readline(self, timeout=TIMEOUT):
         """Return the child's next line; fail the test on timeout or end of output."""
         try:
-            line = self._lines.get(timeout=timeout)
+            line = self.peer.get(timeout)
         except queue.Empty:
             raise AssertionError(f"child {self.pid} printed nothing for {timeout} s; "
                                  f"stderr:\n{self.stderr()}") from None
         if line is None:
-            self._lines.put(None)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=TIMEOUT)
             raise AssertionError(f"child {self.pid} ended (exit status {self.proc.returncode}); "
@@ -2563,11 +2619,7 @@ class ChildProcess:
 
     def remaining_lines(self):
         """Return every line up to the end of the child's output (after it exited)."""
-        lines = []
-        while (line := self._lines.get(timeout=TIMEOUT)) is not None:
-            lines.append(line)
-        self._lines.put(None)
-        return lines
+        return self.peer.rest()
 
     def send(self, line):
         self.proc.stdin.write(line + "\n")
@@ -2584,14 +2636,8 @@ class ChildProcess:
         test.assertEqual(self.proc.wait(timeout=TIMEOUT), 0, self.stderr())
 
     def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=TIMEOUT)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError, ValueError):
-                stream.close()
-        self._reader.join(TIMEOUT)
+        end_child(self.proc)
+        self.peer.wait_eof(TIMEOUT)
         self._stderr.close()
 
 
@@ -4847,14 +4893,14 @@ class ServerProcess:
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, env=env)
         test.addCleanup(self.cleanup)
-        self.lines = queue.Queue()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
+        self.peer = LinePeer(self.proc.stderr, f"server-{self.proc.pid}-stderr")
         # What it printed before listening: permission warnings (``warnings``),
         # recovery's log line (``before``).
         self.warnings, self.before = [], []
         while True:
-            line = self.lines.get(timeout=TIMEOUT)
+            line = self.peer.get(TIMEOUT)
+            if line is None:
+                test.fail(f"the server ended before listening: {self.warnings + self.before}")
             match = re.fullmatch(r"taskstore: listening on http://(127\.0\.0\.1):(\d+)",
                                  line.strip())
             if line.startswith("taskstore: warning:"):
@@ -4866,25 +4912,22 @@ class ServerProcess:
         test.assertTrue(match, line)
         self.client = Client(match.group(1), int(match.group(2)))
 
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.put(line)
-
     def kill(self):
         self.proc.kill()
         self.proc.wait(timeout=TIMEOUT)
+
+    def log(self):
+        """The lines it wrote to stderr after listening, up to their end (once it exited)."""
+        return self.peer.rest()
 
     def stop(self):
         """SIGTERM, expect exit 0; return all the server wrote to stderr."""
         self.proc.send_signal(signal.SIGTERM)
         assert self.proc.wait(timeout=TIMEOUT) == 0, self.proc.returncode
-        self.reader.join(TIMEOUT)
-        return "".join(self.warnings + _drain(self.lines))
+        return "".join(self.warnings + self.log())
 
     def cleanup(self):
-        if self.proc.poll() is None:
-            self.kill()
-        self.proc.stderr.close()
+        end_child(self.proc)
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
@@ -4921,10 +4964,7 @@ class LmspProcessTests(unittest.TestCase):
             with self.assertRaises(http.client.IncompleteRead):
                 reader.resp.read()
         self.assertEqual(server.proc.wait(timeout=5), 0)
-        server.reader.join(TIMEOUT)      # its stderr is at EOF: every line is queued
-        lines = []
-        while not server.lines.empty():
-            lines.append(server.lines.get_nowait().strip())
+        lines = [line.strip() for line in server.log()]
         self.assertEqual(lines[-1], f"taskstore: stopped listening on http://127.0.0.1:"
                                     f"{server.client.port}", "one line when it stops, too")
 
@@ -5057,22 +5097,11 @@ class McpTestClient:
 
     def __init__(self, write, read):
         self._write = write
-        self._inbox = queue.Queue()
         self._kept = []
         self.log = []                       # every message read so far, in arrival order
         self._ids = iter(range(1, 10**9))
-        self.bad_lines = []
-        self._reader = threading.Thread(target=self._read, args=(read,), daemon=True)
-        self._reader.start()
-
-    def _read(self, read):
-        with read:
-            for line in read:
-                try:
-                    self._inbox.put(json.loads(line))
-                except ValueError:
-                    self.bad_lines.append(line)
-        self._inbox.put(None)               # EOF marker
+        self.peer = LinePeer(read, "mcp-client-reader", parse=json.loads)
+        self.bad_lines = self.peer.bad_lines
 
     def send(self, message):
         data = message if isinstance(message, bytes) else json.dumps(message).encode() + b"\n"
@@ -5095,9 +5124,8 @@ class McpTestClient:
                 return self._kept.pop(i)
         deadline = time.monotonic() + timeout
         while True:
-            message = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            message = self.peer.get(max(0.0, deadline - time.monotonic()))
             if message is None:
-                self._inbox.put(None)
                 raise AssertionError("the server closed its output")
             self.log.append(message)
             if predicate(message):
@@ -5142,8 +5170,7 @@ class McpTestClient:
             self._write.close()
 
     def wait_eof(self, timeout=TIMEOUT):
-        self._reader.join(timeout)
-        return not self._reader.is_alive()
+        return self.peer.wait_eof(timeout)
 
 
 def _text(result):
@@ -6815,13 +6842,7 @@ class LmspCrashTortureTests(unittest.TestCase):
         self.check_server_log(server)
 
     def check_server_log(self, server):
-        server.reader.join(TIMEOUT)
-        lines = []
-        while True:
-            try:
-                lines.append(server.lines.get_nowait())
-            except queue.Empty:
-                break
+        lines = server.log()
         bad = [line for line in lines if "Traceback" in line or " ERROR " in line]
         self.assertEqual(bad, [], "".join(lines[-40:]))
 
@@ -7500,8 +7521,7 @@ class LmspFuzzTests(unittest.TestCase):
         self.assertEqual(len(labels), len(fuzzer.kinds), labels)
         server.proc.send_signal(signal.SIGTERM)
         self.assertEqual(server.proc.wait(timeout=TIMEOUT), 0)
-        server.reader.join(TIMEOUT)
-        log = "".join(_drain(server.lines))
+        log = "".join(server.log())
         for marker in ("Traceback", "ERROR", "internal error"):
             self.assertNotIn(marker, log, log[-3000:])
         if PRINT_STATS:
@@ -7967,23 +7987,12 @@ class LmspIsolationTests(unittest.TestCase):
     def check_no_token_anywhere(self, extra=()):
         self.server.proc.send_signal(signal.SIGTERM)
         self.assertEqual(self.server.proc.wait(timeout=TIMEOUT), 0)
-        self.server.reader.join(TIMEOUT)
-        log = "".join(_drain(self.server.lines))
+        log = "".join(self.server.log())
         self.assertIn('"POST /lmsp/v1/tasks HTTP/1.1" 202', log, "--verbose logs request lines")
         for secret in (self.ALICE, self.BOB, *extra):
             self.assertNotIn(secret, log, "a token reached the log")
             for body in self.bodies:
                 self.assertNotIn(secret.encode(), body, "a token reached an answer")
-
-
-def _drain(lines):
-    """Every line now in a queue (ServerProcess.lines), without blocking."""
-    out = []
-    while True:
-        try:
-            out.append(lines.get_nowait())
-        except queue.Empty:
-            return out
 
 
 TOKEN_RULE = "expected PRINCIPAL=TOKEN with a token of at least 8 visible characters"
@@ -8897,12 +8906,7 @@ def drain_client(client, timeout=TIMEOUT):
     """After the server's end of output: move every unread message into ``client.log``."""
     if not client.wait_eof(timeout):
         raise AssertionError("the server's output did not end")
-    while True:
-        message = client._inbox.get(timeout=timeout)
-        if message is None:
-            client._inbox.put(None)
-            return
-        client.log.append(message)
+    client.log.extend(client.peer.rest(timeout))
 
 
 class McpCrashTortureTests(unittest.TestCase):
