@@ -1566,7 +1566,7 @@ class RecoveryTests(OwnedTaskTestCase):
 
 
 # ---------------------------------------------------------------------------
-# Races between the store's writers (issue 5, in one process)
+# Races between the store's writers, in one process
 # ---------------------------------------------------------------------------
 
 class StoreRaceTests(OwnedTaskTestCase):
@@ -3212,7 +3212,7 @@ class CrossProcessIdempotencyTests(MultiProcessTestCase):
 
 
 # ===========================================================================
-# LMSP HTTP server (issue 4)
+# LMSP HTTP server
 # ===========================================================================
 
 # LMSP HTTP server tests.  Real sockets, servers on port 0; threads and
@@ -3505,7 +3505,7 @@ class LmspWireTests(unittest.TestCase):
 
 
 class LmspRouteTests(ServerTestCase):
-    """Every route of LMSP.md B.1 and every error code of B.2."""
+    """Every route the server answers, and every error code it can give."""
 
     def test_create_returns_202_with_location_and_the_task_object(self):
         client = self.start_server(DemoBackend(delay=0))
@@ -3776,7 +3776,7 @@ class LmspRouteTests(ServerTestCase):
 
 
 class LmspIdempotencyTests(ServerTestCase):
-    """B.3: replay, mismatch, malformed keys, principals, concurrent duplicates."""
+    """Idempotency keys: replay, mismatch, malformed keys, principals, concurrent duplicates."""
 
     def test_replay_returns_the_current_task_with_the_replayed_header(self):
         client = self.start_server(DemoBackend(delay=0))
@@ -3839,7 +3839,7 @@ class LmspIdempotencyTests(ServerTestCase):
 
 
 class LmspEventStreamTests(ServerTestCase):
-    """A.4, B.4, B.5: the event stream, its numbering and resumption."""
+    """The event stream, its numbering and resumption."""
 
     EXPECTED = ["response.created", "response.loading", "response.in_progress",
                 "response.output_item.added", "response.content_part.added",
@@ -4030,7 +4030,7 @@ class LmspEventStreamTests(ServerTestCase):
 
 
 class LmspCancelTests(ServerTestCase):
-    """A.3: cancel in every state."""
+    """Cancel in every state."""
 
     def cancel(self, client, task_id):
         return client.request("POST", f"/lmsp/v1/tasks/{task_id}/cancel")
@@ -4099,7 +4099,7 @@ class LmspCancelTests(ServerTestCase):
 
 
 class LmspDemoBackendTests(ServerTestCase):
-    """The demo backend's exact contract (issue 4)."""
+    """The demo backend's exact contract."""
 
     def run_task(self, client, body):
         task = client.create(body)
@@ -4163,7 +4163,7 @@ class LmspDemoBackendTests(ServerTestCase):
 
 
 class LmspRetentionTests(ServerTestCase):
-    """B.7: finished tasks are purged after task_retention; keys expire too."""
+    """Finished tasks are purged after task_retention; idempotency keys expire too."""
 
     def test_a_purged_task_is_404_and_its_key_can_be_used_again(self):
         clock = FakeClock(time.time())
@@ -4199,7 +4199,7 @@ class LmspRetentionTests(ServerTestCase):
 
 
 class LmspAuthTests(ServerTestCase):
-    """B.9: tokens, principals, ownership."""
+    """Tokens, principals, ownership: a principal sees only its own tasks."""
 
     def test_auth_off_on_loopback_needs_no_header(self):
         client = self.start_server()
@@ -6595,7 +6595,7 @@ class RawHttp:
 
 
 def check_wire_answer(test, answer, context):
-    """The rules every answer follows, whatever the request (issue 5 fuzzing)."""
+    """The rules every answer follows, whatever the request (the fuzz tests' oracle)."""
     status, headers, body = answer
     test.assertNotEqual(status, 500, f"500 for a client's mistake: {context}: {body[:300]!r}")
     test.assertIn(status, (200, 202, 204, 400, 401, 403, 404, 405, 409, 410, 413, 415, 422,
@@ -8226,7 +8226,7 @@ class Era2TestBase(McpTestBase):
         if "result" not in response:
             raise AssertionError(f"{method} failed: {response}")
         result = response["result"]
-        self.assertIn("resultType", result, "M10: every result carries resultType")
+        self.assertIn("resultType", result, "every result carries resultType")
         return result
 
     def mcreate(self, client, name, arguments, capabilities=None, **params):
@@ -8256,14 +8256,15 @@ class Era2TestBase(McpTestBase):
         return self.mget(client, task_id)
 
     def assertNoServerRequests(self, client):
-        """M8: nothing the server wrote is a JSON-RPC request."""
+        """Nothing the server wrote is a JSON-RPC request (it never asks the client anything)."""
         self.discover(client)              # everything written before it is read
         requests = [m for m in client.log + client.unread() if "method" in m and "id" in m]
         self.assertEqual(requests, [])
 
 
 class Era2ProtocolTests(Era2TestBase):
-    """Rules E1-E4 and M1-M10 over raw pipes, in-process."""
+    """The 2026-07-28 era over raw pipes, in-process: how the era is chosen and locked,
+    and the shapes of its answers."""
 
     def test_discover_answers_every_field_the_new_era_requires(self):
         client, _, _ = self.start_fresh()
@@ -8273,7 +8274,7 @@ class Era2ProtocolTests(Era2TestBase):
         self.assertEqual(result["capabilities"]["extensions"],
                          {"io.modelcontextprotocol/tasks": {}})
         self.assertIn("tools", result["capabilities"])
-        self.assertNotIn("tasks", result["capabilities"], "M1: never capabilities.tasks")
+        self.assertNotIn("tasks", result["capabilities"], "never capabilities.tasks")
         self.assertEqual((result["ttlMs"], result["cacheScope"]), (0, "private"))
         self.assertEqual(result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"],
                          "taskstore")
@@ -8299,7 +8300,7 @@ class Era2ProtocolTests(Era2TestBase):
                 self.assertEqual(response["error"]["data"]["supported"],
                                  ["2026-07-28", "2025-11-25"])
                 self.assertEqual(response["error"]["data"]["requested"], version)
-        # Nothing was locked: the client may still fall back to the handshake (E1).
+        # Nothing was locked: the client may still fall back to the handshake.
         self.assertEqual(client.initialize()["protocolVersion"], "2025-11-25")
 
     def test_missing_client_capabilities_is_32602(self):
@@ -8323,7 +8324,7 @@ class Era2ProtocolTests(Era2TestBase):
         self.assertError(client.call("ping"), -32600)
         response = self.mcall(client, "server/discover", version="2099-01-01")
         self.assertEqual(response["error"]["data"]["supported"], ["2026-07-28"])
-        # M7: the legacy-only methods do not exist in this era.
+        # The legacy-only methods do not exist in this era.
         for method in ("tasks/result", "tasks/list", "tasks/status", "ping"):
             with self.subTest(method=method):
                 self.assertError(self.mcall(client, method, {"taskId": "task_x"}), -32601)
@@ -8352,7 +8353,8 @@ class Era2ProtocolTests(Era2TestBase):
 
     def test_unenveloped_first_request_is_answered_promptly_and_locks_nothing(self):
         client, _, _ = self.start_fresh()
-        self.assertError(client.call("server/discover"), -32601)    # E3, at once
+        # Without the era's envelope, discover is unknown, and the era stays open.
+        self.assertError(client.call("server/discover"), -32601)
         self.assertEqual(client.result("ping"), {})
         self.assertEqual(self.discover(client)["resultType"], "complete")
 
@@ -8378,7 +8380,7 @@ class Era2ProtocolTests(Era2TestBase):
                           "ttlMs", "pollIntervalMs", "result", "_meta"})
         self.assertNoServerRequests(client)
         self.assertEqual([m for m in client.log if "method" in m], [],
-                         "M8: no notifications about a task either")
+                         "no notifications about a task either")
 
     def test_undeclared_call_runs_inline_and_task_only_tools_are_32021(self):
         client, _, store = self.start_modern()
@@ -8389,7 +8391,7 @@ class Era2ProtocolTests(Era2TestBase):
         result = self.mresult(client, "tools/call",          # forbidden: inline even if declared
                               {"name": "echo", "arguments": {"text": "b"}})
         self.assertEqual((result["resultType"], era2_text(result)), ("complete", "b"))
-        # Only the legacy capability: treated as not declaring (section 7).
+        # Only the legacy capability: treated as not declaring the tasks extension.
         response = self.mcall(client, "tools/call", {"name": "generate_report",
                                                      "arguments": {"topic": "t", "seconds": 1}},
                               capabilities={"tasks": {"requests": {"tools": {"call": {}}}}})
@@ -8551,7 +8553,7 @@ class Era2ProtocolTests(Era2TestBase):
 
     def test_legacy_created_task_read_and_cancelled_with_the_legacy_capability(self):
         client, _, store = self.start_modern()
-        # As if created by a 2025-11-25 server on the same file (M9).
+        # As if created by a 2025-11-25 server on the same file: both eras read one store.
         legacy = store.create(taskstore.MCP_TASK_KIND, {"name": "sleep_then_echo", "arguments": {
             "seconds": 600, "text": "x"}}, ttl_ms=60000, meta={"session": "s", "era": "2025-11-25"})
         modern = self.mcreate(client, "sleep_then_echo", {"seconds": 600, "text": "y"})["taskId"]
@@ -8688,7 +8690,7 @@ class Era2CommandTests(Era2TestBase):
                          "cancelled")
         self.assertEqual(self.mget(modern, report)["status"], "cancelled")
         self.assertEqual(side.wait(report, timeout=TIMEOUT, terminal=True).status, CANCELLED)
-        # Created by the legacy client, read and cancelled by the modern one (M9).
+        # Created by the legacy client, read and cancelled by the modern one: one store.
         old = self.create_task(legacy, "sleep_then_echo", {"seconds": 600, "text": "x"})["taskId"]
         old_caps = {"tasks": {"cancel": {}}}
         self.assertEqual(self.mget(modern, old, capabilities=old_caps)["status"], "working")
@@ -9898,7 +9900,8 @@ class McpResourceLimitTests(McpTestBase):
                 task = again.get(task_id)
                 self.assertEqual(task.status, FAILED)
                 self.assertTrue(task.status_message.startswith("CRASH_RECOVERY"))
-            # The ones still queued could not be failed at EOF (no space): BUGS.md 2.
+            # The ones still queued could not be failed at EOF (the disk was full);
+            # the next open's recovery settles them.
             for task_id in running:
                 self.assertNotIn(again.get(task_id).status, taskstore.ACTIVE_STATES)
 
@@ -10094,7 +10097,7 @@ class McpKilledQueueTests(McpTestBase):
         got = client.result("tasks/get", {"taskId": busy["taskId"]})
         self.assertTrue(got["statusMessage"].startswith("CRASH_RECOVERY"), got)
         got = client.result("tasks/get", {"taskId": queued["taskId"]})
-        # MCP-TASKS.md section 6: working when its process died -> failed, CRASH_RECOVERY;
+        # A task working when its process died is failed with CRASH_RECOVERY;
         # README: the same as at EOF, where _fail_unstarted fails it.
         self.assertEqual(got["status"], "failed", got)
         self.assertTrue(got.get("statusMessage", "").startswith("CRASH_RECOVERY"), got)
