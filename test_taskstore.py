@@ -43,6 +43,30 @@ TIMEOUT = 10.0
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASKSTORE_PY = os.path.join(HERE, "taskstore.py")
 
+# Knobs: every environment variable the tests obey, read here and nowhere else.
+#
+#   TASKSTORE_SOAK=SECONDS           each crash-torture and fuzz test goes on for
+#                                    about that long after its fixed count, on a
+#                                    fresh random seed (default 0: the count only)
+#   TASKSTORE_TEST_TORTURE_CYCLES=N  kill -9 cycles of each crash-torture test (50)
+#   TASKSTORE_TEST_FUZZ_INPUTS=N     malformed inputs of each fuzz test (10000)
+#   TASKSTORE_TEST_RACE_ROUNDS=N     rounds of the cross-process races (1000)
+#   TASKSTORE_TEST_CLAIM_TASKS=N     tasks claimed by competing processes (10000)
+#   TASKSTORE_TEST_IDEMPOTENT_KEYS=N keys raced by competing processes (200)
+#   TASKSTORE_TORTURE_SEED, TASKSTORE_FUZZ_SEED (the HTTP server's torture and
+#   fuzzing) and TASKSTORE_FAULT_SEED (the MCP server's): replay a seeded fault
+#                                    test; a failure prints the one to set
+#   TASKSTORE_TEST_STATS=1           the fault tests print what they covered
+SOAK_S = float(os.environ.get("TASKSTORE_SOAK") or 0)
+TORTURE_CYCLES = int(os.environ.get("TASKSTORE_TEST_TORTURE_CYCLES") or 50)
+FUZZ_INPUTS = int(os.environ.get("TASKSTORE_TEST_FUZZ_INPUTS") or 10_000)
+RACE_ROUNDS = int(os.environ.get("TASKSTORE_TEST_RACE_ROUNDS") or 1000)
+CLAIM_TASKS = int(os.environ.get("TASKSTORE_TEST_CLAIM_TASKS") or 10_000)
+IDEMPOTENT_KEYS = int(os.environ.get("TASKSTORE_TEST_IDEMPOTENT_KEYS") or 200)
+FAULT_SEEDS = {name: os.environ.get(name) for name in
+               ("TASKSTORE_TORTURE_SEED", "TASKSTORE_FUZZ_SEED", "TASKSTORE_FAULT_SEED")}
+PRINT_STATS = bool(os.environ.get("TASKSTORE_TEST_STATS"))
+
 
 class FakeClock:
     """A clock for the store: ``time.time``-like seconds that move only when told."""
@@ -66,6 +90,59 @@ def temp_dir(test):
     tmp = tempfile.TemporaryDirectory()
     test.addCleanup(tmp.cleanup)
     return tmp.name
+
+
+# ---------------------------------------------------------------------------
+# The fault kit: what every crash-torture and fuzz test shares
+# ---------------------------------------------------------------------------
+
+# Words that must never reach a client, compared without case: a traceback, a
+# file name, SQL.
+LEAK_MARKERS = ("traceback", 'file "', "sqlite", "select ", "insert into")
+
+
+def leaks(text):
+    """The LEAK_MARKERS found in *text* (str or bytes), in any case."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    lowered = text.lower()
+    return [marker for marker in LEAK_MARKERS if marker in lowered]
+
+
+class FaultRun:
+    """One seeded fault test: its seed, its random source, when to stop, how to replay it.
+
+    The seed is the environment variable *variable* when set (see the knobs at
+    the top), else a fresh random one when soaking, else *default*, so a
+    default run is always the same run.  ``more(done, count)`` goes on until
+    *count* is done and then until the soak time is over.
+    """
+
+    def __init__(self, variable, default):
+        given = FAULT_SEEDS[variable]
+        if given:
+            self.seed = int(given)
+        else:
+            self.seed = random.SystemRandom().randrange(2**31) if SOAK_S else default
+        self.variable = variable
+        self.rng = random.Random(self.seed)
+        self.deadline = time.monotonic() + SOAK_S
+
+    def more(self, done, count):
+        return done < count or time.monotonic() < self.deadline
+
+    def hint(self, where=""):
+        """The words a failure message needs to be replayed."""
+        return f"[replay: {self.variable}={self.seed}{' ' + where if where else ''}]"
+
+    @contextlib.contextmanager
+    def replaying(self, where):
+        """On any failure, print how to replay it: the seed and ``where()`` it happened."""
+        try:
+            yield
+        except BaseException:
+            sys.stderr.write(f"\n*** replay: {self.variable}={self.seed} (failed at {where()})\n")
+            raise
 
 
 # The http command reads tokens and the backend key from these variables; a
@@ -417,26 +494,51 @@ class LifecycleTests(StoreTestCase):
         self.assertEqual(self.store.wait(task.id, timeout=0.01, terminal=True).status, QUEUED)
 
     def test_close_wakes_waiters_and_later_calls_raise(self):
+        # The waiter's own poll and timeout are far beyond this test's bound
+        # (TIMEOUT), so only close() can end its wait in time; and its wait on
+        # the condition must report a notification, not a timeout.
+        never = 100 * TIMEOUT
+        self.store.close()
+        self.store = self.open_store(poll_interval=never)
         task = self.store.create("k")
-        started = threading.Event()
+        changed = self.store._changed
+        real_wait = changed.wait
+        in_wait = threading.Event()
+        woken = queue.Queue()
+
+        def spying_wait(timeout=None):
+            in_wait.set()
+            notified = real_wait(timeout)
+            woken.put(notified)
+            return notified
+
+        changed.wait = spying_wait
         out = queue.Queue()
 
         def waiter():
-            started.set()
             try:
-                self.store.wait(task.id, timeout=TIMEOUT, terminal=True)
+                self.store.wait(task.id, timeout=never, terminal=True)
             except taskstore.StoreClosed as exc:
                 out.put(exc)
+            else:
+                out.put(None)
 
-        thread = threading.Thread(target=waiter)
+        thread = threading.Thread(target=waiter, daemon=True)   # never joins if close fails
         thread.start()
-        self.assertTrue(started.wait(TIMEOUT))
-        # Wait until the waiter holds the condition: it then sits in wait().
+        self.assertTrue(in_wait.wait(TIMEOUT))
+        # The waiter held the lock until its wait() released it: once this
+        # thread gets the lock, the waiter is asleep on the condition.
         with self.store._lock:
             pass
         self.store.close()
+        try:
+            notified = woken.get(timeout=TIMEOUT)
+        except queue.Empty:
+            self.fail(f"close() did not wake the waiter within {TIMEOUT} s")
+        self.assertIs(notified, True, "the wait ended without a notification")
         self.assertIsInstance(out.get(timeout=TIMEOUT), taskstore.StoreClosed)
         thread.join(TIMEOUT)
+        self.assertFalse(thread.is_alive())
         for call in (lambda: self.store.get(task.id), lambda: self.store.create("k"),
                      lambda: self.store.list()):
             with self.assertRaises(taskstore.StoreClosed):
@@ -842,18 +944,28 @@ class CheckpointTests(StoreTestCase):
         pragma = self.store._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
         self.assertEqual(pragma, taskstore.WAL_BACKSTOP_PAGES)
 
+    def wal_generation(self):
+        """The WAL header's checkpoint sequence number: it grows each time the WAL restarts."""
+        with open(self.path + "-wal", "rb") as f:
+            header = f.read(32)
+        return int.from_bytes(header[12:16], "big")
+
     def test_the_wal_restarts_under_continuous_writes(self):
-        page = self.store._conn.execute("PRAGMA page_size").fetchone()[0]
-        self.writes(5 * taskstore.CHECKPOINT_ROWS)
+        # Writes never pause for the checkpointer: the WAL must still start
+        # again from its beginning, over and over, instead of growing with
+        # every write (how large it gets between restarts depends on how the
+        # machine schedules the two threads, so that is not the question).
+        self.writes(taskstore.CHECKPOINT_ROWS)
         passes = self.store._checkpointer.passes
-        self.writes(10 * taskstore.CHECKPOINT_ROWS)
-        self.assertTrue(self.store._checkpointer.wait_for_pass(passes + 1, TIMEOUT))
-        # 7,500 creates write ~30,000 WAL pages; without restarts the file would hold them all.
-        # With them it stays near the backstop: the inline checkpoint that crosses it finds
-        # the background one busy now and then, and the WAL grows on until a restart (up to
-        # 4,530 pages seen over many runs; 4,500 was once too tight a bound).
-        self.assertLess(os.path.getsize(self.path + "-wal"),
-                        1.5 * taskstore.WAL_BACKSTOP_PAGES * (page + 24))
+        generations = {self.wal_generation()}
+        written = 0
+        while len(generations) < 4:
+            self.assertLess(written, 40 * taskstore.CHECKPOINT_ROWS,
+                            f"the WAL restarted {len(generations) - 1} times only")
+            self.writes(50)
+            written += 50
+            generations.add(self.wal_generation())
+        self.assertGreater(self.store._checkpointer.passes, passes)
 
     def test_checkpoint_empties_the_wal_and_the_file_holds_everything(self):
         ids = self.writes(50)
@@ -1454,7 +1566,7 @@ class RecoveryTests(OwnedTaskTestCase):
 
 
 # ---------------------------------------------------------------------------
-# Races between the store's writers (issue 5, in one process)
+# Races between the store's writers, in one process
 # ---------------------------------------------------------------------------
 
 class StoreRaceTests(OwnedTaskTestCase):
@@ -2141,11 +2253,8 @@ class AdminCommandTests(OwnedTaskTestCase):
 # pass: every wait ends on a line, a queue, a barrier, ``proc.wait`` or
 # ``store.wait``, each with a timeout.
 
-# Scale knobs for slow or fast machines; the defaults are the issue's numbers
-
-RACE_ROUNDS = int(os.environ.get("TASKSTORE_TEST_RACE_ROUNDS", "1000"))
-CLAIM_TASKS = int(os.environ.get("TASKSTORE_TEST_CLAIM_TASKS", "10000"))
-IDEMPOTENT_KEYS = int(os.environ.get("TASKSTORE_TEST_IDEMPOTENT_KEYS", "200"))
+# The sizes of the races (RACE_ROUNDS, CLAIM_TASKS, IDEMPOTENT_KEYS) are
+# knobs: see the top of the file.
 
 # The directory of the taskstore module under test (children import the same file).
 TASKSTORE_DIR = os.path.dirname(os.path.abspath(taskstore.__file__))
@@ -2460,11 +2569,87 @@ class PausingConnection:
         return getattr(self._conn, name)
 
 
+class QueuePeer:
+    """Items a peer sent, on a queue a test waits on with a timeout; None ends them.
+
+    ``get`` leaves the final None in place, so every later reader sees the
+    end too.  The in-process MCP client fills one directly; ``LinePeer``
+    fills one from a child's pipe.
+    """
+
+    def __init__(self):
+        self.lines = queue.Queue()
+        self.bad_lines = []
+
+    def get(self, timeout=TIMEOUT):
+        """The next item, or None at the end of the stream; queue.Empty after *timeout* s."""
+        item = self.lines.get(timeout=timeout)
+        if item is None:
+            self.lines.put(None)
+        return item
+
+    def rest(self, timeout=TIMEOUT):
+        """Every item up to the end of the stream (each waited for up to *timeout* s)."""
+        items = []
+        while (item := self.get(timeout)) is not None:
+            items.append(item)
+        return items
+
+
+class LinePeer(QueuePeer):
+    """The reading half of every helper that talks to a child: a daemon thread
+    reads *stream* line by line onto the queue, so a test waits for a line
+    with a timeout instead of blocking on a pipe.
+
+    *parse* turns each line into the item queued (default: the line as read);
+    a line it rejects with ValueError is kept in ``bad_lines`` instead.  At
+    the end of the stream the thread queues None and closes the stream.
+    """
+
+    def __init__(self, stream, name, parse=None):
+        super().__init__()
+        self._stream, self._parse = stream, parse
+        self.thread = threading.Thread(target=self._read, name=name, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        with contextlib.suppress(ValueError, OSError):      # the stream was closed under us
+            with self._stream:
+                for line in self._stream:
+                    if self._parse is None:
+                        self.lines.put(line)
+                        continue
+                    try:
+                        item = self._parse(line)
+                    except ValueError:
+                        self.bad_lines.append(line)
+                    else:
+                        self.lines.put(item)
+        self.lines.put(None)
+
+    def wait_eof(self, timeout=TIMEOUT):
+        """Whether the stream ended (and every line was queued) within *timeout* s."""
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+
+def end_child(proc):
+    """Kill *proc* unless it has exited, reap it, and close its pipes (a cleanup)."""
+    if proc.poll() is None:
+        proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=TIMEOUT)
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):
+                stream.close()
+
+
 class ChildProcess:
     """A ``python -c script`` child whose stdout lines are read with a timeout.
 
-    The reader thread puts each line on a queue (None at end of file);
-    ``close`` (registered with addCleanup) kills, reaps and joins everything.
+    Its stdout is read by a LinePeer; ``close`` (registered with addCleanup)
+    kills, reaps and joins everything.
     """
 
     def __init__(self, test, script, db, *args):
@@ -2474,17 +2659,9 @@ class ChildProcess:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
             encoding="utf-8")
         self.pid = self.proc.pid
-        self._lines = queue.Queue()
-        self._reader = threading.Thread(target=self._read, name=f"child-{self.pid}-stdout",
-                                        daemon=True)
-        self._reader.start()
+        self.peer = LinePeer(self.proc.stdout, f"child-{self.pid}-stdout",
+                             parse=lambda line: line.rstrip("\n"))
         test.addCleanup(self.close)
-
-    def _read(self):
-        with contextlib.suppress(ValueError, OSError):
-            for line in self.proc.stdout:
-                self._lines.put(line.rstrip("\n"))
-        self._lines.put(None)
 
     def stderr(self):
         self._stderr.seek(0)
@@ -2493,12 +2670,11 @@ class ChildProcess:
     def readline(self, timeout=TIMEOUT):
         """Return the child's next line; fail the test on timeout or end of output."""
         try:
-            line = self._lines.get(timeout=timeout)
+            line = self.peer.get(timeout)
         except queue.Empty:
             raise AssertionError(f"child {self.pid} printed nothing for {timeout} s; "
                                  f"stderr:\n{self.stderr()}") from None
         if line is None:
-            self._lines.put(None)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=TIMEOUT)
             raise AssertionError(f"child {self.pid} ended (exit status {self.proc.returncode}); "
@@ -2519,11 +2695,7 @@ class ChildProcess:
 
     def remaining_lines(self):
         """Return every line up to the end of the child's output (after it exited)."""
-        lines = []
-        while (line := self._lines.get(timeout=TIMEOUT)) is not None:
-            lines.append(line)
-        self._lines.put(None)
-        return lines
+        return self.peer.rest()
 
     def send(self, line):
         self.proc.stdin.write(line + "\n")
@@ -2540,14 +2712,8 @@ class ChildProcess:
         test.assertEqual(self.proc.wait(timeout=TIMEOUT), 0, self.stderr())
 
     def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=TIMEOUT)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError, ValueError):
-                stream.close()
-        self._reader.join(TIMEOUT)
+        end_child(self.proc)
+        self.peer.wait_eof(TIMEOUT)
         self._stderr.close()
 
 
@@ -3122,7 +3288,7 @@ class CrossProcessIdempotencyTests(MultiProcessTestCase):
 
 
 # ===========================================================================
-# LMSP HTTP server (issue 4)
+# LMSP HTTP server
 # ===========================================================================
 
 # LMSP HTTP server tests.  Real sockets, servers on port 0; threads and
@@ -3415,7 +3581,7 @@ class LmspWireTests(unittest.TestCase):
 
 
 class LmspRouteTests(ServerTestCase):
-    """Every route of LMSP.md B.1 and every error code of B.2."""
+    """Every route the server answers, and every error code it can give."""
 
     def test_create_returns_202_with_location_and_the_task_object(self):
         client = self.start_server(DemoBackend(delay=0))
@@ -3686,7 +3852,7 @@ class LmspRouteTests(ServerTestCase):
 
 
 class LmspIdempotencyTests(ServerTestCase):
-    """B.3: replay, mismatch, malformed keys, principals, concurrent duplicates."""
+    """Idempotency keys: replay, mismatch, malformed keys, principals, concurrent duplicates."""
 
     def test_replay_returns_the_current_task_with_the_replayed_header(self):
         client = self.start_server(DemoBackend(delay=0))
@@ -3749,7 +3915,7 @@ class LmspIdempotencyTests(ServerTestCase):
 
 
 class LmspEventStreamTests(ServerTestCase):
-    """A.4, B.4, B.5: the event stream, its numbering and resumption."""
+    """The event stream, its numbering and resumption."""
 
     EXPECTED = ["response.created", "response.loading", "response.in_progress",
                 "response.output_item.added", "response.content_part.added",
@@ -3940,7 +4106,7 @@ class LmspEventStreamTests(ServerTestCase):
 
 
 class LmspCancelTests(ServerTestCase):
-    """A.3: cancel in every state."""
+    """Cancel in every state."""
 
     def cancel(self, client, task_id):
         return client.request("POST", f"/lmsp/v1/tasks/{task_id}/cancel")
@@ -4009,7 +4175,7 @@ class LmspCancelTests(ServerTestCase):
 
 
 class LmspDemoBackendTests(ServerTestCase):
-    """The demo backend's exact contract (issue 4)."""
+    """The demo backend's exact contract."""
 
     def run_task(self, client, body):
         task = client.create(body)
@@ -4073,7 +4239,7 @@ class LmspDemoBackendTests(ServerTestCase):
 
 
 class LmspRetentionTests(ServerTestCase):
-    """B.7: finished tasks are purged after task_retention; keys expire too."""
+    """Finished tasks are purged after task_retention; idempotency keys expire too."""
 
     def test_a_purged_task_is_404_and_its_key_can_be_used_again(self):
         clock = FakeClock(time.time())
@@ -4109,7 +4275,7 @@ class LmspRetentionTests(ServerTestCase):
 
 
 class LmspAuthTests(ServerTestCase):
-    """B.9: tokens, principals, ownership."""
+    """Tokens, principals, ownership: a principal sees only its own tasks."""
 
     def test_auth_off_on_loopback_needs_no_header(self):
         client = self.start_server()
@@ -4803,14 +4969,14 @@ class ServerProcess:
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, env=env)
         test.addCleanup(self.cleanup)
-        self.lines = queue.Queue()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
+        self.peer = LinePeer(self.proc.stderr, f"server-{self.proc.pid}-stderr")
         # What it printed before listening: permission warnings (``warnings``),
         # recovery's log line (``before``).
         self.warnings, self.before = [], []
         while True:
-            line = self.lines.get(timeout=TIMEOUT)
+            line = self.peer.get(TIMEOUT)
+            if line is None:
+                test.fail(f"the server ended before listening: {self.warnings + self.before}")
             match = re.fullmatch(r"taskstore: listening on http://(127\.0\.0\.1):(\d+)",
                                  line.strip())
             if line.startswith("taskstore: warning:"):
@@ -4822,25 +4988,22 @@ class ServerProcess:
         test.assertTrue(match, line)
         self.client = Client(match.group(1), int(match.group(2)))
 
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.put(line)
-
     def kill(self):
         self.proc.kill()
         self.proc.wait(timeout=TIMEOUT)
+
+    def log(self):
+        """The lines it wrote to stderr after listening, up to their end (once it exited)."""
+        return self.peer.rest()
 
     def stop(self):
         """SIGTERM, expect exit 0; return all the server wrote to stderr."""
         self.proc.send_signal(signal.SIGTERM)
         assert self.proc.wait(timeout=TIMEOUT) == 0, self.proc.returncode
-        self.reader.join(TIMEOUT)
-        return "".join(self.warnings + _drain(self.lines))
+        return "".join(self.warnings + self.log())
 
     def cleanup(self):
-        if self.proc.poll() is None:
-            self.kill()
-        self.proc.stderr.close()
+        end_child(self.proc)
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
@@ -4877,10 +5040,7 @@ class LmspProcessTests(unittest.TestCase):
             with self.assertRaises(http.client.IncompleteRead):
                 reader.resp.read()
         self.assertEqual(server.proc.wait(timeout=5), 0)
-        server.reader.join(TIMEOUT)      # its stderr is at EOF: every line is queued
-        lines = []
-        while not server.lines.empty():
-            lines.append(server.lines.get_nowait().strip())
+        lines = [line.strip() for line in server.log()]
         self.assertEqual(lines[-1], f"taskstore: stopped listening on http://127.0.0.1:"
                                     f"{server.client.port}", "one line when it stops, too")
 
@@ -5013,22 +5173,11 @@ class McpTestClient:
 
     def __init__(self, write, read):
         self._write = write
-        self._inbox = queue.Queue()
         self._kept = []
         self.log = []                       # every message read so far, in arrival order
         self._ids = iter(range(1, 10**9))
-        self.bad_lines = []
-        self._reader = threading.Thread(target=self._read, args=(read,), daemon=True)
-        self._reader.start()
-
-    def _read(self, read):
-        with read:
-            for line in read:
-                try:
-                    self._inbox.put(json.loads(line))
-                except ValueError:
-                    self.bad_lines.append(line)
-        self._inbox.put(None)               # EOF marker
+        self.peer = LinePeer(read, "mcp-client-reader", parse=json.loads)
+        self.bad_lines = self.peer.bad_lines
 
     def send(self, message):
         data = message if isinstance(message, bytes) else json.dumps(message).encode() + b"\n"
@@ -5051,9 +5200,8 @@ class McpTestClient:
                 return self._kept.pop(i)
         deadline = time.monotonic() + timeout
         while True:
-            message = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            message = self.peer.get(max(0.0, deadline - time.monotonic()))
             if message is None:
-                self._inbox.put(None)
                 raise AssertionError("the server closed its output")
             self.log.append(message)
             if predicate(message):
@@ -5098,8 +5246,7 @@ class McpTestClient:
             self._write.close()
 
     def wait_eof(self, timeout=TIMEOUT):
-        self._reader.join(timeout)
-        return not self._reader.is_alive()
+        return self.peer.wait_eof(timeout)
 
 
 def _text(result):
@@ -5124,11 +5271,11 @@ class DispatcherClient(McpTestClient):
 
     def __init__(self, dispatcher, store, *, workers=4, max_line_bytes=None,
                  shutdown_grace_s=taskstore.SHUTDOWN_GRACE_S):
-        self._inbox = queue.Queue()
         self._kept = []
         self.log = []
         self._ids = iter(range(1, 10**9))
-        self.bad_lines = []
+        self.peer = QueuePeer()
+        self.bad_lines = self.peer.bad_lines
         self.dispatcher, self.store = dispatcher, store
         self.max_line_bytes = max_line_bytes or taskstore.DEFAULT_MAX_LINE_BYTES
         self.shutdown_grace_s = shutdown_grace_s
@@ -5150,7 +5297,7 @@ class DispatcherClient(McpTestClient):
         self._put(message)
 
     def _put(self, message):
-        self._inbox.put(json.loads(taskstore.dumps(message)))
+        self.peer.lines.put(json.loads(taskstore.dumps(message)))
 
     def _deliver(self, items):
         for item in items:
@@ -5183,7 +5330,7 @@ class DispatcherClient(McpTestClient):
         for thread in self._work:
             thread.join(TIMEOUT)
         self.store.remove_listener(self._on_change)
-        self._inbox.put(None)               # EOF marker
+        self.peer.lines.put(None)           # the end of the server's output
 
     def wait_eof(self, timeout=TIMEOUT):
         return self._closed and not any(t.is_alive() for t in self._work)
@@ -6296,9 +6443,8 @@ class McpCommandTests(McpTestBase):
         running = self._start_running_report(client)
         queued = self.create_task(client, "sleep_then_echo", {"seconds": 600, "text": "q"})
         client.close()
-        started = time.monotonic()
+        # Both handlers would go on for 600 s: an exit within TIMEOUT did not wait for them.
         self.assertEqual(proc.wait(TIMEOUT), 0)
-        self.assertLess(time.monotonic() - started, 2.0, "EOF shutdown took 2 s or more")
         self._assert_crash_recovered(running)
         self._assert_crash_recovered(queued["taskId"])
 
@@ -6307,10 +6453,9 @@ class McpCommandTests(McpTestBase):
         client, proc = self.start_process("--db", self.db)
         client.initialize()
         running = self._start_running_report(client)
-        started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        # The handler would go on for 600 s: an exit within TIMEOUT did not wait for it.
         self.assertEqual(proc.wait(TIMEOUT), 0)
-        self.assertLess(time.monotonic() - started, 2.0, "SIGTERM shutdown took 2 s or more")
         self._assert_crash_recovered(running)
 
     @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
@@ -6617,38 +6762,14 @@ class SurrogateTests(StoreTestCase):
 
 
 # ===========================================================================
-# Issue 5: the LMSP HTTP server under faults
+# The LMSP HTTP server under faults
 # ===========================================================================
 # Crash torture (kill -9 at random moments, restart on the same file), fuzzing
 # with malformed requests over raw sockets, resource limits, and isolation
-# between principals.  Every class is seeded: a failure prints the seed and the
-# environment variable that replays it.  TASKSTORE_SOAK=SECONDS makes the
-# torture and the fuzzing run for about that many seconds each.
+# between principals.  Every class is seeded through the fault kit (FaultRun):
+# a failure prints the seed and the environment variable that replays it.
 
-SOAK_S = float(os.environ.get("TASKSTORE_SOAK", "0") or 0)
-TORTURE_CYCLES = int(os.environ.get("TASKSTORE_TEST_TORTURE_CYCLES", "50"))
-FUZZ_INPUTS = int(os.environ.get("TASKSTORE_TEST_FUZZ_INPUTS", "10000"))
-# Words that must never reach a client: a traceback, a file name, SQL.
-LEAK_MARKERS = (b"traceback", b"sqlite", b"select ", b'file "')
 WIRE_ID_RE = re.compile(r"\A(task|resp|msg)_[0-9A-HJKMNP-TV-Z]{36}\Z")
-
-
-def fault_seed(variable, default):
-    """The seed of a seeded class: $variable, else a fixed default (a fresh one when soaking)."""
-    value = os.environ.get(variable)
-    if value:
-        return int(value)
-    return random.SystemRandom().randrange(2**31) if SOAK_S else default
-
-
-@contextlib.contextmanager
-def replay_hint(variable, seed, where):
-    """On any failure, say how to replay it: the seed and where it happened."""
-    try:
-        yield
-    except BaseException:
-        sys.stderr.write(f"\n*** replay: {variable}={seed} (failed at {where()})\n")
-        raise
 
 
 class RawHttp:
@@ -6753,15 +6874,13 @@ class RawHttp:
 
 
 def check_wire_answer(test, answer, context):
-    """The rules every answer follows, whatever the request (issue 5 fuzzing)."""
+    """The rules every answer follows, whatever the request (the fuzz tests' oracle)."""
     status, headers, body = answer
     test.assertNotEqual(status, 500, f"500 for a client's mistake: {context}: {body[:300]!r}")
     test.assertIn(status, (200, 202, 204, 400, 401, 403, 404, 405, 409, 410, 413, 415, 422,
                            501),
                   f"{context}: {body[:300]!r}")
-    lowered = body.lower()
-    for marker in LEAK_MARKERS:
-        test.assertNotIn(marker, lowered, f"{context}: the answer leaks {marker!r}: {body[:500]!r}")
+    test.assertEqual(leaks(body), [], f"{context}: the answer leaks: {body[:500]!r}")
     kind = headers.get("content-type", [""])[0]
     if status >= 400:
         test.assertEqual(kind, "application/problem+json", context)
@@ -7002,13 +7121,7 @@ class LmspCrashTortureTests(unittest.TestCase):
         self.check_server_log(server)
 
     def check_server_log(self, server):
-        server.reader.join(TIMEOUT)
-        lines = []
-        while True:
-            try:
-                lines.append(server.lines.get_nowait())
-            except queue.Empty:
-                break
+        lines = server.log()
         bad = [line for line in lines if "Traceback" in line or " ERROR " in line]
         self.assertEqual(bad, [], "".join(lines[-40:]))
 
@@ -7174,14 +7287,13 @@ class LmspCrashTortureTests(unittest.TestCase):
         self.assertEqual(unchecked, [], "restart expectations never seen in a stream")
 
     def test_kill_9_at_random_moments_loses_nothing_and_applies_every_policy(self):
-        seed = fault_seed("TASKSTORE_TORTURE_SEED", 20261129)
-        rng = random.Random(seed)
+        run = FaultRun("TASKSTORE_TORTURE_SEED", 20261129)
+        rng = run.rng
         state = TortureState()
         cycle = 0
-        deadline = time.monotonic() + SOAK_S
-        with replay_hint("TASKSTORE_TORTURE_SEED", seed, lambda: f"cycle {cycle}"):
+        with run.replaying(lambda: f"cycle {cycle}"):
             server = self.start()
-            while cycle < TORTURE_CYCLES or time.monotonic() < deadline:
+            while run.more(cycle, TORTURE_CYCLES):
                 self.drive_and_kill(server, state, rng, cycle)
                 killed_tasks = self.check_file(state)
                 server = self.start()
@@ -7195,7 +7307,7 @@ class LmspCrashTortureTests(unittest.TestCase):
         self.assertGreaterEqual(len(state.tasks), TORTURE_CYCLES // 2)
         # The kills did hit work in progress, and every restart check was made.
         self.assertGreater(len(state.killed_active), TORTURE_CYCLES // 10)
-        if os.environ.get("TASKSTORE_TEST_STATS"):
+        if PRINT_STATS:
             print(f"\ntorture: {cycle} cycles, {len(state.tasks)} tasks, "
                   f"{len(state.killed_active)} killed while active, "
                   f"{len(state.expect)} restart checks, {len(state.cancelled)} cancels, "
@@ -7663,8 +7775,8 @@ class LmspFuzzTests(unittest.TestCase):
             conn.close()
 
     def test_ten_thousand_malformed_requests_never_hurt_the_server(self):
-        seed = fault_seed("TASKSTORE_FUZZ_SEED", 5)
-        rng = random.Random(seed)
+        run = FaultRun("TASKSTORE_FUZZ_SEED", 5)
+        rng = run.rng
         server = ServerProcess(self, self.db, "--demo-delay", "0", "--workers", "2",
                                "--token", f"fuzz={self.TOKEN}", "--max-body", str(self.MAX_BODY))
         client = server.client
@@ -7674,10 +7786,9 @@ class LmspFuzzTests(unittest.TestCase):
         fuzzer = HttpFuzzer(rng, self.TOKEN, target["id"], self.MAX_BODY)
         state = {"count": 0, "conn": None, "address": (client.host, client.port)}
         self.addCleanup(lambda: state["conn"] and state["conn"].close())
-        deadline = time.monotonic() + SOAK_S
         labels = collections.Counter()
-        with replay_hint("TASKSTORE_FUZZ_SEED", seed, lambda: f"input {state['count']}"):
-            while state["count"] < FUZZ_INPUTS or time.monotonic() < deadline:
+        with run.replaying(lambda: f"input {state['count']}"):
+            while run.more(state["count"], FUZZ_INPUTS):
                 case = fuzzer.next()
                 labels[case[0]] += 1
                 self.run_case(case, state)
@@ -7689,11 +7800,10 @@ class LmspFuzzTests(unittest.TestCase):
         self.assertEqual(len(labels), len(fuzzer.kinds), labels)
         server.proc.send_signal(signal.SIGTERM)
         self.assertEqual(server.proc.wait(timeout=TIMEOUT), 0)
-        server.reader.join(TIMEOUT)
-        log = "".join(_drain(server.lines))
+        log = "".join(server.log())
         for marker in ("Traceback", "ERROR", "internal error"):
             self.assertNotIn(marker, log, log[-3000:])
-        if os.environ.get("TASKSTORE_TEST_STATS"):
+        if PRINT_STATS:
             print(f"\nfuzz: {state['count']} inputs {dict(labels)}", file=sys.stderr)
 
 
@@ -7881,28 +7991,28 @@ class LmspResourceLimitTests(ServerTestCase):
                 data = b" " * 2000
             else:
                 data = b""
-            slow.append({"sock": sock, "data": data, "start": time.monotonic(), "closed": None,
-                         "answer": b""})
+            slow.append({"sock": sock, "data": data, "closed": False, "answer": b""})
         served, stop = queue.Queue(), threading.Event()
 
         def normal_traffic():
             while not stop.is_set():
-                started = time.monotonic()
                 status, _, body = client.request("GET", "/healthz")
                 task = client.create(create_body("meanwhile"))
-                served.put((status, task["status"], time.monotonic() - started))
+                served.put((status, task["status"]))
 
         traffic = threading.Thread(target=normal_traffic, daemon=True)
         traffic.start()
         self.addCleanup(traffic.join, TIMEOUT)
         self.addCleanup(stop.set)
+        # Trickled at about one byte per socket per 50 ms, the slow requests would
+        # take 100 s to arrive: a cut within timeout + TIMEOUT is the server's.
         deadline = time.monotonic() + timeout + TIMEOUT
-        while any(s["closed"] is None for s in slow):
+        served_before_a_cut = None
+        while not all(s["closed"] for s in slow):
             self.assertLess(time.monotonic(), deadline, "a slow client was never cut")
-            open_socks = [s for s in slow if s["closed"] is None]
-            # The select timeout paces the trickle: about one byte per socket per 50 ms.
+            open_socks = [s for s in slow if not s["closed"]]
+            # The select timeout paces the trickle.
             readable = select.select([s["sock"] for s in open_socks], [], [], 0.05)[0]
-            now = time.monotonic()
             for s in open_socks:
                 if s["sock"] in readable:
                     try:
@@ -7911,27 +8021,24 @@ class LmspResourceLimitTests(ServerTestCase):
                         chunk = b""
                     s["answer"] += chunk
                     if not chunk:
-                        s["closed"] = now
-                        continue
-                if s["data"]:
+                        s["closed"] = True
+                if s["data"] and not s["closed"]:
                     try:
                         s["sock"].send(s["data"][:1])
                         s["data"] = s["data"][1:]
                     except OSError:
-                        s["closed"] = now
+                        s["closed"] = True
+                if s["closed"] and served_before_a_cut is None:
+                    served_before_a_cut = served.qsize()
         stop.set()
         traffic.join(TIMEOUT)
         for s in slow:
-            held = s["closed"] - s["start"]
-            self.assertLess(held, timeout + 2.0, "a slow client held a thread past the timeout")
             self.assertNotIn(b" 20", s["answer"][:12], "a slow request was served")
-        times = []
         while not served.empty():
-            status, task_status, took = served.get_nowait()
-            self.assertEqual((status, task_status), (200, "queued"))
-            times.append(took)
-        self.assertGreaterEqual(len(times), 3, "normal clients were not served meanwhile")
-        self.assertLess(max(times), timeout * 0.75, "a normal client waited behind the slow ones")
+            self.assertEqual(served.get_nowait(), (200, "queued"))
+        # While every slow client still held its connection, normal ones were served.
+        self.assertGreaterEqual(served_before_a_cut, 3,
+                                "normal clients waited behind the slow ones")
         self.assertIsNone(server.proc.poll())
 
     def test_a_handler_that_ignores_cancel_is_cancelled_when_it_returns(self):
@@ -7942,9 +8049,9 @@ class LmspResourceLimitTests(ServerTestCase):
         backend.allow.release()                          # out.start(): running
         with client.stream(task["id"]) as reader:
             reader.until(lambda e: e["event"] == "response.content_part.added")
-            started = time.monotonic()
+            # The handler cannot go on until backend.allow is released below: an
+            # answer now is one that did not wait for it.
             status, _, obj = client.request("POST", f"/lmsp/v1/tasks/{task['id']}/cancel")
-            self.assertLess(time.monotonic() - started, 2.0, "cancel waited for the handler")
             self.assertEqual((status, obj["status"]), (200, "cancelling"))
             reader.until(lambda e: e["event"] == "response.cancelling")
             self.assertEqual(client.task(task["id"])["status"], "cancelling")
@@ -7968,15 +8075,12 @@ class LmspResourceLimitTests(ServerTestCase):
         for task in (doomed, again):
             with client.stream(task["id"]) as reader:
                 reader.until(lambda e: e["event"] == "response.output_text.delta")
-        started = time.monotonic()
+        # The handlers never return: an answer to cancel, and an exit at all, did not wait.
         status, _, obj = client.request("POST", f"/lmsp/v1/tasks/{doomed['id']}/cancel")
-        self.assertLess(time.monotonic() - started, 2.0, "cancel waited for the handler")
         self.assertEqual((status, obj["status"]), (200, "cancelling"))
         server.proc.send_signal(signal.SIGTERM)
-        started = time.monotonic()
         # README: backends get 3 s to stop, then every task gets its policy; the exit follows.
         self.assertEqual(server.proc.wait(timeout=3.0 + TIMEOUT), 0)
-        self.assertLess(time.monotonic() - started, 3.0 + 3.0, "shutdown waited too long")
         store = TaskStore(self.db, recover_on_open=False)
         self.addCleanup(store.close)
         self.assertEqual(store.get(doomed["id"]).status, CANCELLED)
@@ -8002,8 +8106,7 @@ class LmspResourceLimitTests(ServerTestCase):
         status, problem = answer
         self.assertEqual((status, problem["code"]), (503, "service_unavailable"), problem)
         self.assertIn("full", problem["detail"])
-        for marker in LEAK_MARKERS:
-            self.assertNotIn(marker.decode(), json.dumps(problem).lower())
+        self.assertEqual(leaks(json.dumps(problem)), [], problem)
         self.assertGreater(len(acked), 2)
         seen = {}
         for task_id in acked:                        # reads still work, nothing lost
@@ -8163,23 +8266,12 @@ class LmspIsolationTests(unittest.TestCase):
     def check_no_token_anywhere(self, extra=()):
         self.server.proc.send_signal(signal.SIGTERM)
         self.assertEqual(self.server.proc.wait(timeout=TIMEOUT), 0)
-        self.server.reader.join(TIMEOUT)
-        log = "".join(_drain(self.server.lines))
+        log = "".join(self.server.log())
         self.assertIn('"POST /lmsp/v1/tasks HTTP/1.1" 202', log, "--verbose logs request lines")
         for secret in (self.ALICE, self.BOB, *extra):
             self.assertNotIn(secret, log, "a token reached the log")
             for body in self.bodies:
                 self.assertNotIn(secret.encode(), body, "a token reached an answer")
-
-
-def _drain(lines):
-    """Every line now in a queue (ServerProcess.lines), without blocking."""
-    out = []
-    while True:
-        try:
-            out.append(lines.get_nowait())
-        except queue.Empty:
-            return out
 
 
 TOKEN_RULE = "expected PRINCIPAL=TOKEN with a token of at least 8 visible characters"
@@ -8413,7 +8505,7 @@ class Era2TestBase(McpTestBase):
         if "result" not in response:
             raise AssertionError(f"{method} failed: {response}")
         result = response["result"]
-        self.assertIn("resultType", result, "every 2026-07-28 result carries resultType")
+        self.assertIn("resultType", result, "every result carries resultType")
         return result
 
     def mcreate(self, client, name, arguments, capabilities=None, **params):
@@ -8443,7 +8535,7 @@ class Era2TestBase(McpTestBase):
         return self.mget(client, task_id)
 
     def assertNoServerRequests(self, client):
-        """Nothing the server wrote is a JSON-RPC request (2026-07-28 has none)."""
+        """Nothing the server wrote is a JSON-RPC request (it never asks the client anything)."""
         self.discover(client)              # everything written before it is read
         requests = [m for m in client.log + client.unread() if "method" in m and "id" in m]
         self.assertEqual(requests, [])
@@ -8454,15 +8546,13 @@ class Era2ProtocolTests(Era2TestBase):
 
     def test_discover_answers_every_field_the_new_era_requires(self):
         client, _, _ = self.start_fresh()
-        started = time.monotonic()
         result = self.discover(client)
-        self.assertLess(time.monotonic() - started, 2.0, "server/discover answered at once")
         self.assertEqual(result["resultType"], "complete")
         self.assertEqual(result["supportedVersions"], ["2026-07-28", "2025-11-25"])
         self.assertEqual(result["capabilities"]["extensions"],
                          {"io.modelcontextprotocol/tasks": {}})
         self.assertIn("tools", result["capabilities"])
-        self.assertNotIn("tasks", result["capabilities"], "the extension, never capabilities.tasks")
+        self.assertNotIn("tasks", result["capabilities"], "never capabilities.tasks")
         self.assertEqual((result["ttlMs"], result["cacheScope"]), (0, "private"))
         self.assertEqual(result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"],
                          "taskstore")
@@ -8541,7 +8631,8 @@ class Era2ProtocolTests(Era2TestBase):
 
     def test_unenveloped_first_request_is_answered_promptly_and_locks_nothing(self):
         client, _, _ = self.start_fresh()
-        self.assertError(client.call("server/discover"), -32601)    # once legacy, at once
+        # Without the era's envelope, discover is unknown, and the era stays open.
+        self.assertError(client.call("server/discover"), -32601)
         self.assertEqual(client.result("ping"), {})
         self.assertEqual(self.discover(client)["resultType"], "complete")
 
@@ -8578,7 +8669,7 @@ class Era2ProtocolTests(Era2TestBase):
         result = self.mresult(client, "tools/call",          # forbidden: inline even if declared
                               {"name": "echo", "arguments": {"text": "b"}})
         self.assertEqual((result["resultType"], era2_text(result)), ("complete", "b"))
-        # Only the legacy capability: treated as not declaring (section 7).
+        # Only the legacy capability: treated as not declaring the tasks extension.
         response = self.mcall(client, "tools/call", {"name": "generate_report",
                                                      "arguments": {"topic": "t", "seconds": 1}},
                               capabilities={"tasks": {"requests": {"tools": {"call": {}}}}})
@@ -8740,7 +8831,7 @@ class Era2ProtocolTests(Era2TestBase):
 
     def test_legacy_created_task_read_and_cancelled_with_the_legacy_capability(self):
         client, _, store = self.start_modern()
-        # As if created by a 2025-11-25 server on the same file.
+        # As if created by a 2025-11-25 server on the same file: both eras read one store.
         legacy = store.create(taskstore.MCP_TASK_KIND, {"name": "sleep_then_echo", "arguments": {
             "seconds": 600, "text": "x"}}, ttl_ms=60000, meta={"session": "s", "era": "2025-11-25"})
         modern = self.mcreate(client, "sleep_then_echo", {"seconds": 600, "text": "y"})["taskId"]
@@ -8877,7 +8968,7 @@ class Era2CommandTests(Era2TestBase):
                          "cancelled")
         self.assertEqual(self.mget(modern, report)["status"], "cancelled")
         self.assertEqual(side.wait(report, timeout=TIMEOUT, terminal=True).status, CANCELLED)
-        # Created by the legacy client, read and cancelled by the modern one.
+        # Created by the legacy client, read and cancelled by the modern one: one store.
         old = self.create_task(legacy, "sleep_then_echo", {"seconds": 600, "text": "x"})["taskId"]
         old_caps = {"tasks": {"cancel": {}}}
         self.assertEqual(self.mget(modern, old, capabilities=old_caps)["status"], "working")
@@ -9005,8 +9096,6 @@ if _era2_sdk_major() == 2:
 else:
     _Era2SdkClient = None
 
-ERA2_SDK_PROBE_TIMEOUT_S = 10.0                # mcp 2.x DISCOVER_TIMEOUT_SECONDS
-
 
 @unittest.skipUnless(_Era2SdkClient is not None, "the official MCP SDK 2.x (mcp>=2,<3) is not "
                                                  "installed")
@@ -9014,17 +9103,15 @@ class Sdk2DualEraTests(Era2TestBase):
     """The official Python SDK 2.x negotiates the era itself (.ci/run installs it)."""
 
     def run_client(self, body, mode="auto"):
-        """Run ``await body(client)`` against the command; return (seconds to connect, value)."""
+        """Run ``await body(client)`` against the command; return its value."""
         command = mcp_server_command("--db", self.db)
         params = _Era2SdkParams(command=command[0], args=command[1:], cwd=self.dir)
 
         async def main():
             with open(self.errlog, "a") as errlog:
-                started = time.monotonic()
                 async with _Era2SdkClient(_era2_sdk_stdio(params, errlog=errlog),
                                           mode=mode) as client:
-                    elapsed = time.monotonic() - started
-                    return elapsed, await asyncio.wait_for(body(client), TIMEOUT)
+                    return await asyncio.wait_for(body(client), TIMEOUT)
         return asyncio.run(asyncio.wait_for(main(), 3 * TIMEOUT))
 
     def setUp(self):
@@ -9044,10 +9131,9 @@ class Sdk2DualEraTests(Era2TestBase):
             with self.assertRaises(_Era2SdkError) as caught:
                 await client.call_tool("generate_report", {"topic": "t", "seconds": 1})
             self.assertEqual(caught.exception.code, -32021)
-        elapsed, _ = self.run_client(body)
-        self.assertLess(elapsed, ERA2_SDK_PROBE_TIMEOUT_S / 4,
-                        "the session came up well under the SDK's 10 s probe timeout")
-        # The server's own log names the request that chose its era.
+        self.run_client(body)
+        # The server's own log names the request that chose its era: server/discover
+        # alone, so the SDK never gave up on its probe and fell back to initialize.
         self.assertEqual(era2_server_log(self.errlog),
                          ["taskstore: INFO mcp era 2026-07-28, chosen by server/discover"])
         with taskstore.TaskStore(self.db) as store:
@@ -9057,29 +9143,17 @@ class Sdk2DualEraTests(Era2TestBase):
         async def body(client):
             self.assertEqual(client.protocol_version, "2025-11-25")
             return (await client.call_tool("echo", {"text": "old"})).content[0].text
-        _, text = self.run_client(body, mode="legacy")
+        text = self.run_client(body, mode="legacy")
         self.assertEqual(text, "old")
         self.assertEqual(era2_server_log(self.errlog),
                          ["taskstore: INFO mcp era 2025-11-25, chosen by initialize"])
 
 
 # ---------------------------------------------------------------------------
-# Issue 5 (MCP): crash torture, fuzzing, resource limits and isolation
+# The MCP server under faults: crash torture, fuzzing, resource limits, isolation
 # ---------------------------------------------------------------------------
 
-FAULT_SOAK_S = float(os.environ.get("TASKSTORE_SOAK") or 0)
-FAULT_SEED = int(os.environ.get("TASKSTORE_FAULT_SEED")
-                 or (int.from_bytes(os.urandom(4), "big") if FAULT_SOAK_S else 20261129))
-TORTURE_CYCLES = 50                  # per default run; soak mode: as many as fit
-FUZZ_INPUTS = 10_000                 # per default run; soak mode: as many as fit
 FUZZ_LINE_LIMIT = 4096               # --max-line-bytes of the fuzzed server
-FORBIDDEN_IN_OUTPUT = ("Traceback", 'File "', "sqlite", "SQLITE", "SELECT", "INSERT INTO")
-
-
-def fault_context(cycle=None):
-    """The words a failure message needs to be replayed."""
-    where = f" cycle {cycle}" if cycle is not None else ""
-    return f"[replay: TASKSTORE_FAULT_SEED={FAULT_SEED}{where}]"
 
 
 def read_store_file(path):
@@ -9112,12 +9186,7 @@ def drain_client(client, timeout=TIMEOUT):
     """After the server's end of output: move every unread message into ``client.log``."""
     if not client.wait_eof(timeout):
         raise AssertionError("the server's output did not end")
-    while True:
-        message = client._inbox.get(timeout=timeout)
-        if message is None:
-            client._inbox.put(None)
-            return
-        client.log.append(message)
+    client.log.extend(client.peer.rest(timeout))
 
 
 class McpCrashTortureTests(unittest.TestCase):
@@ -9137,7 +9206,8 @@ class McpCrashTortureTests(unittest.TestCase):
     def setUp(self):
         self.dir = temp_dir(self)
         self.db = os.path.join(self.dir, "torture.db")
-        self.rng = random.Random(FAULT_SEED)
+        self.fault = FaultRun("TASKSTORE_FAULT_SEED", 20261129)
+        self.rng = self.fault.rng
         self.acked = {}           # task id -> cycle it was acknowledged in
         self.final = {}           # task id -> (row, events) once terminal: must never change
         self.observed = {}        # task id -> MCP status a client saw as terminal
@@ -9311,7 +9381,6 @@ class McpCrashTortureTests(unittest.TestCase):
             self.coverage["no free worker"] += 1
 
     def test_kill_9_at_random_moments_loses_nothing(self):
-        deadline = time.monotonic() + FAULT_SOAK_S
         cycle = 0
         before = None
         while True:
@@ -9320,14 +9389,14 @@ class McpCrashTortureTests(unittest.TestCase):
             try:
                 if before is not None:
                     self.check_after_restart(client, proc, before, cycle)
-                if cycle >= TORTURE_CYCLES and time.monotonic() >= deadline:
+                if not self.fault.more(cycle, TORTURE_CYCLES):
                     break
                 pending = self.drive(client, cycle)
                 self.kill(client, proc)
                 self.observe(client, pending)
                 before = self.check_after_kill(cycle)
             except BaseException as exc:
-                raise AssertionError(f"{fault_context(cycle)} {exc}") from exc
+                raise AssertionError(f"{self.fault.hint(f'cycle {cycle}')} {exc}") from exc
             cycle += 1
         # The last server leaves at EOF: everything it ran is settled, nothing is working.
         client.close()
@@ -9345,7 +9414,7 @@ class McpCrashTortureTests(unittest.TestCase):
                if "/" in key and not key.startswith(CANCELLING)}
         self.assertEqual(hit, set(taskstore.POLICIES), self.coverage)
         self.assertTrue(self.keys)
-        if os.environ.get("TASKSTORE_FAULT_VERBOSE"):
+        if PRINT_STATS:
             print(f"\n{cycle} cycles, {len(self.acked)} tasks, recovered: "
                   f"{dict(self.coverage)}", file=sys.stderr)
 
@@ -9507,7 +9576,7 @@ class McpFuzzer:
         while True:
             data = self.rng.choice(self.kinds)()
             lowered = data.lower()
-            if not any(w.lower().encode() in lowered for w in FORBIDDEN_IN_OUTPUT):
+            if not leaks(lowered):
                 return data if data.endswith(b"\n") else data + b"\n"
 
     # -- building blocks -----------------------------------------------------
@@ -9717,8 +9786,7 @@ class McpFuzzTests(McpTestBase):
 
     def check_message(self, message, where):
         text = json.dumps(message, ensure_ascii=False)
-        for word in FORBIDDEN_IN_OUTPUT:
-            self.assertNotIn(word, text, f"{where}: {text[:500]}")
+        self.assertEqual(leaks(text), [], f"{where}: {text[:500]}")
         self.assertIsInstance(message, dict, where)
         self.assertEqual(message.get("jsonrpc"), "2.0", f"{where}: {text[:300]}")
         if "method" in message:
@@ -9763,22 +9831,22 @@ class McpFuzzTests(McpTestBase):
         client.result("tasks/result", {"taskId": done})
         running = self.create_task(client, "generate_report",
                                    {"topic": "t", "seconds": 3600})["taskId"]
-        fuzzer = McpFuzzer(random.Random(FAULT_SEED), [done, running], FUZZ_LINE_LIMIT)
+        fault = FaultRun("TASKSTORE_FAULT_SEED", 20261129)
+        fuzzer = McpFuzzer(fault.rng, [done, running], FUZZ_LINE_LIMIT)
         # First every kind of non-id in every id position, whatever the seed; then
         # random lines (which make up more of them, among everything else).
         sweep = list(fuzzer.hostile_sweep())
-        deadline = time.monotonic() + FAULT_SOAK_S
         sent = 0
         checked = 0
         try:
-            while sweep or sent < FUZZ_INPUTS or time.monotonic() < deadline:
+            while sweep or fault.more(sent, FUZZ_INPUTS):
                 if sweep:
                     lines, sweep = sweep[:100], sweep[100:]
                 else:
                     lines = [fuzzer.line() for _ in range(100)]
                 client.send(b"".join(lines))
                 sent += len(lines)
-                where = f"{fault_context()} after input {sent}"
+                where = fault.hint(f"after input {sent}")
                 probe = f"probe-{sent}"
                 self.assertEqual(client.response(client.request("ping", msg_id=probe)),
                                  {"jsonrpc": "2.0", "id": probe, "result": {}}, where)
@@ -9789,7 +9857,7 @@ class McpFuzzTests(McpTestBase):
                 checked = len(client.log)
                 self.assertIsNone(proc.poll(), f"{where}: the server died")
                 self.assertEqual(client.bad_lines, [], where)
-            self.check_real_task(client, done, f"{fault_context()} at the end")
+            self.check_real_task(client, done, fault.hint("at the end"))
             got = self.real_call(client, "tasks/get", {"taskId": running})
             self.assertEqual(got["taskId"], running)
         except AssertionError as exc:
@@ -9803,7 +9871,7 @@ class McpFuzzTests(McpTestBase):
         for message in client.log[checked:]:
             if message.get("error", {}).get("message") == "the server is shutting down":
                 continue        # a tasks/result still blocked at EOF (documented)
-            self.check_message(message, f"{fault_context()} at EOF")
+            self.check_message(message, fault.hint("at EOF"))
         self.assertGreaterEqual(sent, FUZZ_INPUTS)
 
 
@@ -10016,9 +10084,8 @@ class McpResourceLimitTests(McpTestBase):
         client, _, store = self.start_server(tools=[tool])
         task_id = self.create_task(client, "stubborn", {})["taskId"]
         self.assertEqual(entered.get(timeout=TIMEOUT), task_id)
-        started = time.monotonic()
+        # The handler cannot return before release.set() below: an answer now did not wait.
         got = client.result("tasks/cancel", {"taskId": task_id})
-        self.assertLess(time.monotonic() - started, 2.0, "tasks/cancel waited for the handler")
         self.assertEqual(got["status"], "cancelled")
         self.assertEqual(store.get(task_id).status, CANCELLING)
         self.assertEqual(client.result("tasks/get", {"taskId": task_id})["status"], "cancelled")
@@ -10035,11 +10102,10 @@ class McpResourceLimitTests(McpTestBase):
         client, server, store = self.start_server(tools=[tool])
         task_id = self.create_task(client, "stubborn", {})["taskId"]
         entered.get(timeout=TIMEOUT)
-        started = time.monotonic()
         client.close()
-        self.assertTrue(client.wait_eof(TIMEOUT))
-        # README "What happens at EOF and SIGTERM": within 2 seconds, whatever the handlers do.
-        self.assertLess(time.monotonic() - started, server.shutdown_grace_s + 1.0)
+        # The handler cannot return before release.set() below: an end of output now
+        # did not wait for it (the server gives handlers server.shutdown_grace_s).
+        self.assertTrue(client.wait_eof(server.shutdown_grace_s + TIMEOUT))
         task = store.get(task_id)
         self.assertEqual(task.status, FAILED)
         self.assertTrue(task.status_message.startswith("CRASH_RECOVERY"), task.status_message)
@@ -10118,7 +10184,8 @@ class McpResourceLimitTests(McpTestBase):
                 task = again.get(task_id)
                 self.assertEqual(task.status, FAILED)
                 self.assertTrue(task.status_message.startswith("CRASH_RECOVERY"))
-            # The ones still queued could not be failed at EOF (no space): BUGS.md 2.
+            # The ones still queued could not be failed at EOF (the disk was full);
+            # the next open's recovery settles them.
             for task_id in running:
                 self.assertNotIn(again.get(task_id).status, taskstore.ACTIVE_STATES)
 
@@ -10138,8 +10205,7 @@ class McpResourceLimitTests(McpTestBase):
         running, error = self.fill(client)
         self.assertEqual(error["code"], -32603, error)
         self.assertIn("full", error["message"])
-        for word in FORBIDDEN_IN_OUTPUT:
-            self.assertNotIn(word, json.dumps(error))
+        self.assertEqual(leaks(json.dumps(error)), [], error)
         # Reads still work, nothing committed is damaged.
         self.assertEqual(client.result("ping"), {})
         for task_id, wire in before.items():
@@ -10317,7 +10383,7 @@ class McpKilledQueueTests(McpTestBase):
         got = client.result("tasks/get", {"taskId": busy["taskId"]})
         self.assertTrue(got["statusMessage"].startswith("CRASH_RECOVERY"), got)
         got = client.result("tasks/get", {"taskId": queued["taskId"]})
-        # Working when its process died -> failed, CRASH_RECOVERY;
+        # A task working when its process died is failed with CRASH_RECOVERY;
         # README: the same as at EOF, where _fail_unstarted fails it.
         self.assertEqual(got["status"], "failed", got)
         self.assertTrue(got.get("statusMessage", "").startswith("CRASH_RECOVERY"), got)
