@@ -205,11 +205,53 @@ STATES = tuple(TRANSITIONS)
 TERMINAL_STATES = frozenset(s for s, row in TRANSITIONS.items() if not row)
 UNFINISHED_STATES = tuple(s for s in STATES if s not in TERMINAL_STATES)
 ACTIVE_STATES = (LOADING, RUNNING, INPUT_REQUIRED, CANCELLING)  # owned by a runner
-# Where a cancel leads: a task in one of these was cancelled already.  A repeat
-# cancel returns it unchanged (LMSP: cancel is idempotent), or, for a caller
-# that refuses repeats (MCP shows both as the terminal "cancelled"), is
-# NotCancelable like a finished task.
-CANCELLED_STATES = frozenset(row[CANCEL] for row in TRANSITIONS.values() if CANCEL in row)
+
+# Recovery: the event fired at an unfinished task whose process is gone, by
+# its status and its restart policy (``create(policy=...)``).  None: the task
+# stays queued and only loses its owner, for any runner to claim.  A cancel
+# that was under way completes whatever the policy; ``fail`` fails even a
+# queued task whose creator vouched for it (``create(owner=...)``), as a
+# started one would; ``retry`` and ``resume`` queue the work again (``retry``
+# from the beginning, ``resume`` from its last snapshot: RESTART_KEEPS_SNAPSHOT).
+# fmt: off
+#                   policy:  fail            retry           resume
+RESTART = {
+    QUEUED:         {"fail": FAIL,           "retry": None,           "resume": None},
+    LOADING:        {"fail": FAIL,           "retry": REQUEUE,        "resume": REQUEUE},
+    RUNNING:        {"fail": FAIL,           "retry": REQUEUE,        "resume": REQUEUE},
+    INPUT_REQUIRED: {"fail": FAIL,           "retry": REQUEUE,        "resume": REQUEUE},
+    CANCELLING:     {"fail": CONFIRM_CANCEL, "retry": CONFIRM_CANCEL, "resume": CONFIRM_CANCEL},
+}
+# fmt: on
+# Whether a requeued task keeps the snapshot its last run saved, by policy.
+RESTART_KEEPS_SNAPSHOT = {"retry": False, "resume": True}
+
+# A repeat cancel: a task in one of these statuses was cancelled already, and
+# a cancel changes nothing in the store.  It returns the task unchanged (LMSP:
+# cancel is idempotent), or, for a caller that refuses repeats (MCP shows both
+# as the terminal "cancelled"), is NotCancelable like a finished task.
+CANCELLED_STATES = frozenset({CANCELLING, CANCELLED})
+
+# A late outcome: the handler reported it (the event the runner fired: succeed,
+# fail, or confirm_cancel when it stopped on its cancel signal), but the task
+# had moved meanwhile.  Row: that outcome; column: the status found on a second
+# read, same attempt; cell: the event fired instead.  A missing cell drops the
+# outcome (the task finished or was requeued without us).  A cancel committed
+# before the outcome wins; a success's value is kept as the cancelled task's
+# partial result (LATE_RESULT_KEPT), never as a success.  A handler that says
+# it was cancelled when nobody cancelled it has failed.
+# fmt: off
+#                   status found     -> event fired
+LATE_OUTCOME = {
+    SUCCEED:        {CANCELLING:     CONFIRM_CANCEL},
+    FAIL:           {CANCELLING:     CONFIRM_CANCEL},
+    CONFIRM_CANCEL: {LOADING:        FAIL,
+                     RUNNING:        FAIL,
+                     INPUT_REQUIRED: FAIL,
+                     CANCELLING:     CONFIRM_CANCEL},
+}
+# fmt: on
+LATE_RESULT_KEPT = frozenset({SUCCEED})
 
 
 def next_state(task_id, state, event):
@@ -226,13 +268,63 @@ def next_state(task_id, state, event):
         raise InvalidTransition(task_id, state, event) from None
 
 
+def _markdown_table(corner, columns, rows):
+    """Render ``{row: {column: cell}}`` as a markdown table; a missing cell is ``-``."""
+    lines = [f"| {corner} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name, row in rows.items():
+        lines.append(f"| {name} | " + " | ".join(str(row.get(c) or "-") for c in columns) + " |")
+    return "\n".join(lines)
+
+
 def transition_table_markdown():
     """Render TRANSITIONS as the markdown table the README shows."""
-    rows = ["| status | " + " | ".join(EVENTS) + " |",
-            "|---" * (len(EVENTS) + 1) + "|"]
-    for state, row in TRANSITIONS.items():
-        rows.append(f"| {state} | " + " | ".join(row.get(e, "-") for e in EVENTS) + " |")
-    return "\n".join(rows)
+    return _markdown_table("status", EVENTS, TRANSITIONS)
+
+
+def restart_table_markdown():
+    """Render RESTART (and RESTART_KEEPS_SNAPSHOT) as the markdown table the README shows."""
+    rows = {status: {p: RESTART[status][p] or "stays queued" for p in POLICIES}
+            for status in RESTART}
+    rows["requeued, keeps its snapshot"] = {
+        p: {True: "yes", False: "no"}.get(RESTART_KEEPS_SNAPSHOT.get(p)) for p in POLICIES}
+    return _markdown_table("status \\ policy", POLICIES, rows)
+
+
+def repeat_cancel_markdown():
+    """Render what a cancel does in each status (TRANSITIONS and CANCELLED_STATES)."""
+    columns = ("cancel", "cancel, repeats refused")
+    rows = {}
+    for status, row in TRANSITIONS.items():
+        if CANCEL in row:
+            rows[status] = dict.fromkeys(columns, f"-> {row[CANCEL]}")
+        elif status in CANCELLED_STATES:
+            rows[status] = {columns[0]: "unchanged", columns[1]: "NotCancelable"}
+        else:
+            rows[status] = dict.fromkeys(columns, "NotCancelable")
+    return _markdown_table("status", columns, rows)
+
+
+def late_outcome_markdown():
+    """Render LATE_OUTCOME (and LATE_RESULT_KEPT) as the markdown table the README shows."""
+    columns = [s for s in STATES if any(s in row for row in LATE_OUTCOME.values())]
+    rows = {}
+    for outcome, row in LATE_OUTCOME.items():
+        kept = " (result kept)" if outcome in LATE_RESULT_KEPT else ""
+        rows[outcome] = {s: row[s] + (kept if row[s] == CONFIRM_CANCEL else "")
+                         for s in columns if s in row}
+    return _markdown_table("outcome \\ found", columns, rows)
+
+
+def lifecycle_tables_markdown():
+    """Render the recovery, repeat-cancel and late-outcome tables, each under a line of its own."""
+    return "\n\n".join((
+        "What recovery fires for an unfinished task whose process is gone, by status and "
+        "restart policy (`taskstore.RESTART`):", restart_table_markdown(),
+        "What a cancel does, by status; a repeat cancel changes nothing in the store "
+        "(`taskstore.CANCELLED_STATES`):", repeat_cancel_markdown(),
+        "What the runner does with an outcome its handler reports after the task moved, by the "
+        "status it finds (`taskstore.LATE_OUTCOME`); a missing cell drops the outcome:",
+        late_outcome_markdown()))
 
 
 # =============================================================================
@@ -453,8 +545,9 @@ def problem_object(status, code, detail, param=None):
 # ids, cursors, JSON and time helpers, and parameter validation.  Nothing here
 # touches the database.
 
-# One lifecycle, two vocabularies (DESIGN.md).  These two dicts are the only
-# place the protocols' words for a stored status are decided.
+# One lifecycle, two vocabularies: one stored status set, the union of what
+# both protocols need.  These two dicts are the only place the protocols'
+# words for a stored status are decided.
 MCP_STATUS = {QUEUED: "working", LOADING: "working", RUNNING: "working",
               INPUT_REQUIRED: "input_required", CANCELLING: "cancelled",
               SUCCEEDED: "completed", FAILED: "failed", CANCELLED: "cancelled"}
@@ -1127,7 +1220,7 @@ class TaskStore:
         self._changed = threading.Condition(self._lock)
         self._work = threading.Condition(self._lock)
         self._work_gen = 0
-        self._claimed_empty_gen = 0   # _work_gen when a claim last found nothing (see _claim)
+        self._claimed_empty_gen = 0   # _work_gen when a claim last found nothing (see claim)
         # How many threads wait on each condition: a notify nobody waits for
         # is skipped (it costs a lock probe on every write otherwise).
         self._changed_waiting = 0
@@ -1467,7 +1560,7 @@ class TaskStore:
             # One event per moved task, and as many as counted: cannot fail
             # inside BEGIN IMMEDIATE; the guard is the rule.
             if cursor.rowcount != inserted or count not in (None, inserted):
-                raise InvalidTransition("(several)", status, new)
+                raise InvalidTransition("(several)", status, event)
             if new == QUEUED and inserted:
                 self._work_gen += 1
                 if self._work_waiting:
@@ -2169,11 +2262,22 @@ class TaskStore:
 
     # -- runners: claiming, ownership -------------------------------------------
 
-    def _claim(self, owner, kinds, loading_kinds=()):
-        """Claim the oldest queued task of *kinds* for *owner*; None when there is none.
+    def claim(self, kinds, *, owner, loading_kinds=()):
+        """Claim the oldest queued task of *kinds* for *owner*; return it, or None when there is none.
 
-        Kinds in *loading_kinds* go to ``loading`` (their handler says when it
-        runs); the others go straight to ``running``.
+        The claimed task is ``loading`` if its kind is in *loading_kinds*
+        (its worker says when the work runs, with ``start``), else
+        ``running``.  *owner* is a registration from ``register_process``:
+        while it heartbeats the task is its own; once it is dead, recovery
+        applies the task's restart policy.  Each queued task is claimed
+        exactly once, whatever the number of workers and processes.  A
+        worker moves the task on with ``start``, ``emit``, ``set_progress``,
+        ``require_input`` and finishes it with ``succeed``, ``fail`` or,
+        after a cancel, ``confirm_cancel``, each with ``attempt=task.attempt``.
+        Does not block (see ``wait_for_work``).
+
+        Raises:
+            StoreClosed, StoreUnavailable: the store cannot be used.
         """
         if not kinds:
             return None
@@ -2201,8 +2305,16 @@ class TaskStore:
                 fields={"owner": owner})
         return self._group_write(body)
 
-    def _wait_for_work(self, seen, timeout):
-        """Wait until a task may have become queued; return the new generation."""
+    def wait_for_work(self, seen, timeout):
+        """Block until a task may have become queued in this process; return a generation.
+
+        Pass the generation the last call returned (None at first): the call
+        returns at once if work was queued since, else waits at most
+        *timeout* seconds.  A create in this process wakes it at once; work
+        queued by another process is only seen by the next ``claim``, so
+        keep *timeout* short (the runner uses ``poll_interval``).  Returns
+        at once once the store is closed (the next ``claim`` raises).
+        """
         with self._lock:
             if seen == self._work_gen and not self._closed:
                 self._work_waiting += 1
@@ -2230,7 +2342,14 @@ class TaskStore:
             return self._conn.execute("UPDATE processes SET heartbeat_at = ? WHERE id = ?",
                                       (self._now_ms(), proc_id)).rowcount == 1
 
-    def _cancelling_owned(self, proc_id):
+    def cancelling_owned(self, owner):
+        """Return the ids of the tasks *owner* holds that are ``cancelling``.
+
+        A worker polls this (the runner does with each heartbeat) to learn
+        of cancels made in other processes; within this process
+        ``cancel_event`` is set at once.
+        """
+        proc_id = owner
         with self._reading() as conn:
             return {r[0] for r in conn.execute(
                 "SELECT id FROM tasks WHERE owner = ? AND status = ?", (proc_id, CANCELLING))}
@@ -2279,7 +2398,7 @@ class TaskStore:
 
     def _restart_batch_locked(self, notices, now, reason, batch, args, present=None,
                               tally=None):
-        """Apply the restart policy (DESIGN.md, LMSP A.5) to the tasks *batch* selects; return the count.
+        """Apply the restart table (``RESTART``) to the tasks *batch* selects; return the count.
 
         *present*: the ``(status, policy)`` pairs the batch may hold, when
         the caller knows them (then nothing is counted); None: counted here.
@@ -2293,57 +2412,58 @@ class TaskStore:
                 args)
         else:
             rows = [(status, policy, None) for status, policy in present]
-        groups = {}
+        # RESTART decides each (status, policy); tasks that get the same event
+        # and the same fields move in one set-based statement.
+        plan, disown = {}, []
         for status, policy, count in rows:
-            groups.setdefault(policy, []).append((status, count))
-            groups.setdefault(None, []).append((status, count))
-        moved = 0
-        # A cancel that was under way completes, whatever the policy.
-        counts = [c for t, c in groups.get(None, ()) if t == CANCELLING]
-        if counts:
-            done = self._transition_set_locked(
-                notices, CONFIRM_CANCEL, now, f"{batch} AND status = ?", (*args, CANCELLING),
-                message=reason, groups=[(CANCELLING, None if None in counts else sum(counts))])
-            tally[CANCELLING] = tally.get(CANCELLING, 0) + done
-            moved += done
-        active = f"{batch} AND status IN ('{LOADING}', '{RUNNING}', '{INPUT_REQUIRED}') " \
-                 "AND policy = ?"
-        message = f"CRASH_RECOVERY: {reason} before it finished"
-        error = {"code": "server_restarted", "message": message}
-        for policy in POLICIES:
-            present = [(s, c) for s, c in groups.get(policy, ()) if s not in (CANCELLING, QUEUED)]
-            if not present:
+            event = RESTART[status][policy]
+            if event is None:
+                disown.append(status)
                 continue
-            if policy == "fail":
+            # confirm_cancel writes the same whatever the policy; fail says
+            # whether the work had started; requeue's fields depend on the policy.
+            key = (event, None if event == CONFIRM_CANCEL else policy,
+                   event == FAIL and status == QUEUED)
+            plan.setdefault(key, []).append((status, count))
+        moved = 0
+        for (event, policy, unstarted), present in plan.items():
+            statuses = [s for s, _ in present]
+            where = f"{batch} AND status IN ({', '.join('?' * len(statuses))})"
+            args_ = (*args, *statuses)
+            if policy is not None:
+                where += " AND policy = ?"
+                args_ += (policy,)
+            if event == CONFIRM_CANCEL:
+                counts = {}
+                for status, count in present:
+                    counts[status] = None if None in (count, counts.get(status, 0)) \
+                        else counts.get(status, 0) + count
+                done = self._transition_set_locked(notices, event, now, where, args_,
+                                                   message=reason, groups=list(counts.items()))
+            elif event == FAIL:
+                message = (f"CRASH_RECOVERY: {reason} before it "
+                           f"{'started' if unstarted else 'finished'}")
+                error = {"code": "server_restarted", "message": message}
                 done = self._transition_set_locked(
-                    notices, FAIL, now, active, (*args, policy), error=error, message=message,
+                    notices, event, now, where, args_, error=error, message=message,
                     fields={"error": dumps(error), "status_message": message}, groups=present)
             else:
                 fields = {"owner": None, "attempt": _Sql("attempt + 1"), "input_request": None,
                           "input_answer": None, "status_message": None}
-                if policy == "retry":
+                if not RESTART_KEEPS_SNAPSHOT[policy]:
                     fields["snapshot"] = None      # retry starts from the beginning
                 done = self._transition_set_locked(
-                    notices, REQUEUE, now, active, (*args, policy), fields=fields,
+                    notices, event, now, where, args_, fields=fields,
                     message=f"requeued ({policy}): {reason}", groups=present)
-            tally[policy] = tally.get(policy, 0) + done
+            key = CANCELLING if event == CONFIRM_CANCEL else policy
+            tally[key] = tally.get(key, 0) + done
             moved += done
-        # Queued tasks whose creator vouched for them (create(owner=...)): a
-        # `fail` task fails now, as a started one would; the others simply
-        # stay queued for any runner.
-        queued_fail = [(s, c) for s, c in groups.get("fail", ()) if s == QUEUED]
-        if queued_fail:
-            message = f"CRASH_RECOVERY: {reason} before it started"
-            error = {"code": "server_restarted", "message": message}
-            done = self._transition_set_locked(
-                notices, FAIL, now, f"{batch} AND status = '{QUEUED}' AND policy = ?",
-                (*args, "fail"), error=error, message=message,
-                fields={"error": dumps(error), "status_message": message}, groups=queued_fail)
-            tally["fail"] = tally.get("fail", 0) + done
-            moved += done
-        if any(s == QUEUED for s, _ in groups.get(None, ())):
-            self._conn.execute(f"UPDATE tasks SET owner = NULL WHERE {batch} AND status = ?",
-                               (*args, QUEUED))
+        if disown:
+            # The task stays where it is for any runner; only its owner goes.
+            statuses = sorted(set(disown))
+            self._conn.execute(
+                f"UPDATE tasks SET owner = NULL WHERE {batch} AND status IN "
+                f"({', '.join('?' * len(statuses))})", (*args, *statuses))
         return moved
 
     def _owner_dead(self, proc, now):
@@ -2900,8 +3020,10 @@ class Runner:
         seen = None
         while not self._stopping.is_set():
             try:
-                task = self.store._claim(self.process_id, tuple(self.handlers), tuple(
-                    k for k, h in self.handlers.items() if getattr(h, "has_loading_phase", False)))
+                loading = tuple(k for k, h in self.handlers.items()
+                                if getattr(h, "has_loading_phase", False))
+                task = self.store.claim(tuple(self.handlers), owner=self.process_id,
+                                        loading_kinds=loading)
             except StoreClosed:
                 return
             except TaskStoreError as exc:
@@ -2911,7 +3033,7 @@ class Runner:
                 self._complained = False
             if task is None:
                 try:
-                    seen = self.store._wait_for_work(seen, self.store.poll_interval)
+                    seen = self.store.wait_for_work(seen, self.store.poll_interval)
                 except StoreClosed:
                     return
                 continue
@@ -2982,20 +3104,18 @@ class Runner:
             else:
                 store.confirm_cancel(task_id, attempt=attempt)
         except InvalidTransition:
-            # Someone moved the task first.  MCP and LMSP: a cancel committed
-            # before the outcome wins, and the late outcome is dropped.
+            # Someone moved the task first: LATE_OUTCOME says what happens now.
             try:
                 task = store.get(task_id)
             except TaskNotFound:            # finished by another and expired already
                 logger.debug("late outcome of task %s ignored: it has expired", task_id)
                 return
-            if task.status == CANCELLING and task.attempt == attempt:
-                # A cancel won; whatever the handler returned is kept as the
-                # partial result, never as a success.
-                store.confirm_cancel(task_id, attempt=attempt,
-                                     result=outcome[1] if outcome[0] == "succeed" else None)
-            elif outcome[0] == "cancelled" and task.status in (LOADING, RUNNING, INPUT_REQUIRED) \
-                    and task.attempt == attempt:
+            reported = {"succeed": SUCCEED, "fail": FAIL}.get(outcome[0], CONFIRM_CANCEL)
+            event = LATE_OUTCOME[reported].get(task.status) if task.attempt == attempt else None
+            if event == CONFIRM_CANCEL:
+                store.confirm_cancel(task_id, attempt=attempt, result=outcome[1] if (
+                    reported in LATE_RESULT_KEPT) else None)
+            elif event == FAIL:
                 store.fail(task_id, {"code": "internal_error",
                                      "message": "the handler stopped as cancelled without a cancel"},
                            attempt=attempt)
@@ -3042,7 +3162,7 @@ class Runner:
                         for ctx in contexts:
                             ctx.cancelled.set()
                         self.process_id = self.store.register_process()
-                    for task_id in self.store._cancelling_owned(self.process_id):
+                    for task_id in self.store.cancelling_owned(self.process_id):
                         with self._lock:
                             ctx = self._active.get(task_id)
                         if ctx is not None:
@@ -6531,7 +6651,7 @@ class Bench:
         def ours_run(store):
             for i in range(self.n):
                 task = store.create("bench", {"i": i})
-                store._claim("proc_bench", ("bench",))
+                store.claim(("bench",), owner="proc_bench")
                 store.succeed(task.id, {"ok": True})
 
         def raw_run(conn):
@@ -6719,7 +6839,7 @@ class Bench:
         def cycle(store, rounds):
             for i in range(rounds):
                 store.create("bench")
-                task = store._claim("proc_bench", ("bench",))
+                task = store.claim(("bench",), owner="proc_bench")
                 if task is not None:
                     store.succeed(task.id, i)
 
