@@ -407,7 +407,7 @@ class LifecycleTests(StoreTestCase):
             self.store.events(task.id, after=-1)
 
     def test_event_reads_use_the_index(self):
-        plan = self.store._conn.execute(
+        plan = self.store._engine.conn.execute(
             "EXPLAIN QUERY PLAN SELECT seq, type, data, created_at FROM events "
             "WHERE task_id = ? AND seq >= ? ORDER BY seq", ("x", 0)).fetchall()
         self.assertIn("PRIMARY KEY", " ".join(str(r) for r in plan))
@@ -699,7 +699,7 @@ class RunnerTests(StoreTestCase):
         self.assertEqual(task.status, FAILED)
         self.assertTrue(task.status_message.startswith("CRASH_RECOVERY"))
         self.assertEqual(task.error["code"], "server_restarted")
-        self.assertEqual(self.store._conn.execute("SELECT count(*) FROM processes").fetchone()[0], 0)
+        self.assertEqual(self.store._engine.conn.execute("SELECT count(*) FROM processes").fetchone()[0], 0)
 
 
 # ---------------------------------------------------------------------------
@@ -881,29 +881,29 @@ class CheckpointTests(StoreTestCase):
         return [self.store.create("k", {"i": i}).id for i in range(count)]
 
     def test_a_background_thread_checkpoints_after_enough_writes(self):
-        self.assertIsNone(self.store._checkpointer)          # a store that never wrote has none
+        self.assertIsNone(self.store._engine._checkpointer)          # a store that never wrote has none
         rows_per_create = 2                                   # the task and its first event
         self.writes(taskstore.CHECKPOINT_ROWS // rows_per_create + 1)
-        checkpointer = self.store._checkpointer
+        checkpointer = self.store._engine._checkpointer
         self.assertIsNotNone(checkpointer)
         self.assertNotEqual(checkpointer.ident, threading.get_ident())
         self.assertTrue(checkpointer.wait_for_pass(1, TIMEOUT))
         self.assertGreaterEqual(self.rows_in_main_file(), taskstore.CHECKPOINT_ROWS // 2)
 
     def test_writers_never_checkpoint_below_the_backstop(self):
-        pragma = self.store._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
+        pragma = self.store._engine.conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
         self.assertEqual(pragma, taskstore.WAL_BACKSTOP_PAGES)
         # A bulk job turns it off while it runs and must turn it back on.
         self.store.reap()
-        pragma = self.store._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
+        pragma = self.store._engine.conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
         self.assertEqual(pragma, taskstore.WAL_BACKSTOP_PAGES)
 
     def test_the_wal_restarts_under_continuous_writes(self):
-        page = self.store._conn.execute("PRAGMA page_size").fetchone()[0]
+        page = self.store._engine.conn.execute("PRAGMA page_size").fetchone()[0]
         self.writes(5 * taskstore.CHECKPOINT_ROWS)
-        passes = self.store._checkpointer.passes
+        passes = self.store._engine._checkpointer.passes
         self.writes(10 * taskstore.CHECKPOINT_ROWS)
-        self.assertTrue(self.store._checkpointer.wait_for_pass(passes + 1, TIMEOUT))
+        self.assertTrue(self.store._engine._checkpointer.wait_for_pass(passes + 1, TIMEOUT))
         # 7,500 creates write ~30,000 WAL pages; without restarts the file would hold them all.
         # With them it stays near the backstop: the inline checkpoint that crosses it finds
         # the background one busy now and then, and the WAL grows on until a restart (up to
@@ -926,12 +926,12 @@ class CheckpointTests(StoreTestCase):
 
     def test_close_stops_the_thread_and_a_read_only_store_has_none(self):
         self.writes(taskstore.CHECKPOINT_ROWS)
-        checkpointer = self.store._checkpointer
+        checkpointer = self.store._engine._checkpointer
         self.store.close()
         self.assertFalse(checkpointer.is_alive())
         reader = self.open_store(readonly=True)
         reader.list()
-        self.assertIsNone(reader._checkpointer)
+        self.assertIsNone(reader._engine._checkpointer)
         with self.assertRaises(taskstore.StoreUnavailable):
             reader.checkpoint()
 
@@ -940,11 +940,11 @@ class ClaimTests(StoreTestCase):
 
     def traced(self, fn):
         statements = []
-        self.store._conn.set_trace_callback(statements.append)
+        self.store._engine.conn.set_trace_callback(statements.append)
         try:
             return fn(), statements
         finally:
-            self.store._conn.set_trace_callback(None)
+            self.store._engine.conn.set_trace_callback(None)
 
     def test_idle_claims_never_take_the_write_lock(self):
         for _ in range(3):
@@ -991,10 +991,10 @@ class GroupCommitTests(StoreTestCase):
             lambda notices: self.store._transition_locked(
                 notices, existing.id, taskstore.START, 0))]
         commits = []
-        self.store._conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
+        self.store._engine.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
                                             else None)
         self.store._run_group(batch)
-        self.store._conn.set_trace_callback(None)
+        self.store._engine.conn.set_trace_callback(None)
         self.assertEqual(len(commits), 1)
         a, b, missing, c, moved = batch
         self.assertIsInstance(missing.error, taskstore.TaskNotFound)
@@ -1016,13 +1016,13 @@ class GroupCommitTests(StoreTestCase):
 
     def test_the_lead_passes_to_a_waiting_writer_after_each_transaction(self):
         handed = []
-        real = taskstore.TaskStore._hand_over_locked
+        real = taskstore._GroupCommit._hand_over_locked
 
         def hand_over(store):
             handed.append(bool(store._group_queue))
             real(store)
         with unittest.mock.patch.object(taskstore, "GROUP_ROUNDS", 1), \
-                unittest.mock.patch.object(taskstore.TaskStore, "_hand_over_locked", hand_over):
+                unittest.mock.patch.object(taskstore._GroupCommit, "_hand_over_locked", hand_over):
             self.create_from_threads()
         self.assertTrue(any(handed), "no writer ever took the lead over from another")
 
@@ -1032,14 +1032,14 @@ class GroupCommitTests(StoreTestCase):
         # overs and chained wake-ups interleave every way.  A lost wake-up
         # leaves a thread asleep for good: the join fails.
         gave_up = []
-        real = taskstore.TaskStore._gather_locked
+        real = taskstore._GroupCommit._gather_locked
 
         def gather(store):
             want = store._group_last
             real(store)
             gave_up.append(len(store._group_queue) < want)
         with unittest.mock.patch.object(taskstore, "GROUP_DELAY_S", 0.0001), \
-                unittest.mock.patch.object(taskstore.TaskStore, "_gather_locked", gather):
+                unittest.mock.patch.object(taskstore._GroupCommit, "_gather_locked", gather):
             self.create_from_threads(counts=[40 + 20 * n for n in range(8)])
         self.assertTrue(any(gave_up), "no leader ever stopped waiting for company")
 
@@ -1049,11 +1049,11 @@ class GroupCommitTests(StoreTestCase):
             op.wake = threading.Lock()
             op.wake.acquire()
         leader = taskstore._GroupOp(None)          # awake: it ran the batch
-        taskstore.TaskStore._wake([ops[0], leader, *ops[1:]])
+        taskstore._GroupCommit._wake([ops[0], leader, *ops[1:]])
         self.assertTrue(all(op.done for op in [*ops, leader]))
         self.assertEqual([op.wake.locked() for op in ops], [False, True, True, True])
         for n, op in enumerate(ops):        # each sleeper, once awake, wakes the next
-            taskstore.TaskStore._wait_woken(op)     # its lock is free (checked): no wait
+            taskstore._GroupCommit._wait_woken(op)     # its lock is free (checked): no wait
             self.assertIsNone(op.wake)
             if n + 1 < len(ops):
                 self.assertFalse(ops[n + 1].wake.locked())
@@ -1087,11 +1087,11 @@ class BatchCreateTests(StoreTestCase):
     def test_a_batch_is_committed_in_one_transaction_with_each_first_event(self):
         payloads = [{"i": i} for i in range(50)] + [None, [1, 2], "text"]
         statements = []
-        self.store._conn.set_trace_callback(
+        self.store._engine.conn.set_trace_callback(
             lambda sql: statements.append(sql) if sql in ("BEGIN IMMEDIATE", "COMMIT") else None)
         tasks = self.store.create_many("k", payloads, ttl_ms=60_000, principal="alice",
                                        meta={"m": 1}, status_message="waiting")
-        self.store._conn.set_trace_callback(None)
+        self.store._engine.conn.set_trace_callback(None)
         self.assertEqual(statements, ["BEGIN IMMEDIATE", "COMMIT"])
         self.assertEqual([t.payload for t in tasks], payloads)
         self.assertEqual([t.id for t in tasks], sorted(t.id for t in tasks))   # creation order
@@ -1199,7 +1199,7 @@ class RetentionTests(StoreTestCase):
         self.assertEqual(len(self.store.events(done.id)), 4)
         self.assertEqual(self.store.reap(now=self.clock.ms)["tasks"], 0)
         self.clock.advance(0.001)               # at createdAt + ttl: expired, not yet reaped
-        self.assertEqual(self.store._conn.execute("SELECT count(*) FROM tasks").fetchone()[0], 4)
+        self.assertEqual(self.store._engine.conn.execute("SELECT count(*) FROM tasks").fetchone()[0], 4)
         for read in (self.store.get, self.store.events, self.store.cancel,
                      lambda task_id: self.store.wait(task_id, timeout=TIMEOUT, terminal=True)):
             with self.subTest(read=read):
@@ -1270,9 +1270,9 @@ class RetentionTests(StoreTestCase):
         for _ in range(1200):
             self.store.cancel(self.store.create("k", retention_ms=0).id)
         statements = []
-        self.store._conn.set_trace_callback(statements.append)
+        self.store._engine.conn.set_trace_callback(statements.append)
         counts = self.store.reap(batch_rows=300)
-        self.store._conn.set_trace_callback(None)
+        self.store._engine.conn.set_trace_callback(None)
         self.assertEqual(counts["tasks"], 1200)
         self.assertEqual(counts["events"], 2400)
         # 1,200 tasks at 300 per transaction: at least 4 transactions of tasks.
@@ -1343,9 +1343,9 @@ class OwnedTaskTestCase(StoreTestCase):
         pid = OwnedTaskTestCase._dead_pid
         owner = taskstore.new_id("proc", self.clock.ms)
         with self.store._writing():
-            self.store._conn.execute(
+            self.store._engine.conn.execute(
                 "INSERT INTO processes VALUES (?, ?, ?, ?, ?, ?)",
-                (owner, pid, self.store._host, "1", self.clock.ms, self.clock.ms))
+                (owner, pid, taskstore._HOST(), "1", self.clock.ms, self.clock.ms))
         return owner
 
 
@@ -1404,11 +1404,11 @@ class RecoveryTests(OwnedTaskTestCase):
                for _ in range(5) for policy, status in kinds]
         queued = self.store.create("vouched", policy="fail", owner=owner)
         commits = []
-        self.store._conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
+        self.store._engine.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
                                             else None)
         with unittest.mock.patch.object(taskstore, "RELEASE_BATCH", 4):
             self.assertEqual(self.store.recover(), len(ids) + 1)
-        self.store._conn.set_trace_callback(None)
+        self.store._engine.conn.set_trace_callback(None)
         self.assertGreaterEqual(len(commits), (len(ids) + 2) // 4)
         expected = {("fail", RUNNING): FAILED, ("retry", RUNNING): QUEUED,
                     ("resume", LOADING): QUEUED, ("retry", CANCELLING): CANCELLED,
@@ -1703,13 +1703,55 @@ class PublicWorkerLoopTests(StoreTestCase):
                             self.assertFalse(node.attr.startswith("_"))
 
 
+class EngineSeamTests(unittest.TestCase):
+    """The store reaches its engine only through the names the engine banner lists."""
+
+    @classmethod
+    def setUpClass(cls):
+        with open(TASKSTORE_PY, encoding="utf-8") as f:
+            cls.source = f.read()
+        start = cls.source.index("# What an engine provides:")
+        banner = cls.source[start:cls.source.index("\n\n", start)]
+        cls.listed = set(re.findall(r"^#   (\w+)", banner, re.M))
+        import ast
+        cls.store = next(node for node in ast.parse(cls.source).body
+                         if isinstance(node, ast.ClassDef) and node.name == "TaskStore")
+
+    def test_the_banner_lists_what_the_sqlite_engine_provides(self):
+        self.assertGreater(len(self.listed), 20)
+        engine = taskstore.SQLiteEngine
+        for name in self.listed - {"lock", "readonly"}:
+            with self.subTest(name=name):
+                self.assertTrue(callable(getattr(engine, name, None)))
+
+    def test_the_store_uses_only_listed_engine_names(self):
+        import ast
+        text = ast.get_source_segment(self.source, self.store)
+        used = set(re.findall(r"(?<![\w.])(?:self\._)?engine\.(\w+)", text))
+        self.assertTrue(used)
+        self.assertLessEqual(used, self.listed)
+        self.assertNotIn("sqlite3", text)
+
+    def test_the_store_holds_no_sql(self):
+        import ast
+        sql = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|PRAGMA|BEGIN|COMMIT|WHERE)\b")
+        docstrings = {id(node.body[0].value) for node in ast.walk(self.store)
+                      if isinstance(node, (ast.ClassDef, ast.FunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        for node in ast.walk(self.store):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and id(node) not in docstrings:
+                with self.subTest(text=node.value[:60]):
+                    self.assertIsNone(sql.search(node.value))
+
+
 class SqlParameterTests(StoreTestCase):
     """No caller-supplied text is ever formatted into SQL: it travels as parameters."""
 
     def test_user_text_never_appears_in_statement_text(self):
         marker = "ZQX'marker\"--"
         seen = []
-        real = self.store._conn
+        real = self.store._engine.conn
 
         class Recording:
             def __getattr__(self, name):
@@ -1723,7 +1765,7 @@ class SqlParameterTests(StoreTestCase):
                 seen.append(sql)
                 return real.executemany(sql, params)
 
-        self.store._conn = Recording()
+        self.store._engine.conn = Recording()
         task = self.store.create(marker, {"m": marker}, principal=marker, meta={"m": marker},
                                  status_message=marker,
                                  idempotency=(marker, marker, marker, 1000))
@@ -1825,7 +1867,7 @@ class OpenErrorTests(StoreTestCase):
         store.close()
         roomy = self.open_store()
         self.assertEqual(roomy.create("k", "after").status, QUEUED)
-        self.assertEqual(roomy._conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")
+        self.assertEqual(roomy._engine.conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")
 
 
 class BadInputTests(StoreTestCase):
@@ -2336,7 +2378,7 @@ def trace(sql):                 # called for every row of an executemany
             say("inside")
             sys.stdin.readline()
 
-store._conn.set_trace_callback(trace)
+store._engine.conn.set_trace_callback(trace)
 for batch in range(last + 1):
     store.create_many("batch", [{"batch": batch, "i": i} for i in range(size)])
     say("committed", batch)
@@ -2812,7 +2854,7 @@ class CrashRecoveryTests(MultiProcessTestCase):
         child.kill9(self)
 
         store = self.open_after_dead_writer()
-        self.assertEqual(store._conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
+        self.assertEqual(store._engine.conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
         for task_id in info["ids"] + [info["queued"]]:
             self.assertEqual(self.dump(store, task_id), info["state"][task_id])
         self.assertEqual(store.get(info["ids"][0]).status, taskstore.RUNNING)
@@ -2872,7 +2914,7 @@ class LiveNeighbourTests(MultiProcessTestCase):
 
         # recover() reads the registrations, then the owned tasks: the
         # neighbour registers and claims the task between those two reads.
-        store._conn = PausingConnection(store._conn, "FROM processes", start_the_neighbour)
+        store._engine.conn = PausingConnection(store._engine.conn, "FROM processes", start_the_neighbour)
         moved = store.recover()
 
         self.assertEqual(neighbour.get("task"), task.id)       # the interleaving happened
@@ -2899,19 +2941,20 @@ class SharedFileOpenTests(MultiProcessTestCase):
             other["first"] = child.readline()
             test.assertIn(other["first"].partition(" ")[0], ("created", "busy"))
 
-        class HookedStore(taskstore.TaskStore):
-            def _open_schema(store, max_bytes):
+        class HookedEngine(taskstore.SQLiteEngine):
+            def _open_schema(engine, max_bytes):
                 # Run the other process right after this one has read the
                 # (still empty) file's application_id.
-                real = store._conn
-                store._conn = PausingConnection(real, "PRAGMA application_id",
+                real = engine.conn
+                engine.conn = PausingConnection(real, "PRAGMA application_id",
                                                 let_another_process_initialise_it)
                 try:
                     return super()._open_schema(max_bytes)
                 finally:
-                    store._conn = real
+                    engine.conn = real
 
-        store = HookedStore(self.path, poll_interval=0.02)
+        with unittest.mock.patch.object(taskstore, "SQLiteEngine", HookedEngine):
+            store = taskstore.TaskStore(self.path, poll_interval=0.02)
         self.addCleanup(store.close)
         child = other["child"]
         child.finish(self)
@@ -2949,22 +2992,23 @@ class SharedFileOpenTests(MultiProcessTestCase):
             def __getattr__(self, name):
                 return getattr(self._conn, name)
 
-        class HookedStore(taskstore.TaskStore):
-            def _open_schema(store, max_bytes):
-                real = store._conn
-                store._conn = ReleasingConnection(real)
+        class HookedEngine(taskstore.SQLiteEngine):
+            def _open_schema(engine, max_bytes):
+                real = engine.conn
+                engine.conn = ReleasingConnection(real)
                 try:
                     return super()._open_schema(max_bytes)
                 finally:
-                    store._conn = real
+                    engine.conn = real
 
-        store = HookedStore(self.path, poll_interval=0.02)
+        with unittest.mock.patch.object(taskstore, "SQLiteEngine", HookedEngine):
+            store = taskstore.TaskStore(self.path, poll_interval=0.02)
         self.addCleanup(store.close)
         self.assertEqual(refused, ["database is locked"])    # the upgrade did collide
         holder.expect("released")
         holder.finish(self)
         self.assertEqual(store.create("k").status, taskstore.QUEUED)
-        self.assertEqual(store._conn.execute("PRAGMA journal_mode").fetchone()[0], "wal")
+        self.assertEqual(store._engine.conn.execute("PRAGMA journal_mode").fetchone()[0], "wal")
 
     def test_a_process_holding_the_new_file_past_the_busy_timeout_is_a_clear_error(self):
         holder = self.spawn(WRITE_LOCK_HOLDER_SCRIPT)
@@ -6461,7 +6505,7 @@ class FullStoreRunnerTests(StoreTestCase):
             while runner.active():
                 store.wait(task.id, timeout=0.05, since_version=version)
             with store._lock:                    # room again (the operator grew the disk)
-                store._conn.execute("PRAGMA max_page_count=1000000")
+                store._engine.conn.execute("PRAGMA max_page_count=1000000")
             task = store.wait(task.id, timeout=TIMEOUT, terminal=True)
         self.assertTrue(task.terminal, f"still {task.status}, owned by a live runner")
         self.assertEqual(task.result, {"done": "z" * 50_000})
@@ -10003,7 +10047,7 @@ class McpResourceLimitTests(McpTestBase):
         self.assertEqual(client.result("ping"), {})
         for task_id, wire in before.items():
             self.assertEqual(client.result("tasks/get", {"taskId": task_id}), wire)
-        self.assertEqual(store._conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
+        self.assertEqual(store._engine.conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
         self.assertGreaterEqual(len(client.result("tasks/list")["tasks"]), len(done))
         # Free space (the finished tasks expire), and creating works again.
         counts = store.reap(now=int(time.time() * 1000) + 3_600_000)
@@ -10018,7 +10062,7 @@ class McpResourceLimitTests(McpTestBase):
         task = self.create_task(client, "sleep_then_echo", {"seconds": 0, "text": "again"})
         self.assertEqual(_text(client.result("tasks/result", {"taskId": task["taskId"]})),
                          "again")
-        self.assertEqual(store._conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
+        self.assertEqual(store._engine.conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
 
     def test_wire_task_ids_carry_at_least_128_bits_from_secrets(self):
         drawn = []
