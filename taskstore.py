@@ -168,11 +168,15 @@ REAP_BATCH_ROWS = 500              # tasks one reap transaction may delete, at m
 RELEASE_BATCH = 2000               # tasks one recovery transaction may move, at most
 
 # =============================================================================
-# 3. Transition table
+# 3. Lifecycle tables
 # =============================================================================
-# Every status change in this module is decided here and nowhere else.  A
-# missing cell means "illegal".  The store (section 6) enforces the decision
-# with a compare-and-set UPDATE in the same transaction as the event row.
+# The whole lifecycle as data, decided here and nowhere else: which status
+# change is legal (TRANSITIONS; a missing cell means "illegal"), which event
+# recovery fires (RESTART), what a repeat cancel does (CANCELLED_STATES) and
+# what becomes of an outcome reported late (LATE_OUTCOME).  The store
+# (section 7) and the runner (section 8) apply them; the store enforces each
+# move with a compare-and-set in the same transaction as the event row.  The
+# README shows each table as the functions at the end of this section render it.
 
 # fmt: off
 #                   event            -> next state
@@ -1291,6 +1295,64 @@ class _GroupCommit:
             self._group_gathering = 0
 
 
+class _Transaction:
+    """``SQLiteEngine.transaction()``: BEGIN IMMEDIATE, then COMMIT or ROLLBACK.
+
+    A class rather than a generator: it runs on every write, and one object
+    per engine, reused, costs a fraction of a generator context.  The lock
+    the caller holds makes reuse safe: transactions never nest.
+    """
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __enter__(self):
+        try:
+            self.engine.conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise self.engine._unavailable(exc) from None
+
+    def __exit__(self, kind, exc, tb):
+        engine = self.engine
+        conn = engine.conn
+        try:
+            if kind is None:
+                conn.execute("COMMIT")
+            elif conn.in_transaction:
+                conn.execute("ROLLBACK")
+        except sqlite3.Error as error:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            raise engine._unavailable(error) from None
+        if kind is not None:
+            if issubclass(kind, sqlite3.Error):
+                raise engine._unavailable(exc) from None
+            return False
+        if conn.total_changes - engine._checkpoint_mark >= CHECKPOINT_ROWS:
+            engine._checkpoint_soon_locked()
+        return False
+
+
+class _Reads:
+    """``SQLiteEngine.reading()``: a sqlite3 error inside becomes StoreUnavailable."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, kind, exc, tb):
+        if kind is not None and issubclass(kind, sqlite3.Error):
+            raise self.engine._unavailable(exc) from None
+        return False
+
+
 class SQLiteEngine:
     """The default engine: one SQLite file in WAL mode, one connection, one lock.
 
@@ -1315,6 +1377,8 @@ class SQLiteEngine:
         self.lock = threading.Lock()
         self.closed = False
         self._group = _GroupCommit()
+        self._transaction = _Transaction(self)
+        self._reads = _Reads(self)
         self._checkpointer = None
         self._checkpoint_mark = 0     # conn.total_changes at the last checkpoint request
         self._bulk_depth = 0
@@ -1437,34 +1501,13 @@ class SQLiteEngine:
 
     # -- transactions ----------------------------------------------------------
 
-    @contextlib.contextmanager
     def transaction(self):
         """One ``BEGIN IMMEDIATE`` transaction (lock held by the caller): committed, or rolled back."""
-        conn = self.conn
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            if conn.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("ROLLBACK")
-            raise self._unavailable(exc) from None
-        if conn.total_changes - self._checkpoint_mark >= CHECKPOINT_ROWS:
-            self._checkpoint_soon_locked()
+        return self._transaction
 
-    @contextlib.contextmanager
     def reading(self):
         """Reads (lock held by the caller) whose sqlite3 errors become StoreUnavailable."""
-        try:
-            yield
-        except sqlite3.Error as exc:
-            raise self._unavailable(exc) from None
+        return self._reads
 
     def group_write(self, body, run_batch):
         """Run *body* in a batch with other threads' writes (``_GroupCommit``)."""
@@ -1939,6 +1982,74 @@ class _NewTask(typing.NamedTuple):
     owner: object
 
 
+def _payload(payload, param):
+    """Return ``(payload_json, payload)``: the stored text and the caller's own copy."""
+    payload_json = _json_param(payload, param)
+    try:
+        # The Task we return carries its own copy, parsed here, at the
+        # caller's depth (a payload nested near the limit parses now or never).
+        return payload_json, _loads(payload_json)
+    except RecursionError:
+        raise InvalidParams(f"{param} is nested too deeply", param=param) from None
+
+
+def _new_task(max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal, meta, prefix,
+              status_message, owner, param="payload"):
+    """Validate create's arguments; return the ``_NewTask`` to insert."""
+    _check_str(kind, "kind", allow_none=False, max_len=200)
+    payload_json, payload = _payload(payload, param)
+    _check_str(owner, "owner", max_len=200)
+    ttl_ms = _check_int(ttl_ms, "ttl_ms")
+    retention_ms = _check_int(retention_ms, "retention_ms")
+    if ttl_ms is not None and retention_ms is not None:
+        raise InvalidParams("give ttl_ms or retention_ms, not both", param="ttl_ms")
+    if ttl_ms is not None and max_ttl_ms is not None:
+        ttl_ms = min(ttl_ms, max_ttl_ms)
+    if policy not in POLICIES:
+        raise InvalidParams(f"policy must be one of {', '.join(POLICIES)}", param="policy")
+    _check_str(principal, "principal")
+    _check_str(status_message, "status_message", max_len=100_000)
+    if meta is not None and not isinstance(meta, dict):
+        raise InvalidParams("meta must be a JSON object", param="meta")
+    meta_json = None if meta is None else _json_param(meta, "meta")
+    if prefix != "task" and (not isinstance(prefix, str)
+                             or not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix)):
+        raise InvalidParams("prefix must be 1-16 lowercase letters and digits", param="prefix")
+    return _NewTask(kind, payload, payload_json, ttl_ms, retention_ms, policy, principal,
+                    meta, meta_json, prefix, status_message, owner)
+
+
+@functools.lru_cache(maxsize=256)
+def _created_data(kind):
+    """The data of a ``created`` event, as stored: a few kinds, each serialised once."""
+    return dumps({"kind": kind})
+
+
+class _IdSequence:
+    """Task ids of one store: ids made in the same millisecond still sort in creation order.
+
+    ULID's monotonic rule: within a millisecond the random part counts up.
+    ``last`` keeps that part as a number, so it is never parsed back.
+    """
+
+    def __init__(self):
+        self.last = None
+
+    def next(self, prefix, now):
+        """Return the next id with *prefix* at *now* (epoch ms); the caller serialises calls."""
+        last = self.last
+        if last is not None and last[0] == now and last[1] == prefix:
+            # Count up by a random step of 64 bits or more, never by 1: one id
+            # must not give away its neighbours (MCP: ids are bearer tokens).
+            number = last[3] + 2**64 + secrets.randbits(64)
+            if number < 2**130:
+                self.last = (now, prefix, last[2], number)
+                return last[2] + _base32(number, 26)
+        task_id = new_id(prefix, now)        # a new millisecond, or the count ran out
+        self.last = (now, prefix, task_id[:-26],
+                     int(task_id[-26:].translate(_FROM_CROCKFORD), 32))
+        return task_id
+
 
 class TaskStore:
     """A durable task store on one SQLite file.
@@ -2011,8 +2122,7 @@ class TaskStore:
         self._listeners = []
         self._cancel_events = {}
         self._reaper = None
-        self._last_id = None
-        self._created_json = {}
+        self._ids = _IdSequence()
         if recover_on_open and not self.readonly:
             self.recover()
 
@@ -2199,8 +2309,8 @@ class TaskStore:
             IdempotencyMismatch: the key was used with another fingerprint.
             TaskExpired: the key's task was already purged.
         """
-        spec = self._new_task(kind, payload, ttl_ms, retention_ms, policy, principal, meta,
-                              prefix, status_message, owner)
+        spec = _new_task(self.max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal,
+                         meta, prefix, status_message, owner)
         if idempotency is not None:
             try:
                 scope, key, fprint, expires_in_ms = idempotency
@@ -2234,50 +2344,14 @@ class TaskStore:
             raise InvalidParams("payloads must be a list of JSON values", param="payloads")
         if not payloads:
             return []
-        first = self._new_task(kind, payloads[0], ttl_ms, retention_ms, policy, principal,
-                               meta, prefix, status_message, owner, param="payloads[0]")
+        first = _new_task(self.max_ttl_ms, kind, payloads[0], ttl_ms, retention_ms, policy,
+                          principal, meta, prefix, status_message, owner, param="payloads[0]")
         specs = [first]
         for i, payload in enumerate(payloads[1:], 1):
-            payload_json, payload = self._payload(payload, f"payloads[{i}]")
+            payload_json, payload = _payload(payload, f"payloads[{i}]")
             specs.append(first._replace(payload=payload, payload_json=payload_json))
         return self._group_write(
             lambda notices: self._insert_tasks_locked(notices, specs, self._now_ms()))
-
-    @staticmethod
-    def _payload(payload, param):
-        """Return ``(payload_json, payload)``: the stored text and the caller's own copy."""
-        payload_json = _json_param(payload, param)
-        try:
-            # The Task we return carries its own copy, parsed here, at the
-            # caller's depth (a payload nested near the limit parses now or never).
-            return payload_json, _loads(payload_json)
-        except RecursionError:
-            raise InvalidParams(f"{param} is nested too deeply", param=param) from None
-
-    def _new_task(self, kind, payload, ttl_ms, retention_ms, policy, principal, meta, prefix,
-                  status_message, owner, param="payload"):
-        """Validate create's arguments; return the ``_NewTask`` to insert."""
-        _check_str(kind, "kind", allow_none=False, max_len=200)
-        payload_json, payload = self._payload(payload, param)
-        _check_str(owner, "owner", max_len=200)
-        ttl_ms = _check_int(ttl_ms, "ttl_ms")
-        retention_ms = _check_int(retention_ms, "retention_ms")
-        if ttl_ms is not None and retention_ms is not None:
-            raise InvalidParams("give ttl_ms or retention_ms, not both", param="ttl_ms")
-        if ttl_ms is not None and self.max_ttl_ms is not None:
-            ttl_ms = min(ttl_ms, self.max_ttl_ms)
-        if policy not in POLICIES:
-            raise InvalidParams(f"policy must be one of {', '.join(POLICIES)}", param="policy")
-        _check_str(principal, "principal")
-        _check_str(status_message, "status_message", max_len=100_000)
-        if meta is not None and not isinstance(meta, dict):
-            raise InvalidParams("meta must be a JSON object", param="meta")
-        meta_json = None if meta is None else _json_param(meta, "meta")
-        if prefix != "task" and (not isinstance(prefix, str)
-                                 or not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix)):
-            raise InvalidParams("prefix must be 1-16 lowercase letters and digits", param="prefix")
-        return _NewTask(kind, payload, payload_json, ttl_ms, retention_ms, policy, principal,
-                        meta, meta_json, prefix, status_message, owner)
 
     def _create_locked(self, notices, spec, idempotency):
         """Create one task under an idempotency key: the first task for the key, or a new one."""
@@ -2306,10 +2380,10 @@ class TaskStore:
         for spec in specs:
             (kind, payload, payload_json, ttl_ms, retention_ms, policy, principal, meta,
              meta_json, prefix, status_message, owner) = spec
-            task_id = self._next_id_locked(prefix, now)
+            task_id = self._ids.next(prefix, now)
             rows.append((task_id, kind, QUEUED, payload_json, status_message, principal, policy,
                          ttl_ms, retention_ms, now, now, meta_json, owner))
-            events.append((task_id, self._created_data(kind), now))
+            events.append((task_id, _created_data(kind), now))
             notices.append((task_id, "created"))
             # Built here rather than read back: the row is exactly this.
             tasks.append(Task(task_id, kind, QUEUED, payload, None, None, status_message,
@@ -2321,14 +2395,6 @@ class TaskStore:
         if self._work_waiting:
             self._work.notify_all()
         return tasks
-
-    def _created_data(self, kind):
-        data = self._created_json.get(kind)
-        if data is None:
-            data = dumps({"kind": kind})
-            if len(self._created_json) < 256:        # a few kinds, cached for good
-                self._created_json[kind] = data
-        return data
 
     def _group_write(self, body):
         """Run ``body(notices)`` in a transaction shared with other threads' writes.
@@ -2376,23 +2442,6 @@ class TaskStore:
                     op.result, op.error = None, exc
             if not isinstance(exc, Exception):
                 raise
-
-    def _next_id_locked(self, prefix, now):
-        # Ids made by this store in the same millisecond still sort in
-        # creation order (ULID's monotonic rule): the random part counts up.
-        # _last_id keeps that part as a number, so it is never parsed back.
-        last = self._last_id
-        if last is not None and last[0] == now and last[1] == prefix:
-            # Count up by a random step of 64 bits or more, never by 1: one id
-            # must not give away its neighbours (MCP: ids are bearer tokens).
-            number = last[3] + 2**64 + secrets.randbits(64)
-            if number < 2**130:
-                self._last_id = (now, prefix, last[2], number)
-                return last[2] + _base32(number, 26)
-        task_id = new_id(prefix, now)        # a new millisecond, or the count ran out
-        self._last_id = (now, prefix, task_id[:-26],
-                         int(task_id[-26:].translate(_FROM_CROCKFORD), 32))
-        return task_id
 
     def get(self, task_id, *, principal=None):
         """Return the task.

@@ -347,12 +347,12 @@ class LifecycleTests(StoreTestCase):
         self.assertTrue(all(step >= 2**64 for step in steps), min(steps))
         self.assertEqual(len(set(steps)), len(steps))
         # When counting up would overflow the 130 bits, a fresh id is drawn.
-        now, prefix, head, _ = self.store._last_id
-        self.store._last_id = (now, prefix, head, 2**130 - 1)
+        now, prefix, head, _ = self.store._ids.last
+        self.store._ids.last = (now, prefix, head, 2**130 - 1)
         fresh = self.store.create("k").id
         self.assertTrue(taskstore.is_task_id(fresh))
         self.assertEqual(fresh[5:14], ids[-1][5:14])       # the same millisecond
-        self.assertNotEqual(self.store._last_id[3], 2**130 - 1)
+        self.assertNotEqual(self.store._ids.last[3], 2**130 - 1)
 
     def test_get_of_unknown_id_raises_task_not_found(self):
         with self.assertRaises(taskstore.TaskNotFound) as cm:
