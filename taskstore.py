@@ -18,9 +18,11 @@ Layers, in the order of this file::
            \\                                    /             wire shapes, errors
             +----------- Runner ------------+                worker threads, handler
                             |                                context, leases
-                        TaskStore                            SQLite: transitions,
-                            |                                events, TTL, recovery
-                    transition table
+                        TaskStore                            the verbs and rules: transitions,
+                            |                                events, retention, recovery
+                      SQLite engine                          connection, transactions, group
+                            |                                commit, checkpoints, pid liveness
+                    lifecycle tables
 
 One lifecycle, two vocabularies.  The store keeps one status set, the union
 of what both protocols need; each adapter shows it in its own words through
@@ -37,7 +39,7 @@ compare-and-set ``UPDATE ... WHERE id=? AND status=?`` inside one
 ``BEGIN IMMEDIATE`` transaction that also appends the task's event-log row.
 Terminal states never change: the first committed transition wins.
 
-Threads.  A ``TaskStore`` owns one SQLite connection guarded by one lock;
+Threads.  A ``TaskStore`` owns its engine: one SQLite connection, one lock;
 ``_changed`` (a Condition on that lock) wakes waiters in this process after
 every commit, and waiters re-read the database every ``poll_interval`` to see
 other processes' writes.  A ``Runner`` owns its worker threads and one
