@@ -1379,8 +1379,10 @@ class SQLiteEngine:
         self.lock = threading.Lock()
         self.closed = False
         self._group = _GroupCommit()
+        self._move_sql = {}
         self._transaction = _Transaction(self)
         self._reads = _Reads(self)
+        self.group_write = self._group.write          # the documented method, one call less
         self._checkpointer = None
         self._checkpoint_mark = 0     # conn.total_changes at the last checkpoint request
         self._bulk_depth = 0
@@ -1512,8 +1514,8 @@ class SQLiteEngine:
         return self._reads
 
     def group_write(self, body, run_batch):
-        """Run *body* in a batch with other threads' writes (``_GroupCommit``)."""
-        return self._group.write(body, run_batch)
+        """Run *body* in a batch with other threads' writes (``_GroupCommit.write``)."""
+        return self._group.write(body, run_batch)     # replaced per instance, see __init__
 
     def changes(self):
         """Rows written on this connection so far (a body that wrote moved it)."""
@@ -1616,10 +1618,14 @@ class SQLiteEngine:
         *values* are the columns to write (``last_seq`` among them: the
         event's seq).  Returns False when the task was not in *status*.
         """
-        sets = ", ".join(f"{name} = ?" for name in values)
-        cursor = self.conn.execute(
-            f"UPDATE tasks SET {sets}, version = version + 1 WHERE id = ? AND status = ?",
-            (*values.values(), task_id, status))
+        names = tuple(values)
+        sql = self._move_sql.get(names)
+        if sql is None:          # a few combinations of columns, each built once
+            assert _WRITABLE_COLUMNS.issuperset(names), names    # names are ours, never input
+            sql = self._move_sql[names] = (
+                f"UPDATE tasks SET {', '.join(f'{name} = ?' for name in names)}, "
+                "version = version + 1 WHERE id = ? AND status = ?")
+        cursor = self.conn.execute(sql, (*values.values(), task_id, status))
         if cursor.rowcount != 1:
             return False
         self.conn.execute(
@@ -2279,7 +2285,7 @@ class TaskStore:
                 if task is None:
                     raise TaskNotFound(task_id)
             return self._transition_locked(notices, task, event, now, **kwargs)
-        return self._group_write(body)
+        return self._engine.group_write(body, self._run_group)
 
     # -- creating and reading --------------------------------------------------
 
@@ -2323,8 +2329,9 @@ class TaskStore:
                 _check_str(value, f"idempotency {name}", allow_none=False)
             _check_int(expires_in_ms, "idempotency expires_in_ms")
         if idempotency is None:
-            return self._group_write(spec)          # _run_group inserts it with its batch
-        return self._group_write(lambda notices: self._create_locked(notices, spec, idempotency))
+            return self._engine.group_write(spec, self._run_group)   # inserted with its batch
+        return self._engine.group_write(
+            lambda notices: self._create_locked(notices, spec, idempotency), self._run_group)
 
     def create_many(self, kind, payloads, *, ttl_ms=None, retention_ms=None, policy="fail",
                     principal=None, meta=None, prefix="task", status_message=None, owner=None):
@@ -2352,8 +2359,9 @@ class TaskStore:
         for i, payload in enumerate(payloads[1:], 1):
             payload_json, payload = _payload(payload, f"payloads[{i}]")
             specs.append(first._replace(payload=payload, payload_json=payload_json))
-        return self._group_write(
-            lambda notices: self._insert_tasks_locked(notices, specs, self._now_ms()))
+        return self._engine.group_write(
+            lambda notices: self._insert_tasks_locked(notices, specs, self._now_ms()),
+            self._run_group)
 
     def _create_locked(self, notices, spec, idempotency):
         """Create one task under an idempotency key: the first task for the key, or a new one."""
@@ -2398,18 +2406,13 @@ class TaskStore:
             self._work.notify_all()
         return tasks
 
-    def _group_write(self, body):
-        """Run ``body(notices)`` in a transaction shared with other threads' writes.
-
-        *body* may also be a ``_NewTask``: a plain create, which the batch
-        inserts with the other creates in it.  The engine's group commit
-        gathers the bodies; ``_run_group`` runs each batch.  Nobody returns
-        before its change is committed.
-        """
-        return self._engine.group_write(body, self._run_group)
-
     def _run_group(self, batch):
-        """Run a batch of bodies in one transaction; store each one's result or error.
+        """Run a batch of group-commit bodies in one transaction; store each one's result or error.
+
+        Every write that must be committed before its verb returns goes to
+        the engine's ``group_write`` with this as the batch runner.  A body
+        is ``body(notices)``, or a ``_NewTask``: a plain create, which the
+        batch inserts with the other creates in it.
 
         A body raises a TaskStoreError only before its first write (create's
         idempotency checks do), so a failing body has nothing to undo and
@@ -2773,7 +2776,7 @@ class TaskStore:
             return self._transition_locked(
                 notices, task, CLAIM if task.kind in loading_kinds else START, now,
                 fields={"owner": owner})
-        return self._group_write(body)
+        return self._engine.group_write(body, self._run_group)
 
     def wait_for_work(self, seen, timeout):
         """Block until a task may have become queued in this process; return a generation.
