@@ -914,6 +914,7 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #   close()               stop the engine's threads and close the connection
 #   read_task(task_id)    the Task, or None
 #   task_row_at(task_id, now)  the task's row with an "expired" flag last, or None
+#                         (no reading() needed: it raises StoreUnavailable itself)
 #   tombstoned(task_id)   whether the id names a task that was purged
 #   insert_tasks(rows, events)  new tasks and their first events
 #   move_task(task_id, status, values, event_json, now)  compare-and-set one task and its event
@@ -1592,7 +1593,11 @@ class SQLiteEngine:
         return None if row is None else _task_from_row(row)
 
     def task_row_at(self, task_id, now):
-        return self.conn.execute(_SELECT_TASK_AT, (now, task_id)).fetchone()
+        # Guarded here, not by reading(): this is the hot path of every get.
+        try:
+            return self.conn.execute(_SELECT_TASK_AT, (now, task_id)).fetchone()
+        except sqlite3.Error as exc:
+            raise self._unavailable(exc) from None
 
     def tombstoned(self, task_id):
         return self.conn.execute("SELECT 1 FROM tombstones WHERE id = ?",
@@ -2461,8 +2466,7 @@ class TaskStore:
             now = self._now_ms()
             with self._lock:
                 self._check_open()
-                with self._engine.reading():
-                    row = self._engine.task_row_at(task_id, now)
+                row = self._engine.task_row_at(task_id, now)
             if row is not None and not row[-1] and (
                     principal is None or row[_PRINCIPAL_INDEX] == principal):
                 return _task_from_row(row[:-1])
