@@ -2202,9 +2202,10 @@ class TaskStore:
 
         *task* is the task as read in the caller's transaction (so it is
         current: nobody else can write meanwhile), or its id (then it is read
-        here).  The table decides; one compare-and-set ``UPDATE ... WHERE id
-        = ? AND status = ?`` writes the move and one INSERT appends the
-        ``status`` event, whose sequence number the row read already tells.
+        here).  The table decides; the engine's compare-and-set
+        (``move_task``: the row changes only if it is still in the status we
+        read) writes the move and appends the ``status`` event, whose
+        sequence number the row read already tells.
         The returned Task is the row as written, built here rather than read
         back.  *attempt* guards against a stale worker: a task requeued since
         it claimed it is not its to move.
