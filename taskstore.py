@@ -18,9 +18,11 @@ Layers, in the order of this file::
            \\                                    /             wire shapes, errors
             +----------- Runner ------------+                worker threads, handler
                             |                                context, leases
-                        TaskStore                            SQLite: transitions,
-                            |                                events, TTL, recovery
-                    transition table
+                        TaskStore                            the verbs and rules: transitions,
+                            |                                events, retention, recovery
+                      SQLite engine                          connection, transactions, group
+                            |                                commit, checkpoints, pid liveness
+                    lifecycle tables
 
 One lifecycle, two vocabularies.  The store keeps one status set, the union
 of what both protocols need; each adapter shows it in its own words through
@@ -37,7 +39,7 @@ compare-and-set ``UPDATE ... WHERE id=? AND status=?`` inside one
 ``BEGIN IMMEDIATE`` transaction that also appends the task's event-log row.
 Terminal states never change: the first committed transition wins.
 
-Threads.  A ``TaskStore`` owns one SQLite connection guarded by one lock;
+Threads.  A ``TaskStore`` owns its engine: one SQLite connection, one lock;
 ``_changed`` (a Condition on that lock) wakes waiters in this process after
 every commit, and waiters re-read the database every ``poll_interval`` to see
 other processes' writes.  A ``Runner`` owns its worker threads and one
@@ -173,11 +175,15 @@ REAP_BATCH_ROWS = 500              # tasks one reap transaction may delete, at m
 RELEASE_BATCH = 2000               # tasks one recovery transaction may move, at most
 
 # =============================================================================
-# 3. Transition table
+# 3. Lifecycle tables
 # =============================================================================
-# Every status change in this module is decided here and nowhere else.  A
-# missing cell means "illegal".  The store (section 6) enforces the decision
-# with a compare-and-set UPDATE in the same transaction as the event row.
+# The whole lifecycle as data, decided here and nowhere else: which status
+# change is legal (TRANSITIONS; a missing cell means "illegal"), which event
+# recovery fires (RESTART), what a repeat cancel does (CANCELLED_STATES) and
+# what becomes of an outcome reported late (LATE_OUTCOME).  The store
+# (section 7) and the runner (section 8) apply them; the store enforces each
+# move with a compare-and-set in the same transaction as the event row.  The
+# README shows each table as the functions at the end of this section render it.
 
 # fmt: off
 #                   event            -> next state
@@ -210,11 +216,53 @@ STATES = tuple(TRANSITIONS)
 TERMINAL_STATES = frozenset(s for s, row in TRANSITIONS.items() if not row)
 UNFINISHED_STATES = tuple(s for s in STATES if s not in TERMINAL_STATES)
 ACTIVE_STATES = (LOADING, RUNNING, INPUT_REQUIRED, CANCELLING)  # owned by a runner
-# Where a cancel leads: a task in one of these was cancelled already.  A repeat
-# cancel returns it unchanged (LMSP: cancel is idempotent), or, for a caller
-# that refuses repeats (MCP shows both as the terminal "cancelled"), is
-# NotCancelable like a finished task.
-CANCELLED_STATES = frozenset(row[CANCEL] for row in TRANSITIONS.values() if CANCEL in row)
+
+# Recovery: the event fired at an unfinished task whose process is gone, by
+# its status and its restart policy (``create(policy=...)``).  None: the task
+# stays queued and only loses its owner, for any runner to claim.  A cancel
+# that was under way completes whatever the policy; ``fail`` fails even a
+# queued task whose creator vouched for it (``create(owner=...)``), as a
+# started one would; ``retry`` and ``resume`` queue the work again (``retry``
+# from the beginning, ``resume`` from its last snapshot: RESTART_KEEPS_SNAPSHOT).
+# fmt: off
+#                   policy:  fail            retry           resume
+RESTART = {
+    QUEUED:         {"fail": FAIL,           "retry": None,           "resume": None},
+    LOADING:        {"fail": FAIL,           "retry": REQUEUE,        "resume": REQUEUE},
+    RUNNING:        {"fail": FAIL,           "retry": REQUEUE,        "resume": REQUEUE},
+    INPUT_REQUIRED: {"fail": FAIL,           "retry": REQUEUE,        "resume": REQUEUE},
+    CANCELLING:     {"fail": CONFIRM_CANCEL, "retry": CONFIRM_CANCEL, "resume": CONFIRM_CANCEL},
+}
+# fmt: on
+# Whether a requeued task keeps the snapshot its last run saved, by policy.
+RESTART_KEEPS_SNAPSHOT = {"retry": False, "resume": True}
+
+# A repeat cancel: a task in one of these statuses was cancelled already, and
+# a cancel changes nothing in the store.  It returns the task unchanged (LMSP:
+# cancel is idempotent), or, for a caller that refuses repeats (MCP shows both
+# as the terminal "cancelled"), is NotCancelable like a finished task.
+CANCELLED_STATES = frozenset({CANCELLING, CANCELLED})
+
+# A late outcome: the handler reported it (the event the runner fired: succeed,
+# fail, or confirm_cancel when it stopped on its cancel signal), but the task
+# had moved meanwhile.  Row: that outcome; column: the status found on a second
+# read, same attempt; cell: the event fired instead.  A missing cell drops the
+# outcome (the task finished or was requeued without us).  A cancel committed
+# before the outcome wins; a success's value is kept as the cancelled task's
+# partial result (LATE_RESULT_KEPT), never as a success.  A handler that says
+# it was cancelled when nobody cancelled it has failed.
+# fmt: off
+#                   status found     -> event fired
+LATE_OUTCOME = {
+    SUCCEED:        {CANCELLING:     CONFIRM_CANCEL},
+    FAIL:           {CANCELLING:     CONFIRM_CANCEL},
+    CONFIRM_CANCEL: {LOADING:        FAIL,
+                     RUNNING:        FAIL,
+                     INPUT_REQUIRED: FAIL,
+                     CANCELLING:     CONFIRM_CANCEL},
+}
+# fmt: on
+LATE_RESULT_KEPT = frozenset({SUCCEED})
 
 
 def next_state(task_id, state, event):
@@ -231,13 +279,63 @@ def next_state(task_id, state, event):
         raise InvalidTransition(task_id, state, event) from None
 
 
+def _markdown_table(corner, columns, rows):
+    """Render ``{row: {column: cell}}`` as a markdown table; a missing cell is ``-``."""
+    lines = [f"| {corner} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name, row in rows.items():
+        lines.append(f"| {name} | " + " | ".join(str(row.get(c) or "-") for c in columns) + " |")
+    return "\n".join(lines)
+
+
 def transition_table_markdown():
     """Render TRANSITIONS as the markdown table the README shows."""
-    rows = ["| status | " + " | ".join(EVENTS) + " |",
-            "|---" * (len(EVENTS) + 1) + "|"]
-    for state, row in TRANSITIONS.items():
-        rows.append(f"| {state} | " + " | ".join(row.get(e, "-") for e in EVENTS) + " |")
-    return "\n".join(rows)
+    return _markdown_table("status", EVENTS, TRANSITIONS)
+
+
+def restart_table_markdown():
+    """Render RESTART (and RESTART_KEEPS_SNAPSHOT) as the markdown table the README shows."""
+    rows = {status: {p: RESTART[status][p] or "stays queued" for p in POLICIES}
+            for status in RESTART}
+    rows["requeued, keeps its snapshot"] = {
+        p: {True: "yes", False: "no"}.get(RESTART_KEEPS_SNAPSHOT.get(p)) for p in POLICIES}
+    return _markdown_table("status \\ policy", POLICIES, rows)
+
+
+def repeat_cancel_markdown():
+    """Render what a cancel does in each status (TRANSITIONS and CANCELLED_STATES)."""
+    columns = ("cancel", "cancel, repeats refused")
+    rows = {}
+    for status, row in TRANSITIONS.items():
+        if CANCEL in row:
+            rows[status] = dict.fromkeys(columns, f"-> {row[CANCEL]}")
+        elif status in CANCELLED_STATES:
+            rows[status] = {columns[0]: "unchanged", columns[1]: "NotCancelable"}
+        else:
+            rows[status] = dict.fromkeys(columns, "NotCancelable")
+    return _markdown_table("status", columns, rows)
+
+
+def late_outcome_markdown():
+    """Render LATE_OUTCOME (and LATE_RESULT_KEPT) as the markdown table the README shows."""
+    columns = [s for s in STATES if any(s in row for row in LATE_OUTCOME.values())]
+    rows = {}
+    for outcome, row in LATE_OUTCOME.items():
+        kept = " (result kept)" if outcome in LATE_RESULT_KEPT else ""
+        rows[outcome] = {s: row[s] + (kept if row[s] == CONFIRM_CANCEL else "")
+                         for s in columns if s in row}
+    return _markdown_table("outcome \\ found", columns, rows)
+
+
+def lifecycle_tables_markdown():
+    """Render the recovery, repeat-cancel and late-outcome tables, each under a line of its own."""
+    return "\n\n".join((
+        "What recovery fires for an unfinished task whose process is gone, by status and "
+        "restart policy (`taskstore.RESTART`):", restart_table_markdown(),
+        "What a cancel does, by status; a repeat cancel changes nothing in the store "
+        "(`taskstore.CANCELLED_STATES`):", repeat_cancel_markdown(),
+        "What the runner does with an outcome its handler reports after the task moved, by the "
+        "status it finds (`taskstore.LATE_OUTCOME`); a missing cell drops the outcome:",
+        late_outcome_markdown()))
 
 
 # =============================================================================
@@ -458,8 +556,9 @@ def problem_object(status, code, detail, param=None):
 # ids, cursors, JSON and time helpers, and parameter validation.  Nothing here
 # touches the database.
 
-# One lifecycle, two vocabularies (DESIGN.md).  These two dicts are the only
-# place the protocols' words for a stored status are decided.
+# One lifecycle, two vocabularies: one stored status set, the union of what
+# both protocols need.  These two dicts are the only place the protocols'
+# words for a stored status are decided.
 MCP_STATUS = {QUEUED: "working", LOADING: "working", RUNNING: "working",
               INPUT_REQUIRED: "input_required", CANCELLING: "cancelled",
               SUCCEEDED: "completed", FAILED: "failed", CANCELLED: "cancelled"}
@@ -774,26 +873,87 @@ def _as_tuple(value, param, allowed=None):
     return values
 
 
+def _purge_at(now, created_at, ttl_ms, retention_ms):
+    """When a task finishing at *now* may be purged: the one formula (SQL calls it too).
+
+    MCP: expiry is createdAt + ttl, but a result that arrives after it stays
+    fetchable for a grace period.  LMSP: retention counts from the terminal
+    status.  Neither: kept until deleted.
+    """
+    if ttl_ms is not None:
+        return created_at + ttl_ms if now < created_at + ttl_ms else now + LATE_FINISH_GRACE_MS
+    if retention_ms is not None:
+        return now + retention_ms
+    return None
+
+
 # =============================================================================
-# 6. The store
+# 6. SQLite engine
 # =============================================================================
 # Rules:
-# - One connection, one lock (``_lock``).  Public methods take the lock;
-#   helpers whose names end in ``_locked`` expect it held.  The lock is not
-#   re-entrant.
-# - Every write is one ``BEGIN IMMEDIATE`` transaction (``_writing``); every
-#   status change inside it goes through ``_transition_locked`` and appends
-#   its event row there.  After the commit, ``_changed`` wakes this process's
-#   waiters; other processes see the change on their next poll.
-# - Listeners, cancel events and anything else that calls out run after the
-#   commit and outside the lock.
-# - ``now`` arguments are epoch milliseconds; the clock is a ``time.time``-like
-#   function in seconds, injectable for tests.
-# - Checkpoints (copying the WAL back into the database file) run on the
-#   store's own background thread (``_Checkpointer``), started when the first
-#   one is due; they change nothing about what a commit makes durable.
+# - Everything that is SQLite's lives here: the connection and its lock, the
+#   schema and its migrations, ``BEGIN IMMEDIATE`` transactions, group
+#   commit, WAL checkpoints, bulk jobs, every SQL statement, and whether a
+#   process on this host is alive.  The store (section 7) decides; the engine
+#   reads and writes what it is told, and decides nothing about the lifecycle.
+# - The store calls an engine only through the names listed below; a second
+#   engine (PostgreSQL, say) is written against this list without touching a
+#   verb.  A test holds the store to it.
+# - ``lock`` guards the connection.  Methods whose names end in ``_locked``
+#   and every data method below expect it held, and data methods that write
+#   expect a ``transaction()`` open.  ``now`` is epoch milliseconds.
+# - A selector (``owner_batch``) is the engine's own description of a set
+#   of tasks; the store passes it back unread.
+# - An engine is built with ``(path, synchronous=, busy_timeout=, max_bytes=,
+#   readonly=)`` and raises StoreUnavailable when the database cannot serve.
+#
+# What an engine provides:
+#   lock                  the lock that guards the engine; conditions may share it
+#   readonly              whether the database was opened for reading only
+#   transaction()         context: one write transaction, committed or rolled back
+#   reading()             context: reads whose errors become StoreUnavailable
+#   group_write(body, run_batch)  run body with other threads' writes, committed before it returns
+#   changes()             a counter of rows written: did a body write anything?
+#   bulk()                context: a long job of many transactions (reap, recovery)
+#   checkpoint()          copy the log into the database file now; (log, copied)
+#   close()               stop the engine's threads and close the connection
+#   read_task(task_id)    the Task, or None
+#   task_row_at(task_id, now)  the task's row with an "expired" flag last, or None
+#                         (no reading() needed: it raises StoreUnavailable itself)
+#   tombstoned(task_id)   whether the id names a task that was purged
+#   insert_tasks(rows, events)  new tasks and their first events
+#   move_task(task_id, status, values, event_json, now)  compare-and-set one task and its event
+#   move_tasks(selector, status, values, event_json, now, ids=, policy=, bump_attempt=, finish=)
+#                         the same, set-based (with the policy given: its tasks only)
+#   restart_groups(selector)  [(status, policy, count)] of a batch's unfinished tasks
+#   disown(selector, statuses)  clear the owner of a batch's tasks in those statuses
+#   list_tasks(now, statuses, kinds, principal, before, limit)  rows, newest first
+#   event_bounds(task_id, now)  (principal, last_seq, first_seq, expired), or None
+#   read_events(task_id, start, limit)  [(seq, type, data, created_at)]
+#   last_seqs(ids)        {task_id: last_seq} of those that exist
+#   load_snapshot(task_id)  (True, snapshot text or None), or (False, None)
+#   set_progress(task_id, values, statuses, attempt, now)  whether the task took it
+#   event_head(task_id)   (status, last_seq, attempt), or None
+#   append_event(task_id, seq, etype, data_json, snapshot_json, now)  one event row
+#   save_snapshot(task_id, snapshot_json, statuses, attempt)  whether the task took it
+#   has_queued(kinds)     whether a queued task of these kinds may exist (a cheap read)
+#   oldest_queued(kinds)  the oldest queued Task of these kinds, or None
+#   idempotency_get(scope, key)  (fingerprint, task_id, expires_at), or None
+#   idempotency_put(scope, key, fingerprint, task_id, now, expires_at)
+#   register(proc_id, now)  a process registration for this process
+#   heartbeat(proc_id, now)  renew it; False when it is gone
+#   unregister(proc_id)   delete it
+#   processes()           {proc_id: registration}
+#   recovery_view(statuses)  (processes(), {owner: [(status, policy)]}) read at one instant
+#   cancelling_of(owner)  ids of the owner's cancelling tasks
+#   owner_batch(owner, after, size, statuses)  (selector, last id or None): the owner's next tasks
+#   this_process(registration)  whether this very process made the registration
+#   host_verdict(registration)  True dead, False alive, None: cannot tell from this host
+#   reap_tasks_once(now, budget, counts, tombstone_ms)  delete one batch; (more, deleted ids)
+#   prune_events_once(finished_before, budget, counts)  prune one batch; more?
+#   delete_expired(table, now, limit)  drop expired idempotency keys or tombstones
 
-# Tunables of the store's write path (section 2 holds the documented defaults).
+# Tunables of the write path (section 2 holds the documented defaults).
 CHECKPOINT_ROWS = 500              # rows written between background checkpoints (~1,000 WAL pages)
 WAL_BACKSTOP_PAGES = 4000          # SQLite's own inline checkpoint, if the background one lags
 CHECKPOINT_TAIL_PAGES = 64         # at most this much is left for the checkpoint under the lock
@@ -856,30 +1016,6 @@ _SCHEMA_V1 = (
 # A file at version v gets MIGRATIONS[v+1..SCHEMA_VERSION] in one transaction.
 MIGRATIONS = {1: _SCHEMA_V1}
 
-_MISSING = object()
-_WRITABLE_COLUMNS = frozenset(_TASK_COLUMNS) | {"snapshot"}
-
-
-class _Sql(str):
-    """A field value that is this module's SQL expression (``attempt + 1``), not data."""
-
-    @property
-    def text(self):
-        return str(self)
-
-def _purge_at(now, created_at, ttl_ms, retention_ms):
-    """When a task finishing at *now* may be purged: the one formula (SQL calls it too).
-
-    MCP: expiry is createdAt + ttl, but a result that arrives after it stays
-    fetchable for a grace period.  LMSP: retention counts from the terminal
-    status.  Neither: kept until deleted.
-    """
-    if ttl_ms is not None:
-        return created_at + ttl_ms if now < created_at + ttl_ms else now + LATE_FINISH_GRACE_MS
-    if retention_ms is not None:
-        return now + retention_ms
-    return None
-
 
 # Expired: the one rule, in SQL (its parameter is now, in epoch ms).  Only a
 # terminal task has a purge_at, so an unfinished task never expires, and a
@@ -888,35 +1024,15 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 # cancel) answers as if it had: expiry shows when it happens, not when the
 # reaper comes by.
 _EXPIRED = "purge_at IS NOT NULL AND purge_at <= ?"
-
-
-def _describe_recovery(tally):
-    """Say what recovery did, per policy: ``2 failed (policy fail), 1 queued again (retry)``."""
-    words = {"fail": "failed (policy fail)", "retry": "queued again (policy retry)",
-             "resume": "queued again (policy resume)",
-             CANCELLING: "cancelled (a cancel was under way)"}
-    return ", ".join(f"{tally[key]} {words[key]}" for key in (*POLICIES, CANCELLING)
-                     if tally.get(key))
-
-
-def _status_data(status, new, message, error):
-    data = {"status": new, "from": status}
-    if message is not None:
-        data["message"] = message
-    if error is not None:
-        data["error"] = error
-    return data
-
-
-_JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
-_PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
 _SELECT_TASK_BY_ID = _SELECT_TASK + " WHERE id = ?"
 # A task and whether it has expired (the row's last column): (now, id).
 _SELECT_TASK_AT = f"SELECT {', '.join(_TASK_COLUMNS)}, {_EXPIRED} FROM tasks WHERE id = ?"
-
-_LIVE_PROCESS_IDS = set()    # registrations of runners alive in this process
-_RECOVERABLE = (QUEUED, *ACTIVE_STATES)   # an owner's tasks recovery hands to their policy
+_WRITABLE_COLUMNS = frozenset(_TASK_COLUMNS) | {"snapshot"}
 _HOST = socket.gethostname
+
+
+def _marks(values):
+    return ", ".join("?" * len(values))
 
 
 def _proc_stat(pid):
@@ -966,29 +1082,29 @@ class _Checkpointer(threading.Thread):
     before it returns, and the WAL is synced at each checkpoint as before.
 
     A checkpoint that copied everything it saw is followed by a short second
-    pass under the store's lock, which copies what was committed meanwhile:
+    pass under the engine's lock, which copies what was committed meanwhile:
     then the next writer restarts the WAL from its beginning and the file
     stays small.  Should this thread lag, SQLite's own inline checkpoint at
     ``WAL_BACKSTOP_PAGES`` still bounds the WAL.  Failures are logged, never
     raised: a checkpoint can always be done later.
     """
 
-    def __init__(self, store):
+    def __init__(self, engine):
         super().__init__(name="taskstore-checkpointer", daemon=True)
-        self.store = store
+        self.engine = engine
         self._wake = threading.Event()
         self._stopping = False
         self.passes = 0                         # checkpoints finished (tests wait on it)
         self._passed = threading.Condition()
-        self._conn = sqlite3.connect(store.path, isolation_level=None, check_same_thread=False)
-        self._conn.execute(f"PRAGMA synchronous={store.synchronous.upper()}")
+        self._conn = sqlite3.connect(engine.path, isolation_level=None, check_same_thread=False)
+        self._conn.execute(f"PRAGMA synchronous={engine.synchronous.upper()}")
 
     def poke(self):
         """Ask for a checkpoint soon (cheap; many pokes make one checkpoint)."""
         self._wake.set()
 
     def run(self):
-        store, conn = self.store, self._conn
+        engine, conn = self.engine, self._conn
         try:
             while True:
                 self._wake.wait()
@@ -997,12 +1113,12 @@ class _Checkpointer(threading.Thread):
                     return
                 try:
                     if self._copy_all():
-                        with store._lock:
-                            if store._closed:
+                        with engine.lock:
+                            if engine.closed:
                                 return
                             conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
                 except sqlite3.Error as exc:
-                    logger.warning("background checkpoint of %s failed: %s", store.path, exc)
+                    logger.warning("background checkpoint of %s failed: %s", engine.path, exc)
                 with self._passed:
                     self.passes += 1
                     self._passed.notify_all()
@@ -1042,148 +1158,265 @@ class _Checkpointer(threading.Thread):
             self._conn.close()
 
 
-class _NewTask(typing.NamedTuple):
-    """A validated ``create`` waiting for its batch (see ``_insert_tasks_locked``)."""
-
-    kind: str
-    payload: object
-    payload_json: str
-    ttl_ms: object
-    retention_ms: object
-    policy: str
-    principal: object
-    meta: object
-    meta_json: object
-    prefix: str
-    status_message: object
-    owner: object
-
-
 class _GroupOp:
-    """One write waiting for its group commit (see ``TaskStore._group_write``)."""
+    """One write waiting for its group commit (see ``_GroupCommit.write``)."""
 
     __slots__ = ("body", "result", "error", "done", "wake", "next")
 
     def __init__(self, body):
-        self.body = body        # body(notices), or a _NewTask: a plain create
+        self.body = body        # what the batch runner runs (the store's to interpret)
         self.result = None
         self.error = None
         self.done = False       # committed (or failed): result or error is final
         self.wake = None        # the lock this writer sleeps on, its own, while it sleeps
-        self.next = None        # the writer it wakes once awake (see TaskStore._wake)
+        self.next = None        # the writer it wakes once awake (see _GroupCommit._wake)
 
 
-class TaskStore:
-    """A durable task store on one SQLite file.
+class _GroupCommit:
+    """Group commit: many threads' writes share one transaction and one commit.
 
-    Several ``TaskStore`` objects, in one process or many, may share a file.
-    Example::
-
-        store = TaskStore("tasks.db")
-        task = store.create("report", {"topic": "q3"})
-        store.get(task.id).status          # 'queued'
-
-    Args:
-        path: the database file (created when missing).
-        clock: a ``time.time``-like function (seconds); tests pass a fake.
-        synchronous: ``"normal"`` (default; a process crash loses nothing
-            committed, a power loss may lose the last transactions) or
-            ``"full"`` (every commit is on disk before it returns).
-        busy_timeout: seconds to wait for another process's write lock.
-        poll_interval: seconds between re-reads while waiting, to see other
-            processes' writes.
-        max_ttl_ms: the largest TTL ``create`` grants (None: no cap).
-        event_retention_ms: prune the events of finished tasks this long after
-            they finished (None: keep them as long as the task).
-        tombstone_ms: how long a purged id answers "expired" rather than
-            "not found".
-        lease_s: a runner whose heartbeat is older than this is dead.
-        max_bytes: cap on the database size (SQLite ``max_page_count``).
-        recover_on_open: run ``recover()`` when opening.
-        readonly: open for reading only (the admin read commands do); any
-            write raises StoreUnavailable.
-
-    Raises:
-        StoreUnavailable: the file is not a taskstore database, was written
-            by a newer version, is read-only, or cannot be opened.
+    The first writer to arrive becomes the leader and hands every body queued
+    by then to ``run_batch`` (one transaction; each body gets its own result
+    or error); the others wait until that transaction has committed.  Bodies
+    queued while the leader commits (the commit releases the GIL, so they do
+    arrive) go in the leader's next transaction, up to ``GROUP_ROUNDS``
+    transactions, instead of waiting for a new leader to wake up.  A lone
+    writer is the leader of a batch of one and pays nothing more.  Nobody
+    returns before its change is committed.
     """
 
-    def __init__(self, path=DEFAULT_DB, *, clock=time.time, synchronous="normal",
-                 busy_timeout=DEFAULT_BUSY_TIMEOUT_S, poll_interval=DEFAULT_POLL_INTERVAL_S,
-                 max_ttl_ms=DEFAULT_MAX_TTL_MS, event_retention_ms=None,
-                 tombstone_ms=DEFAULT_TOMBSTONE_MS, lease_s=DEFAULT_LEASE_S,
-                 max_bytes=None, recover_on_open=True, readonly=False):
-        if synchronous not in ("normal", "full"):
-            raise InvalidParams("synchronous must be 'normal' or 'full'", param="synchronous")
-        self.path = os.fspath(path)
-        self.clock = clock
-        self.synchronous = synchronous
-        self.poll_interval = float(poll_interval)
-        self._busy_timeout = float(busy_timeout)
-        self.max_ttl_ms = _check_int(max_ttl_ms, "max_ttl_ms")
-        self.event_retention_ms = _check_int(event_retention_ms, "event_retention_ms")
-        self.tombstone_ms = _check_int(tombstone_ms, "tombstone_ms", allow_none=False)
-        self.lease_ms = int(lease_s * 1000)
-        self._lock = threading.Lock()
-        # _changed: notified after every commit (waiters re-read the database).
-        # _work: notified when a task becomes queued (idle runner workers).
-        # Both share _lock, so a waiter cannot miss a notification between
-        # its check and its wait.
-        self._changed = threading.Condition(self._lock)
-        self._work = threading.Condition(self._lock)
-        self._work_gen = 0
-        self._claimed_empty_gen = 0   # _work_gen when a claim last found nothing (see _claim)
-        # How many threads wait on each condition: a notify nobody waits for
-        # is skipped (it costs a lock probe on every write otherwise).
-        self._changed_waiting = 0
-        self._work_waiting = 0
-        # Group commit of creates and moves (see _group_write); its own lock,
-        # because the leader holds _lock while the others wait.
-        # (Each waiting member sleeps on a lock of its own; see _group_write.)
+    def __init__(self):
+        # Its own lock, because the leader holds the engine's lock while the
+        # others wait.  (Each waiting member sleeps on a lock of its own.)
         self._group = threading.Lock()                     # the queue and who leads
         self._gather = threading.Condition(self._group)   # a leader waiting for company
         self._group_queue = []
         self._group_leading = False
         self._group_gathering = 0     # while a leader waits for company: how many it wants
         self._group_last = 1          # size of the last batch: > 1 means contention
-        self._closed = False
-        self._listeners = []
-        self._cancel_events = {}
-        self._reaper = None
+
+    def write(self, body, run_batch):
+        """Run *body* in a batch through ``run_batch(ops)``; return its result or raise its error."""
+        op = _GroupOp(body)
+        with self._group:
+            self._group_queue.append(op)
+            if len(self._group_queue) == self._group_gathering:
+                self._gather.notify()       # the company the leader waits for is here
+            if self._group_leading:
+                op.wake = threading.Lock()      # its own: a commit wakes exactly its writers
+                op.wake.acquire()
+            else:
+                self._group_leading = True
+        if op.wake is not None:
+            self._wait_woken(op)    # until committed (done), or handed the lead
+        if not op.done:
+            self._lead_groups(run_batch)
+        if op.error is not None:
+            raise op.error
+        return op.result
+
+    @staticmethod
+    def _wait_woken(op):
+        """Wait on *op*'s own lock; once awake, wake the next writer of its batch."""
+        op.wake.acquire()
+        op.wake = None              # awake: a batch it leads must not count it as asleep
+        if op.next is not None:
+            op.next.wake.release()
+
+    def _lead_groups(self, run_batch):
+        """As the leader: commit what is queued, batch after batch; then hand the lead on."""
+        group = self._group
+        with group:
+            self._gather_locked()
+            batch, self._group_queue = self._group_queue, []
+        rounds = 0
+        try:
+            while batch:
+                run_batch(batch)
+                rounds += 1
+                with group:
+                    self._group_last = len(batch)
+                    done, batch = batch, ()
+                    if self._group_queue and rounds < GROUP_ROUNDS:
+                        batch, self._group_queue = self._group_queue, []
+                    else:
+                        self._hand_over_locked()
+                self._wake(done)
+        finally:
+            if batch:                       # interrupted: never leave waiters behind
+                for member in batch:
+                    if member.error is None:
+                        member.result, member.error = None, StoreUnavailable(
+                            "the group commit was interrupted")
+                with group:
+                    self._hand_over_locked()
+                self._wake(batch)
+
+    def _hand_over_locked(self):
+        # The oldest queued writer leads next; with none, the next to arrive does.
+        if self._group_queue:
+            self._group_queue[0].wake.release()
+        else:
+            self._group_leading = False
+
+    @staticmethod
+    def _wake(members):
+        """Mark *members* done and wake the ones asleep, in a chain.
+
+        Only the first is woken here; each, once awake, wakes the next
+        (``_wait_woken``).  Woken all at once, they would only queue for the
+        GIL, to run one at a time anyway, each paying a second thread switch.
+        """
+        sleepers = []
+        for member in members:
+            member.done = True
+            if member.wake is not None:
+                sleepers.append(member)
+        for member, after in zip(sleepers, sleepers[1:]):
+            member.next = after
+        if sleepers:
+            sleepers[0].wake.release()
+
+    def _gather_locked(self):
+        """Under contention, give the writers just released a moment to queue again.
+
+        PostgreSQL's ``commit_delay``/``commit_siblings`` idea: when the last
+        batch had company, the new leader waits (at most ``GROUP_DELAY_S``)
+        until as many writers have queued, so the next commit serves them all
+        instead of one.  A lone writer (last batch of one) never waits.
+        """
+        want = self._group_last
+        if want <= 1 or len(self._group_queue) >= want:
+            return
+        deadline = time.monotonic() + GROUP_DELAY_S
+        # Woken once, when the last of them queues: a wake-up per arrival
+        # would cost as much as the wait saves.
+        self._group_gathering = want
+        try:
+            while len(self._group_queue) < want:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._group_last = len(self._group_queue)   # fewer writers now
+                    break
+                self._gather.wait(remaining)
+        finally:
+            self._group_gathering = 0
+
+
+class _Transaction:
+    """``SQLiteEngine.transaction()``: BEGIN IMMEDIATE, then COMMIT or ROLLBACK.
+
+    A class rather than a generator: it runs on every write, and one object
+    per engine, reused, costs a fraction of a generator context.  The lock
+    the caller holds makes reuse safe: transactions never nest.
+    """
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __enter__(self):
+        try:
+            self.engine.conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise self.engine._unavailable(exc) from None
+
+    def __exit__(self, kind, exc, tb):
+        engine = self.engine
+        conn = engine.conn
+        try:
+            if kind is None:
+                conn.execute("COMMIT")
+            elif conn.in_transaction:
+                conn.execute("ROLLBACK")
+        except sqlite3.Error as error:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            raise engine._unavailable(error) from None
+        if kind is not None:
+            if issubclass(kind, sqlite3.Error):
+                raise engine._unavailable(exc) from None
+            return False
+        if conn.total_changes - engine._checkpoint_mark >= CHECKPOINT_ROWS:
+            engine._checkpoint_soon_locked()
+        return False
+
+
+class _Reads:
+    """``SQLiteEngine.reading()``: a sqlite3 error inside becomes StoreUnavailable."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, kind, exc, tb):
+        if kind is not None and issubclass(kind, sqlite3.Error):
+            raise self.engine._unavailable(exc) from None
+        return False
+
+
+class SQLiteEngine:
+    """The default engine: one SQLite file in WAL mode, one connection, one lock.
+
+    Args:
+        path: the database file (created when missing).
+        synchronous: ``"normal"`` or ``"full"`` (see ``TaskStore``).
+        busy_timeout: seconds to wait for another process's write lock.
+        max_bytes: cap on the database size (SQLite ``max_page_count``).
+        readonly: open for reading only; any write raises StoreUnavailable.
+
+    Raises:
+        StoreUnavailable: the file is not a taskstore database, was written
+            by a newer version, is read-only, or cannot be opened.
+    """
+
+    def __init__(self, path, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
+                 max_bytes=None, readonly=False):
+        self.path = os.fspath(path)
+        self.synchronous = synchronous
+        self.readonly = bool(readonly)
+        self._busy_timeout = float(busy_timeout)
+        self.lock = threading.Lock()
+        self.closed = False
+        self._group = _GroupCommit()
+        self._move_sql = {}
+        self._transaction = _Transaction(self)
+        self._reads = _Reads(self)
+        self.group_write = self._group.write          # the documented method, one call less
         self._checkpointer = None
         self._checkpoint_mark = 0     # conn.total_changes at the last checkpoint request
-        self._last_id = None
         self._bulk_depth = 0
-        self._created_json = {}
-        self._host = _HOST()
-        self._conn = None
-        self.readonly = bool(readonly)
+        self.conn = None
         try:
             if self.readonly:
                 if not os.path.exists(self.path):
                     raise StoreUnavailable(f"{self.path}: no such store file")
                 uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
-                self._conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout,
-                                             isolation_level=None, check_same_thread=False)
+                self.conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout,
+                                            isolation_level=None, check_same_thread=False)
             else:
-                self._conn = sqlite3.connect(self.path, timeout=busy_timeout,
-                                             isolation_level=None, check_same_thread=False)
+                self.conn = sqlite3.connect(self.path, timeout=busy_timeout,
+                                            isolation_level=None, check_same_thread=False)
             self._open_schema(max_bytes)
         except sqlite3.Error as exc:
-            if self._conn is not None:
-                self._conn.close()
+            if self.conn is not None:
+                self.conn.close()
             raise self._unavailable(exc) from None
         except BaseException:
-            if self._conn is not None:
-                self._conn.close()
+            if self.conn is not None:
+                self.conn.close()
             raise
-        if recover_on_open and not self.readonly:
-            self.recover()
 
     # -- opening ---------------------------------------------------------------
 
     def _open_schema(self, max_bytes):
-        conn = self._conn
+        conn = self.conn
         try:
             conn.execute("PRAGMA schema_version").fetchone()
         except sqlite3.DatabaseError:
@@ -1276,59 +1509,26 @@ class TaskStore:
             text = f"database error: {exc.__class__.__name__}: {text.splitlines()[0] if text else ''}"
         return StoreUnavailable(f"{self.path}: {text}")
 
-    # -- plumbing --------------------------------------------------------------
+    # -- transactions ----------------------------------------------------------
 
-    def _now_ms(self):
-        return int(self.clock() * 1000)
+    def transaction(self):
+        """One ``BEGIN IMMEDIATE`` transaction (lock held by the caller): committed, or rolled back."""
+        return self._transaction
 
-    def _check_open(self):
-        if self._closed:
-            raise StoreClosed()
+    def reading(self):
+        """Reads (lock held by the caller) whose sqlite3 errors become StoreUnavailable."""
+        return self._reads
 
-    @contextlib.contextmanager
-    def _writing(self):
-        """Hold the lock for one BEGIN IMMEDIATE transaction; yield a notice list.
+    def group_write(self, body, run_batch):
+        """Run *body* in a batch with other threads' writes (``_GroupCommit.write``)."""
+        return self._group.write(body, run_batch)     # replaced per instance, see __init__
 
-        Notices ``(task_id, change)`` appended by the body go to the listeners
-        once the transaction has committed.
-        """
-        notices = []
-        with self._lock:
-            self._check_open()
-            conn = self._conn
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    yield notices
-                except BaseException:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    raise
-                conn.execute("COMMIT")
-            except sqlite3.Error as exc:
-                if conn.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
-                raise self._unavailable(exc) from None
-            if conn.total_changes - self._checkpoint_mark >= CHECKPOINT_ROWS:
-                self._checkpoint_soon_locked()
-            if self._changed_waiting:
-                self._changed.notify_all()
-            if notices and self._listeners:
-                tasks = [(self._read_locked(tid), change) for tid, change in notices]
-            else:
-                tasks = ()
-        for task, change in tasks:
-            if task is None:
-                continue
-            for listener in list(self._listeners):
-                try:
-                    listener(task, change)
-                except Exception:
-                    logger.exception("task listener %r failed", listener)
+    def changes(self):
+        """Rows written on this connection so far (a body that wrote moved it)."""
+        return self.conn.total_changes
 
     def _checkpoint_soon_locked(self):
-        self._checkpoint_mark = self._conn.total_changes
+        self._checkpoint_mark = self.conn.total_changes
         if self._bulk_depth:
             return                   # a bulk job checkpoints once, at its end
         if self._checkpointer is None:
@@ -1342,27 +1542,659 @@ class TaskStore:
         self._checkpointer.poke()
 
     @contextlib.contextmanager
+    def bulk(self):
+        """Checkpoint the WAL once after a bulk job instead of after every 1,000 pages.
+
+        Reap and recovery write many small transactions; checkpoints during
+        the job would copy the same pages back to the database file again
+        and again.  Checkpoints move committed data between two durable
+        files, so deferring them changes nothing a crash can lose; the WAL
+        just grows for the length of the job, and the background checkpoint
+        at its end shrinks it back.
+        """
+        with self.lock:
+            if self.closed:
+                raise StoreClosed()
+            self._bulk_depth += 1
+            if self._bulk_depth == 1:
+                self.conn.execute("PRAGMA wal_autocheckpoint=0")
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._bulk_depth -= 1
+                if self._bulk_depth == 0 and not self.closed:
+                    try:
+                        self.conn.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
+                    except sqlite3.Error as exc:
+                        logger.warning("cannot restore automatic checkpoints: %s", exc)
+                    self._checkpoint_soon_locked()
+
+    def checkpoint(self):
+        """Copy the whole WAL into the database file now (lock held); ``(log, copied)``."""
+        if self.readonly:
+            raise StoreUnavailable(f"{self.path}: opened read-only")
+        try:
+            _, log, copied = self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        except sqlite3.Error as exc:
+            raise self._unavailable(exc) from None
+        self._checkpoint_mark = self.conn.total_changes
+        return log, copied
+
+    def close(self):
+        """Stop the checkpointer and close the connection (the caller stopped all writers)."""
+        with self.lock:
+            self.closed = True
+            checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is not None:
+            checkpointer.stop()
+        with self.lock:
+            self.conn.close()
+
+    # -- tasks -----------------------------------------------------------------
+
+    def read_task(self, task_id):
+        row = self.conn.execute(_SELECT_TASK_BY_ID, (task_id,)).fetchone()
+        return None if row is None else _task_from_row(row)
+
+    def task_row_at(self, task_id, now):
+        # Guarded here, not by reading(): this is the hot path of every get.
+        try:
+            return self.conn.execute(_SELECT_TASK_AT, (now, task_id)).fetchone()
+        except sqlite3.Error as exc:
+            raise self._unavailable(exc) from None
+
+    def tombstoned(self, task_id):
+        return self.conn.execute("SELECT 1 FROM tombstones WHERE id = ?",
+                                 (task_id,)).fetchone() is not None
+
+    def insert_tasks(self, rows, events):
+        """Insert task rows and their ``created`` events (one statement per table for the lot).
+
+        In a group commit of several creates, each statement is also a moment
+        the leader hands the GIL to the threads waiting for it, so fewer is faster.
+        """
+        self.conn.executemany(
+            "INSERT INTO tasks (id, kind, status, payload, status_message, principal, policy, "
+            "ttl_ms, retention_ms, created_at, updated_at, meta, owner) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        self.conn.executemany(
+            "INSERT INTO events (task_id, seq, type, data, created_at) "
+            "VALUES (?, 0, 'created', ?, ?)", events)
+
+    def move_task(self, task_id, status, values, event_json, now):
+        """Compare-and-set one task from *status* to *values*; append its status event.
+
+        *values* are the columns to write (``last_seq`` among them: the
+        event's seq).  Returns False when the task was not in *status*.
+        """
+        names = tuple(values)
+        sql = self._move_sql.get(names)
+        if sql is None:          # a few combinations of columns, each built once
+            assert _WRITABLE_COLUMNS.issuperset(names), names    # names are ours, never input
+            sql = self._move_sql[names] = (
+                f"UPDATE tasks SET {', '.join(f'{name} = ?' for name in names)}, "
+                "version = version + 1 WHERE id = ? AND status = ?")
+        cursor = self.conn.execute(sql, (*values.values(), task_id, status))
+        if cursor.rowcount != 1:
+            return False
+        self.conn.execute(
+            "INSERT INTO events (task_id, seq, type, data, created_at) VALUES (?, ?, 'status', ?, ?)",
+            (task_id, values["last_seq"], event_json, now))
+        return True
+
+    def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
+                   bump_attempt=False, finish=False):
+        """Set-based ``move_task``: every task of *selector* in *status*; return (moved, ids).
+
+        *ids*: also return the moved ids (else None).  *policy*: only the
+        tasks with that restart policy.  *bump_attempt*: count
+        a new attempt.  *finish*: the move ends the tasks (finished_at,
+        purge_at by the one formula, no input request).
+        """
+        where, args = selector
+        guard = f"({where}) AND status = ?"
+        args = (*args, status)
+        if policy is not None:
+            guard += " AND policy = ?"
+            args += (policy,)
+        moved_ids = None
+        if ids:
+            moved_ids = [r[0] for r in self.conn.execute(
+                f"SELECT id FROM tasks WHERE {guard}", args)]
+        sets = ["updated_at = ?", "last_seq = last_seq + 1", "version = version + 1"]
+        params = [now]
+        for name, value in values.items():
+            assert name in _WRITABLE_COLUMNS, name       # names are ours, never input
+            sets.append(f"{name} = ?")
+            params.append(value)
+        if bump_attempt:
+            sets.append("attempt = attempt + 1")
+        if finish:
+            sets += ["finished_at = ?", "input_request = NULL",
+                     "purge_at = CASE WHEN ttl_ms IS NULL AND retention_ms IS NULL THEN NULL "
+                     "ELSE taskstore_purge_at(?, created_at, ttl_ms, retention_ms) END"]
+            params += [now, now]
+        inserted = self.conn.execute(
+            "INSERT INTO events (task_id, seq, type, data, created_at) "
+            f"SELECT id, last_seq + 1, 'status', ?, ? FROM tasks WHERE {guard}",
+            (event_json, now, *args)).rowcount
+        updated = self.conn.execute(f"UPDATE tasks SET {', '.join(sets)} WHERE {guard}",
+                                    (*params, *args)).rowcount
+        if updated != inserted:      # cannot happen inside BEGIN IMMEDIATE
+            return -1, moved_ids
+        return inserted, moved_ids
+
+    def restart_groups(self, selector):
+        where, args = selector
+        return self.conn.execute(
+            f"SELECT status, policy, count(*) FROM tasks WHERE {where} GROUP BY status, policy",
+            args).fetchall()
+
+    def disown(self, selector, statuses):
+        where, args = selector
+        self.conn.execute(f"UPDATE tasks SET owner = NULL WHERE ({where}) AND status IN "
+                          f"({_marks(statuses)})", (*args, *statuses))
+
+    def list_tasks(self, now, statuses, kinds, principal, before, limit):
+        where, args = [f"NOT ({_EXPIRED})"], [now]
+        for column, values in (("status", statuses), ("kind", kinds)):
+            if values is not None:
+                where.append(f"{column} IN ({_marks(values)})")
+                args.extend(values)
+        if principal is not None:
+            where.append("principal = ?")
+            args.append(principal)
+        if before is not None:
+            where.append("id < ?")
+            args.append(before)
+        sql = _SELECT_TASK + " WHERE " + " AND ".join(where) + " ORDER BY id DESC LIMIT ?"
+        return self.conn.execute(sql, (*args, limit)).fetchall()
+
+    def event_bounds(self, task_id, now):
+        return self.conn.execute(f"SELECT principal, last_seq, first_seq, {_EXPIRED} FROM tasks "
+                                 "WHERE id = ?", (now, task_id)).fetchone()
+
+    def read_events(self, task_id, start, limit):
+        return self.conn.execute(
+            "SELECT seq, type, data, created_at FROM events WHERE task_id = ? AND seq >= ? "
+            "ORDER BY seq LIMIT ?", (task_id, start, -1 if limit is None else limit)).fetchall()
+
+    def last_seqs(self, ids):
+        return dict(self.conn.execute(
+            f"SELECT id, last_seq FROM tasks WHERE id IN ({_marks(ids)})", ids).fetchall())
+
+    def load_snapshot(self, task_id):
+        row = self.conn.execute("SELECT snapshot FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        return (False, None) if row is None else (True, row[0])
+
+    def set_progress(self, task_id, values, statuses, attempt, now):
+        sets = ["updated_at = ?", "version = version + 1"] + [f"{n} = ?" for n in values]
+        sql = (f"UPDATE tasks SET {', '.join(sets)} WHERE id = ? "
+               f"AND status IN ({_marks(statuses)})")
+        args = [now, *values.values(), task_id, *statuses]
+        if attempt is not None:
+            sql += " AND attempt = ?"
+            args.append(attempt)
+        return self.conn.execute(sql, args).rowcount == 1
+
+    def event_head(self, task_id):
+        return self.conn.execute("SELECT status, last_seq, attempt FROM tasks WHERE id = ?",
+                                 (task_id,)).fetchone()
+
+    def append_event(self, task_id, seq, etype, data_json, snapshot_json, now):
+        self.conn.execute(
+            "UPDATE tasks SET last_seq = ?, updated_at = ?, version = version + 1"
+            + (", snapshot = ?" if snapshot_json is not None else "") + " WHERE id = ?",
+            (seq, now, snapshot_json, task_id) if snapshot_json is not None
+            else (seq, now, task_id))
+        self.conn.execute(
+            "INSERT INTO events (task_id, seq, type, data, created_at) VALUES (?, ?, ?, ?, ?)",
+            (task_id, seq, etype, data_json, now))
+
+    def save_snapshot(self, task_id, snapshot_json, statuses, attempt):
+        sql = f"UPDATE tasks SET snapshot = ? WHERE id = ? AND status IN ({_marks(statuses)})"
+        args = [snapshot_json, task_id, *statuses]
+        if attempt is not None:
+            sql += " AND attempt = ?"
+            args.append(attempt)
+        return self.conn.execute(sql, args).rowcount == 1
+
+    # The status is a literal, not a parameter: only then can SQLite use the
+    # partial index (WHERE status = 'queued') instead of a table scan.
+    def _queued(self, kinds):
+        return f"WHERE status = '{QUEUED}' AND kind IN ({_marks(kinds)})"
+
+    def has_queued(self, kinds):
+        return self.conn.execute(f"SELECT 1 FROM tasks {self._queued(kinds)} LIMIT 1",
+                                 kinds).fetchone() is not None
+
+    def oldest_queued(self, kinds):
+        row = self.conn.execute(f"{_SELECT_TASK} {self._queued(kinds)} ORDER BY id LIMIT 1",
+                                kinds).fetchone()
+        return None if row is None else _task_from_row(row)
+
+    def idempotency_get(self, scope, key):
+        return self.conn.execute(
+            "SELECT fingerprint, task_id, expires_at FROM idempotency "
+            "WHERE scope = ? AND key = ?", (scope, key)).fetchone()
+
+    def idempotency_put(self, scope, key, fprint, task_id, now, expires_at):
+        self.conn.execute(
+            "INSERT OR REPLACE INTO idempotency "
+            "(scope, key, fingerprint, task_id, created_at, expires_at) "
+            "VALUES (?, ?, ?, ?, ?, ?)", (scope, key, fprint, task_id, now, expires_at))
+
+    # -- processes -------------------------------------------------------------
+
+    def register(self, proc_id, now):
+        pid = os.getpid()
+        self.conn.execute(
+            "INSERT INTO processes (id, pid, host, proc_start, started_at, heartbeat_at) "
+            "VALUES (?, ?, ?, ?, ?, ?)", (proc_id, pid, _HOST(), _proc_start(pid), now, now))
+
+    def heartbeat(self, proc_id, now):
+        return self.conn.execute("UPDATE processes SET heartbeat_at = ? WHERE id = ?",
+                                 (now, proc_id)).rowcount == 1
+
+    def unregister(self, proc_id):
+        self.conn.execute("DELETE FROM processes WHERE id = ?", (proc_id,))
+
+    def processes(self):
+        """``{proc_id: (proc_id, pid, host, proc_start, heartbeat_at)}``."""
+        return {r[0]: r for r in self.conn.execute(
+            "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
+
+    def recovery_view(self, statuses):
+        """``(processes(), {owner: [(status, policy)]})`` of owned tasks in *statuses*, one snapshot."""
+        conn = self.conn
+        # One read transaction, one snapshot: read apart, a runner that
+        # registers and claims between the two reads looks unregistered.
+        conn.execute("BEGIN")
+        try:
+            procs = self.processes()
+            # Which statuses and policies each owner has cost no more to
+            # read than the owners alone (the rows are read either way).
+            present = {}
+            for owner, status, policy in conn.execute(
+                    "SELECT DISTINCT owner, status, policy FROM tasks WHERE owner IS NOT NULL "
+                    f"AND status IN ({_marks(statuses)})", statuses):
+                present.setdefault(owner, []).append((status, policy))
+        finally:
+            conn.execute("COMMIT")
+        return procs, present
+
+    def cancelling_of(self, owner):
+        return {r[0] for r in self.conn.execute(
+            "SELECT id FROM tasks WHERE owner = ? AND status = ?", (owner, CANCELLING))}
+
+    def owner_batch(self, owner, after, size, statuses):
+        """Select the owner's next tasks in *statuses*: ``(selector, last id or None)``.
+
+        A batch is a key range of the tasks_owner index: this owner's ids
+        after the previous batch, up to the size-th one (finished or not,
+        which makes the bound a walk of the index alone, with no row read),
+        so the statements find it by the index, with no id list built in
+        Python.  None: this is the last batch.
+        """
+        last = self.conn.execute(
+            "SELECT id FROM tasks WHERE owner = ? AND id > ? ORDER BY id LIMIT 1 OFFSET ?",
+            (owner, after, size - 1)).fetchone()
+        # The statuses are this module's constants, written as literals.
+        owned = f"owner = ? AND status IN ({', '.join(repr(s) for s in statuses)}) AND id > ?"
+        if last is None:
+            return (owned, (owner, after)), None
+        return (owned + " AND id <= ?", (owner, after, last[0])), last[0]
+
+    @staticmethod
+    def host_verdict(proc):
+        """Is the registration *proc* (as ``processes`` returns it) dead, by this host's means?
+
+        True or False for a process on this host (its pid is gone, or now
+        belongs to a later process); None for one on another host, where
+        only its lease can tell.
+        """
+        _, pid, host, proc_start, _ = proc
+        if host != _HOST():
+            return None
+        return not _pid_alive(pid, proc_start)
+
+    @staticmethod
+    def this_process(proc):
+        """True when the registration *proc* was made by this very process."""
+        _, pid, host, proc_start, _ = proc
+        return host == _HOST() and pid == os.getpid() and proc_start == _proc_start(pid)
+
+    # -- retention -------------------------------------------------------------
+
+    def reap_tasks_once(self, now, budget, counts, tombstone_ms):
+        """Delete one batch of expired tasks with their events; ``(more, deleted ids)``.
+
+        A batch is at most *budget* tasks and ``10 * budget`` event rows; a
+        longer event log is deleted in slices over several transactions.
+        The batch is a key range of the ``tasks_purge`` index, ``(purge_at,
+        id) <= (last of the batch)``, so each of the three set-based
+        statements finds it by the index, with no id list built in Python.
+        """
+        rows = self.conn.execute(
+            f"SELECT id, purge_at, last_seq - first_seq + 1 FROM tasks WHERE {_EXPIRED} "
+            "ORDER BY purge_at, id LIMIT ?", (now, budget)).fetchall()
+        take, events = 0, 0
+        for _, _, count in rows:
+            if events + count > 10 * budget:
+                break
+            take += 1
+            events += count
+        if not take and rows:
+            # A very long log goes in slices so no transaction runs long.
+            task_id = rows[0][0]
+            first = self.conn.execute("SELECT first_seq FROM tasks WHERE id = ?",
+                                      (task_id,)).fetchone()[0]
+            cut = first + 10 * budget
+            counts["events"] += self.conn.execute(
+                "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
+            self.conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
+            return True, ()
+        if take:
+            batch = "purge_at IS NOT NULL AND (purge_at, id) <= (?, ?)"
+            last = rows[take - 1][1], rows[take - 1][0]
+            counts["events"] += self.conn.execute(
+                f"DELETE FROM events WHERE task_id IN (SELECT id FROM tasks WHERE {batch})",
+                last).rowcount
+            self.conn.execute(
+                "INSERT OR REPLACE INTO tombstones (id, deleted_at, expires_at) "
+                f"SELECT id, ?, ? FROM tasks WHERE {batch}", (now, now + tombstone_ms, *last))
+            deleted = self.conn.execute(f"DELETE FROM tasks WHERE {batch}", last).rowcount
+            if deleted != take:      # the range is exactly the rows read: same transaction
+                raise StoreUnavailable(f"{self.path}: reap batch changed under the write lock")
+            counts["tasks"] += deleted
+        return len(rows) == budget or take < len(rows), [row[0] for row in rows[:take]]
+
+    def prune_events_once(self, finished_before, budget, counts):
+        """Prune one batch of finished tasks' events; True when there may be more."""
+        # No index serves this scan on purpose: an index on finished_at
+        # would cost every task one more write for a query run once a
+        # minute.
+        rows = self.conn.execute(
+            "SELECT id, first_seq, last_seq FROM tasks WHERE finished_at IS NOT NULL "
+            "AND first_seq <= last_seq AND finished_at <= ? LIMIT ?",
+            (finished_before, budget)).fetchall()
+        spent = 0
+        for task_id, first_seq, last_seq in rows:
+            cut = min(last_seq + 1, first_seq + max(1, 10 * budget - spent))
+            counts["events"] += self.conn.execute(
+                "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
+            self.conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
+            spent += cut - first_seq
+            if spent >= 10 * budget:
+                return True
+        return len(rows) == budget
+
+    def delete_expired(self, table, now, limit):
+        column = {"idempotency": "scope, key", "tombstones": "id"}[table]
+        return self.conn.execute(
+            f"DELETE FROM {table} WHERE ({column}) IN (SELECT {column} FROM "
+            f"{table} WHERE expires_at <= ? LIMIT ?)", (now, limit)).rowcount
+
+
+# =============================================================================
+# 7. The store
+# =============================================================================
+# Rules:
+# - The verbs and the rules, written once: transitions, the event log,
+#   idempotency, retention, recovery decisions, waiting.  Everything that is
+#   SQLite's is the engine's (section 6), reached only through the names its
+#   banner lists; no SQL text lives here.
+# - One lock (the engine's, ``_lock``).  Public methods take it; helpers
+#   whose names end in ``_locked`` expect it held.  It is not re-entrant.
+# - Every write is one engine transaction (``_writing``); every status change
+#   inside it goes through ``_transition_locked`` (or its set-based twin),
+#   which asks the lifecycle tables (section 3) and appends the event row.
+#   After the commit, ``_changed`` wakes this process's waiters; other
+#   processes see the change on their next poll.
+# - Listeners, cancel events and anything else that calls out run after the
+#   commit and outside the lock.
+# - ``now`` arguments are epoch milliseconds; the clock is a ``time.time``-like
+#   function in seconds, injectable for tests.
+# - The reaper thread (at the end of this section) belongs to the store.
+
+_MISSING = object()
+_JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
+_PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
+_LIVE_PROCESS_IDS = set()    # registrations of runners alive in this process
+_RECOVERABLE = (QUEUED, *ACTIVE_STATES)   # an owner's tasks recovery hands to their policy
+
+
+def _describe_recovery(tally):
+    """Say what recovery did, per policy: ``2 failed (policy fail), 1 queued again (retry)``."""
+    words = {"fail": "failed (policy fail)", "retry": "queued again (policy retry)",
+             "resume": "queued again (policy resume)",
+             CANCELLING: "cancelled (a cancel was under way)"}
+    return ", ".join(f"{tally[key]} {words[key]}" for key in (*POLICIES, CANCELLING)
+                     if tally.get(key))
+
+
+def _status_data(status, new, message, error):
+    data = {"status": new, "from": status}
+    if message is not None:
+        data["message"] = message
+    if error is not None:
+        data["error"] = error
+    return data
+
+
+class _NewTask(typing.NamedTuple):
+    """A validated ``create`` waiting for its batch (see ``_insert_tasks_locked``)."""
+
+    kind: str
+    payload: object
+    payload_json: str
+    ttl_ms: object
+    retention_ms: object
+    policy: str
+    principal: object
+    meta: object
+    meta_json: object
+    prefix: str
+    status_message: object
+    owner: object
+
+
+def _payload(payload, param):
+    """Return ``(payload_json, payload)``: the stored text and the caller's own copy."""
+    payload_json = _json_param(payload, param)
+    try:
+        # The Task we return carries its own copy, parsed here, at the
+        # caller's depth (a payload nested near the limit parses now or never).
+        return payload_json, _loads(payload_json)
+    except RecursionError:
+        raise InvalidParams(f"{param} is nested too deeply", param=param) from None
+
+
+def _new_task(max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal, meta, prefix,
+              status_message, owner, param="payload"):
+    """Validate create's arguments; return the ``_NewTask`` to insert."""
+    _check_str(kind, "kind", allow_none=False, max_len=200)
+    payload_json, payload = _payload(payload, param)
+    _check_str(owner, "owner", max_len=200)
+    ttl_ms = _check_int(ttl_ms, "ttl_ms")
+    retention_ms = _check_int(retention_ms, "retention_ms")
+    if ttl_ms is not None and retention_ms is not None:
+        raise InvalidParams("give ttl_ms or retention_ms, not both", param="ttl_ms")
+    if ttl_ms is not None and max_ttl_ms is not None:
+        ttl_ms = min(ttl_ms, max_ttl_ms)
+    if policy not in POLICIES:
+        raise InvalidParams(f"policy must be one of {', '.join(POLICIES)}", param="policy")
+    _check_str(principal, "principal")
+    _check_str(status_message, "status_message", max_len=100_000)
+    if meta is not None and not isinstance(meta, dict):
+        raise InvalidParams("meta must be a JSON object", param="meta")
+    meta_json = None if meta is None else _json_param(meta, "meta")
+    if prefix != "task" and (not isinstance(prefix, str)
+                             or not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix)):
+        raise InvalidParams("prefix must be 1-16 lowercase letters and digits", param="prefix")
+    return _NewTask(kind, payload, payload_json, ttl_ms, retention_ms, policy, principal,
+                    meta, meta_json, prefix, status_message, owner)
+
+
+@functools.lru_cache(maxsize=256)
+def _created_data(kind):
+    """The data of a ``created`` event, as stored: a few kinds, each serialised once."""
+    return dumps({"kind": kind})
+
+
+class _IdSequence:
+    """Task ids of one store: ids made in the same millisecond still sort in creation order.
+
+    ULID's monotonic rule: within a millisecond the random part counts up.
+    ``last`` keeps that part as a number, so it is never parsed back.
+    """
+
+    def __init__(self):
+        self.last = None
+
+    def next(self, prefix, now):
+        """Return the next id with *prefix* at *now* (epoch ms); the caller serialises calls."""
+        last = self.last
+        if last is not None and last[0] == now and last[1] == prefix:
+            # Count up by a random step of 64 bits or more, never by 1: one id
+            # must not give away its neighbours (MCP: ids are bearer tokens).
+            number = last[3] + 2**64 + secrets.randbits(64)
+            if number < 2**130:
+                self.last = (now, prefix, last[2], number)
+                return last[2] + _base32(number, 26)
+        task_id = new_id(prefix, now)        # a new millisecond, or the count ran out
+        self.last = (now, prefix, task_id[:-26],
+                     int(task_id[-26:].translate(_FROM_CROCKFORD), 32))
+        return task_id
+
+
+class TaskStore:
+    """A durable task store on one SQLite file.
+
+    Several ``TaskStore`` objects, in one process or many, may share a file.
+    Example::
+
+        store = TaskStore("tasks.db")
+        task = store.create("report", {"topic": "q3"})
+        store.get(task.id).status          # 'queued'
+
+    Args:
+        path: the database file (created when missing).
+        clock: a ``time.time``-like function (seconds); tests pass a fake.
+        synchronous: ``"normal"`` (default; a process crash loses nothing
+            committed, a power loss may lose the last transactions) or
+            ``"full"`` (every commit is on disk before it returns).
+        busy_timeout: seconds to wait for another process's write lock.
+        poll_interval: seconds between re-reads while waiting, to see other
+            processes' writes.
+        max_ttl_ms: the largest TTL ``create`` grants (None: no cap).
+        event_retention_ms: prune the events of finished tasks this long after
+            they finished (None: keep them as long as the task).
+        tombstone_ms: how long a purged id answers "expired" rather than
+            "not found".
+        lease_s: a runner whose heartbeat is older than this is dead.
+        max_bytes: cap on the database size (SQLite ``max_page_count``).
+        recover_on_open: run ``recover()`` when opening.
+        readonly: open for reading only (the admin read commands do); any
+            write raises StoreUnavailable.
+
+    Raises:
+        StoreUnavailable: the file is not a taskstore database, was written
+            by a newer version, is read-only, or cannot be opened.
+    """
+
+    def __init__(self, path=DEFAULT_DB, *, clock=time.time, synchronous="normal",
+                 busy_timeout=DEFAULT_BUSY_TIMEOUT_S, poll_interval=DEFAULT_POLL_INTERVAL_S,
+                 max_ttl_ms=DEFAULT_MAX_TTL_MS, event_retention_ms=None,
+                 tombstone_ms=DEFAULT_TOMBSTONE_MS, lease_s=DEFAULT_LEASE_S,
+                 max_bytes=None, recover_on_open=True, readonly=False):
+        if synchronous not in ("normal", "full"):
+            raise InvalidParams("synchronous must be 'normal' or 'full'", param="synchronous")
+        self.path = os.fspath(path)
+        self.clock = clock
+        self.synchronous = synchronous
+        self.poll_interval = float(poll_interval)
+        self.max_ttl_ms = _check_int(max_ttl_ms, "max_ttl_ms")
+        self.event_retention_ms = _check_int(event_retention_ms, "event_retention_ms")
+        self.tombstone_ms = _check_int(tombstone_ms, "tombstone_ms", allow_none=False)
+        self.lease_ms = int(lease_s * 1000)
+        self._engine = engine = SQLiteEngine(path, synchronous=synchronous,
+                                             busy_timeout=busy_timeout, max_bytes=max_bytes,
+                                             readonly=readonly)
+        self.readonly = engine.readonly
+        self._lock = engine.lock
+        # _changed: notified after every commit (waiters re-read the database).
+        # _work: notified when a task becomes queued (idle runner workers).
+        # Both share the engine's lock, so a waiter cannot miss a
+        # notification between its check and its wait.
+        self._changed = threading.Condition(self._lock)
+        self._work = threading.Condition(self._lock)
+        self._work_gen = 0
+        self._claimed_empty_gen = 0   # _work_gen when a claim last found nothing (see claim)
+        # How many threads wait on each condition: a notify nobody waits for
+        # is skipped (it costs a lock probe on every write otherwise).
+        self._changed_waiting = 0
+        self._work_waiting = 0
+        self._closed = False
+        self._listeners = []
+        self._cancel_events = {}
+        self._reaper = None
+        self._ids = _IdSequence()
+        if recover_on_open and not self.readonly:
+            self.recover()
+
+    # -- plumbing --------------------------------------------------------------
+
+    def _now_ms(self):
+        return int(self.clock() * 1000)
+
+    def _check_open(self):
+        if self._closed:
+            raise StoreClosed()
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """Hold the lock for one engine transaction; yield a notice list.
+
+        Notices ``(task_id, change)`` appended by the body go to the listeners
+        once the transaction has committed.
+        """
+        notices = []
+        with self._lock:
+            self._check_open()
+            with self._engine.transaction():
+                yield notices
+            if self._changed_waiting:
+                self._changed.notify_all()
+            if notices and self._listeners:
+                tasks = [(self._engine.read_task(tid), change) for tid, change in notices]
+            else:
+                tasks = ()
+        for task, change in tasks:
+            if task is None:
+                continue
+            for listener in list(self._listeners):
+                try:
+                    listener(task, change)
+                except Exception:
+                    logger.exception("task listener %r failed", listener)
+
+    @contextlib.contextmanager
     def _reading(self):
         with self._lock:
             self._check_open()
-            try:
-                yield self._conn
-            except sqlite3.Error as exc:
-                raise self._unavailable(exc) from None
-
-    def _read_locked(self, task_id):
-        row = self._conn.execute(_SELECT_TASK_BY_ID, (task_id,)).fetchone()
-        return None if row is None else _task_from_row(row)
+            with self._engine.reading():
+                yield self._engine
 
     def _get_locked(self, task_id, principal=None):
         if not isinstance(task_id, str):
             raise InvalidParams("task id must be a string", param="task_id")
         if not task_id.isascii():
             raise TaskNotFound(task_id)     # never an id; the message escapes it
-        row = self._conn.execute(_SELECT_TASK_AT, (self._now_ms(), task_id)).fetchone()
+        row = self._engine.task_row_at(task_id, self._now_ms())
         if row is None or (principal is not None and row[_PRINCIPAL_INDEX] != principal):
-            if row is None and self._conn.execute(
-                    "SELECT 1 FROM tombstones WHERE id = ?", (task_id,)).fetchone():
+            if row is None and self._engine.tombstoned(task_id):
                 raise TaskExpired(task_id)
             raise TaskNotFound(task_id)
         if row[-1]:
@@ -1375,15 +2207,16 @@ class TaskStore:
 
         *task* is the task as read in the caller's transaction (so it is
         current: nobody else can write meanwhile), or its id (then it is read
-        here).  The table decides; one compare-and-set ``UPDATE ... WHERE id
-        = ? AND status = ?`` writes the move and one INSERT appends the
-        ``status`` event, whose sequence number the row read already tells.
+        here).  The table decides; the engine's compare-and-set
+        (``move_task``: the row changes only if it is still in the status we
+        read) writes the move and appends the ``status`` event, whose
+        sequence number the row read already tells.
         The returned Task is the row as written, built here rather than read
         back.  *attempt* guards against a stale worker: a task requeued since
         it claimed it is not its to move.
         """
         if isinstance(task, str):
-            task_id, task = task, self._read_locked(task)
+            task_id, task = task, self._engine.read_task(task)
             if task is None:
                 raise TaskNotFound(task_id)
         task_id, status = task.id, task.status
@@ -1391,28 +2224,21 @@ class TaskStore:
         if attempt is not None and attempt != task.attempt:
             raise InvalidTransition(task_id, f"{status} (attempt {task.attempt})", event)
         seq = task.last_seq + 1
-        sets = ["status = ?", "updated_at = ?", "last_seq = ?", "version = version + 1"]
-        values = [new, now, seq]
+        values = {"status": new, "updated_at": now, "last_seq": seq}
         changes = {"status": new, "updated_at": now, "last_seq": seq, "version": task.version + 1}
         for name, value in (fields or {}).items():
-            assert name in _WRITABLE_COLUMNS and not isinstance(value, _Sql), name
-            sets.append(f"{name} = ?")
-            values.append(value)
+            values[name] = value
             if name != "snapshot":
                 changes[name] = _loads(value) if (
                     value is not None and name in _JSON_COLUMNS) else value
         if new in TERMINAL_STATES:
             purge_at = _purge_at(now, task.created_at, task.ttl_ms, task.retention_ms)
-            sets += ["finished_at = ?", "input_request = NULL", "purge_at = ?"]
-            values += [now, purge_at]
+            values.update(finished_at=now, input_request=None, purge_at=purge_at)
             changes.update(finished_at=now, input_request=None, purge_at=purge_at)
-        cursor = self._conn.execute(f"UPDATE tasks SET {', '.join(sets)} WHERE id = ? AND status = ?",
-                                    (*values, task_id, status))
-        if cursor.rowcount != 1:   # cannot happen inside BEGIN IMMEDIATE; the guard is the rule
+        # The compare-and-set: cannot fail inside the transaction; the guard is the rule.
+        if not self._engine.move_task(task_id, status, values,
+                                      dumps(_status_data(status, new, message, error)), now):
             raise InvalidTransition(task_id, status, event)
-        self._conn.execute(
-            "INSERT INTO events (task_id, seq, type, data, created_at) VALUES (?, ?, 'status', ?, ?)",
-            (task_id, seq, dumps(_status_data(status, new, message, error)), now))
         notices.append((task_id, "status"))
         if new in TERMINAL_STATES:
             self._cancel_events.pop(task_id, None)
@@ -1422,57 +2248,35 @@ class TaskStore:
                 self._work.notify_all()
         return task._replace(**changes)
 
-    def _transition_set_locked(self, notices, event, now, where, args, *, fields=None,
-                               message=None, error=None, groups=None):
-        """Move every task matching *where* by *event*, set-based; return how many moved.
+    def _transition_set_locked(self, notices, event, selector, now, groups, *, policy=None,
+                               fields=None, message=None, error=None, bump_attempt=False):
+        """Move every task of *selector* by *event*, set-based; return how many moved.
 
         The same decision as ``_transition_locked``, made once per distinct
         current status, and the same compare-and-set guard: recovery moves
         100,000 tasks in a few statements instead of 100,000 round trips.
-        *where* is this module's SQL text, never input.  *groups*, when the
-        caller knows them, is ``[(status, count)]`` of the matching tasks; a
-        count of None means "some or none, not counted".
+        *groups* is ``[(status, count)]`` of the selected tasks; a count of
+        None means "some or none, not counted".  *policy*: only the tasks
+        with that restart policy.
         """
         moved = 0
-        if groups is None:
-            groups = self._conn.execute(
-                f"SELECT status, count(*) FROM tasks WHERE {where} GROUP BY status",
-                args).fetchall()
         for status, count in groups:
             new = next_state("(several)", status, event)
-            guard = f"({where}) AND status = ?"
-            if self._listeners or self._cancel_events:
-                ids = [r[0] for r in self._conn.execute(
-                    f"SELECT id FROM tasks WHERE {guard}", (*args, status))]
+            want_ids = bool(self._listeners or self._cancel_events)
+            inserted, ids = self._engine.move_tasks(
+                selector, status, {"status": new, **(fields or {})},
+                dumps(_status_data(status, new, message, error)),
+                now, ids=want_ids, policy=policy, bump_attempt=bump_attempt,
+                finish=new in TERMINAL_STATES)
+            if ids:
                 notices.extend((task_id, "status") for task_id in ids)
                 if new in TERMINAL_STATES:
                     for task_id in ids:
                         self._cancel_events.pop(task_id, None)
-            sets = ["status = ?", "updated_at = ?", "last_seq = last_seq + 1",
-                    "version = version + 1"]
-            values = [new, now]
-            for name, value in (fields or {}).items():
-                assert name in _WRITABLE_COLUMNS, name       # names are ours, never input
-                if isinstance(value, _Sql):
-                    sets.append(f"{name} = {value.text}")
-                else:
-                    sets.append(f"{name} = ?")
-                    values.append(value)
-            if new in TERMINAL_STATES:
-                sets += ["finished_at = ?", "input_request = NULL",
-                         "purge_at = CASE WHEN ttl_ms IS NULL AND retention_ms IS NULL THEN NULL "
-                         "ELSE taskstore_purge_at(?, created_at, ttl_ms, retention_ms) END"]
-                values += [now, now]
-            inserted = self._conn.execute(
-                "INSERT INTO events (task_id, seq, type, data, created_at) "
-                f"SELECT id, last_seq + 1, 'status', ?, ? FROM tasks WHERE {guard}",
-                (dumps(_status_data(status, new, message, error)), now, *args, status)).rowcount
-            cursor = self._conn.execute(f"UPDATE tasks SET {', '.join(sets)} WHERE {guard}",
-                                        (*values, *args, status))
             # One event per moved task, and as many as counted: cannot fail
-            # inside BEGIN IMMEDIATE; the guard is the rule.
-            if cursor.rowcount != inserted or count not in (None, inserted):
-                raise InvalidTransition("(several)", status, new)
+            # inside the transaction; the guard is the rule.
+            if inserted < 0 or count not in (None, inserted):
+                raise InvalidTransition("(several)", status, event)
             if new == QUEUED and inserted:
                 self._work_gen += 1
                 if self._work_waiting:
@@ -1488,11 +2292,11 @@ class TaskStore:
             if principal is not None:
                 task = self._get_locked(task_id, principal)
             else:
-                task = self._read_locked(task_id)
+                task = self._engine.read_task(task_id)
                 if task is None:
                     raise TaskNotFound(task_id)
             return self._transition_locked(notices, task, event, now, **kwargs)
-        return self._group_write(body)
+        return self._engine.group_write(body, self._run_group)
 
     # -- creating and reading --------------------------------------------------
 
@@ -1524,8 +2328,8 @@ class TaskStore:
             IdempotencyMismatch: the key was used with another fingerprint.
             TaskExpired: the key's task was already purged.
         """
-        spec = self._new_task(kind, payload, ttl_ms, retention_ms, policy, principal, meta,
-                              prefix, status_message, owner)
+        spec = _new_task(self.max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal,
+                         meta, prefix, status_message, owner)
         if idempotency is not None:
             try:
                 scope, key, fprint, expires_in_ms = idempotency
@@ -1536,8 +2340,9 @@ class TaskStore:
                 _check_str(value, f"idempotency {name}", allow_none=False)
             _check_int(expires_in_ms, "idempotency expires_in_ms")
         if idempotency is None:
-            return self._group_write(spec)          # _run_group inserts it with its batch
-        return self._group_write(lambda notices: self._create_locked(notices, spec, idempotency))
+            return self._engine.group_write(spec, self._run_group)   # inserted with its batch
+        return self._engine.group_write(
+            lambda notices: self._create_locked(notices, spec, idempotency), self._run_group)
 
     def create_many(self, kind, payloads, *, ttl_ms=None, retention_ms=None, policy="fail",
                     principal=None, meta=None, prefix="task", status_message=None, owner=None):
@@ -1559,58 +2364,21 @@ class TaskStore:
             raise InvalidParams("payloads must be a list of JSON values", param="payloads")
         if not payloads:
             return []
-        first = self._new_task(kind, payloads[0], ttl_ms, retention_ms, policy, principal,
-                               meta, prefix, status_message, owner, param="payloads[0]")
+        first = _new_task(self.max_ttl_ms, kind, payloads[0], ttl_ms, retention_ms, policy,
+                          principal, meta, prefix, status_message, owner, param="payloads[0]")
         specs = [first]
         for i, payload in enumerate(payloads[1:], 1):
-            payload_json, payload = self._payload(payload, f"payloads[{i}]")
+            payload_json, payload = _payload(payload, f"payloads[{i}]")
             specs.append(first._replace(payload=payload, payload_json=payload_json))
-        return self._group_write(
-            lambda notices: self._insert_tasks_locked(notices, specs, self._now_ms()))
-
-    @staticmethod
-    def _payload(payload, param):
-        """Return ``(payload_json, payload)``: the stored text and the caller's own copy."""
-        payload_json = _json_param(payload, param)
-        try:
-            # The Task we return carries its own copy, parsed here, at the
-            # caller's depth (a payload nested near the limit parses now or never).
-            return payload_json, _loads(payload_json)
-        except RecursionError:
-            raise InvalidParams(f"{param} is nested too deeply", param=param) from None
-
-    def _new_task(self, kind, payload, ttl_ms, retention_ms, policy, principal, meta, prefix,
-                  status_message, owner, param="payload"):
-        """Validate create's arguments; return the ``_NewTask`` to insert."""
-        _check_str(kind, "kind", allow_none=False, max_len=200)
-        payload_json, payload = self._payload(payload, param)
-        _check_str(owner, "owner", max_len=200)
-        ttl_ms = _check_int(ttl_ms, "ttl_ms")
-        retention_ms = _check_int(retention_ms, "retention_ms")
-        if ttl_ms is not None and retention_ms is not None:
-            raise InvalidParams("give ttl_ms or retention_ms, not both", param="ttl_ms")
-        if ttl_ms is not None and self.max_ttl_ms is not None:
-            ttl_ms = min(ttl_ms, self.max_ttl_ms)
-        if policy not in POLICIES:
-            raise InvalidParams(f"policy must be one of {', '.join(POLICIES)}", param="policy")
-        _check_str(principal, "principal")
-        _check_str(status_message, "status_message", max_len=100_000)
-        if meta is not None and not isinstance(meta, dict):
-            raise InvalidParams("meta must be a JSON object", param="meta")
-        meta_json = None if meta is None else _json_param(meta, "meta")
-        if prefix != "task" and (not isinstance(prefix, str)
-                                 or not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix)):
-            raise InvalidParams("prefix must be 1-16 lowercase letters and digits", param="prefix")
-        return _NewTask(kind, payload, payload_json, ttl_ms, retention_ms, policy, principal,
-                        meta, meta_json, prefix, status_message, owner)
+        return self._engine.group_write(
+            lambda notices: self._insert_tasks_locked(notices, specs, self._now_ms()),
+            self._run_group)
 
     def _create_locked(self, notices, spec, idempotency):
         """Create one task under an idempotency key: the first task for the key, or a new one."""
         now = self._now_ms()
         scope, key, fprint, expires_in_ms = idempotency
-        row = self._conn.execute(
-            "SELECT fingerprint, task_id, expires_at FROM idempotency "
-            "WHERE scope = ? AND key = ?", (scope, key)).fetchone()
+        row = self._engine.idempotency_get(scope, key)
         if row is not None and (row[2] is None or row[2] > now):
             if row[0] != fprint:
                 raise IdempotencyMismatch(key)
@@ -1620,178 +2388,42 @@ class TaskStore:
                 raise TaskExpired(row[1]) from None
             return task._replace(replayed=True)
         task = self._insert_tasks_locked(notices, [spec], now)[0]
-        self._conn.execute(
-            "INSERT OR REPLACE INTO idempotency "
-            "(scope, key, fingerprint, task_id, created_at, expires_at) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (scope, key, fprint, task.id, now,
-             None if expires_in_ms is None else now + expires_in_ms))
+        self._engine.idempotency_put(scope, key, fprint, task.id, now,
+                                     None if expires_in_ms is None else now + expires_in_ms)
         return task
 
     def _insert_tasks_locked(self, notices, specs, now):
         """Insert new queued tasks (``_NewTask``s) with their first events; return their Tasks.
 
-        One ``executemany`` per table for the lot: in a group commit of
-        several creates, each statement is also a moment the leader hands
-        the GIL to the threads waiting for it, so fewer is faster.
+        The engine writes the lot at once (``insert_tasks``).
         """
         tasks, rows, events = [], [], []
         for spec in specs:
             (kind, payload, payload_json, ttl_ms, retention_ms, policy, principal, meta,
              meta_json, prefix, status_message, owner) = spec
-            task_id = self._next_id_locked(prefix, now)
+            task_id = self._ids.next(prefix, now)
             rows.append((task_id, kind, QUEUED, payload_json, status_message, principal, policy,
                          ttl_ms, retention_ms, now, now, meta_json, owner))
-            events.append((task_id, self._created_data(kind), now))
+            events.append((task_id, _created_data(kind), now))
             notices.append((task_id, "created"))
             # Built here rather than read back: the row is exactly this.
             tasks.append(Task(task_id, kind, QUEUED, payload, None, None, status_message,
                               None, None, principal, policy, 1, ttl_ms, retention_ms, now, now,
                               None, None, owner, 0, 0, 0,
                               {} if meta is None else _loads(meta_json), None, None))
-        self._conn.executemany(
-            "INSERT INTO tasks (id, kind, status, payload, status_message, principal, policy, "
-            "ttl_ms, retention_ms, created_at, updated_at, meta, owner) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
-        self._conn.executemany(
-            "INSERT INTO events (task_id, seq, type, data, created_at) "
-            "VALUES (?, 0, 'created', ?, ?)", events)
+        self._engine.insert_tasks(rows, events)
         self._work_gen += 1
         if self._work_waiting:
             self._work.notify_all()
         return tasks
 
-    def _created_data(self, kind):
-        data = self._created_json.get(kind)
-        if data is None:
-            data = dumps({"kind": kind})
-            if len(self._created_json) < 256:        # a few kinds, cached for good
-                self._created_json[kind] = data
-        return data
-
-    def _group_write(self, body):
-        """Run ``body(notices)`` in a transaction shared with other threads' writes.
-
-        *body* may also be a ``_NewTask``: a plain create, which the batch
-        inserts with the other creates in it.
-
-        Group commit: the first writer to arrive becomes the leader and runs
-        every body queued by then in one ``BEGIN IMMEDIATE`` transaction (one
-        failing body fails alone, see ``_run_group``); the others wait until
-        that transaction has committed.  Bodies queued while the
-        leader commits (the commit releases the GIL, so they do arrive) go in
-        the leader's next transaction, up to ``GROUP_ROUNDS`` transactions,
-        instead of waiting for a new leader to wake up.  A lone writer is the
-        leader of a batch of one and pays nothing more.  Nobody returns before
-        its change is committed.
-        """
-        op = _GroupOp(body)
-        with self._group:
-            self._group_queue.append(op)
-            if len(self._group_queue) == self._group_gathering:
-                self._gather.notify()       # the company the leader waits for is here
-            if self._group_leading:
-                op.wake = threading.Lock()      # its own: a commit wakes exactly its writers
-                op.wake.acquire()
-            else:
-                self._group_leading = True
-        if op.wake is not None:
-            self._wait_woken(op)    # until committed (done), or handed the lead
-        if not op.done:
-            self._lead_groups()
-        if op.error is not None:
-            raise op.error
-        return op.result
-
-    @staticmethod
-    def _wait_woken(op):
-        """Wait on *op*'s own lock; once awake, wake the next writer of its batch."""
-        op.wake.acquire()
-        op.wake = None              # awake: a batch it leads must not count it as asleep
-        if op.next is not None:
-            op.next.wake.release()
-
-    def _lead_groups(self):
-        """As the leader: commit what is queued, batch after batch; then hand the lead on."""
-        group = self._group
-        with group:
-            self._gather_locked()
-            batch, self._group_queue = self._group_queue, []
-        rounds = 0
-        try:
-            while batch:
-                self._run_group(batch)
-                rounds += 1
-                with group:
-                    self._group_last = len(batch)
-                    done, batch = batch, ()
-                    if self._group_queue and rounds < GROUP_ROUNDS:
-                        batch, self._group_queue = self._group_queue, []
-                    else:
-                        self._hand_over_locked()
-                self._wake(done)
-        finally:
-            if batch:                       # interrupted: never leave waiters behind
-                for member in batch:
-                    if member.error is None:
-                        member.result, member.error = None, StoreUnavailable(
-                            "the group commit was interrupted")
-                with group:
-                    self._hand_over_locked()
-                self._wake(batch)
-
-    def _hand_over_locked(self):
-        # The oldest queued writer leads next; with none, the next to arrive does.
-        if self._group_queue:
-            self._group_queue[0].wake.release()
-        else:
-            self._group_leading = False
-
-    @staticmethod
-    def _wake(members):
-        """Mark *members* done and wake the ones asleep, in a chain.
-
-        Only the first is woken here; each, once awake, wakes the next
-        (``_wait_woken``).  Woken all at once, they would only queue for the
-        GIL, to run one at a time anyway, each paying a second thread switch.
-        """
-        sleepers = []
-        for member in members:
-            member.done = True
-            if member.wake is not None:
-                sleepers.append(member)
-        for member, after in zip(sleepers, sleepers[1:]):
-            member.next = after
-        if sleepers:
-            sleepers[0].wake.release()
-
-    def _gather_locked(self):
-        """Under contention, give the writers just released a moment to queue again.
-
-        PostgreSQL's ``commit_delay``/``commit_siblings`` idea: when the last
-        batch had company, the new leader waits (at most ``GROUP_DELAY_S``)
-        until as many writers have queued, so the next commit serves them all
-        instead of one.  A lone writer (last batch of one) never waits.
-        """
-        want = self._group_last
-        if want <= 1 or len(self._group_queue) >= want:
-            return
-        deadline = time.monotonic() + GROUP_DELAY_S
-        # Woken once, when the last of them queues: a wake-up per arrival
-        # would cost as much as the wait saves.
-        self._group_gathering = want
-        try:
-            while len(self._group_queue) < want:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._group_last = len(self._group_queue)   # fewer writers now
-                    break
-                self._gather.wait(remaining)
-        finally:
-            self._group_gathering = 0
-
     def _run_group(self, batch):
-        """Run a batch of bodies in one transaction; store each one's result or error.
+        """Run a batch of group-commit bodies in one transaction; store each one's result or error.
+
+        Every write that must be committed before its verb returns goes to
+        the engine's ``group_write`` with this as the batch runner.  A body
+        is ``body(notices)``, or a ``_NewTask``: a plain create, which the
+        batch inserts with the other creates in it.
 
         A body raises a TaskStoreError only before its first write (create's
         idempotency checks do), so a failing body has nothing to undo and
@@ -1801,17 +2433,17 @@ class TaskStore:
         """
         try:
             with self._writing() as notices:
-                conn = self._conn
+                engine = self._engine
                 creates = []        # plain creates (a _NewTask body): inserted together
                 for op in batch:
                     if type(op.body) is _NewTask:
                         creates.append(op)
                         continue
-                    before, mark = conn.total_changes, len(notices)
+                    before, mark = engine.changes(), len(notices)
                     try:
                         op.result = op.body(notices)
                     except TaskStoreError as exc:
-                        if len(batch) == 1 or conn.total_changes != before:
+                        if len(batch) == 1 or engine.changes() != before:
                             raise
                         del notices[mark:]
                         op.error = exc
@@ -1827,23 +2459,6 @@ class TaskStore:
             if not isinstance(exc, Exception):
                 raise
 
-    def _next_id_locked(self, prefix, now):
-        # Ids made by this store in the same millisecond still sort in
-        # creation order (ULID's monotonic rule): the random part counts up.
-        # _last_id keeps that part as a number, so it is never parsed back.
-        last = self._last_id
-        if last is not None and last[0] == now and last[1] == prefix:
-            # Count up by a random step of 64 bits or more, never by 1: one id
-            # must not give away its neighbours (MCP: ids are bearer tokens).
-            number = last[3] + 2**64 + secrets.randbits(64)
-            if number < 2**130:
-                self._last_id = (now, prefix, last[2], number)
-                return last[2] + _base32(number, 26)
-        task_id = new_id(prefix, now)        # a new millisecond, or the count ran out
-        self._last_id = (now, prefix, task_id[:-26],
-                         int(task_id[-26:].translate(_FROM_CROCKFORD), 32))
-        return task_id
-
     def get(self, task_id, *, principal=None):
         """Return the task.
 
@@ -1857,10 +2472,7 @@ class TaskStore:
             now = self._now_ms()
             with self._lock:
                 self._check_open()
-                try:
-                    row = self._conn.execute(_SELECT_TASK_AT, (now, task_id)).fetchone()
-                except sqlite3.Error as exc:
-                    raise self._unavailable(exc) from None
+                row = self._engine.task_row_at(task_id, now)
             if row is not None and not row[-1] and (
                     principal is None or row[_PRINCIPAL_INDEX] == principal):
                 return _task_from_row(row[:-1])
@@ -1881,20 +2493,10 @@ class TaskStore:
         kinds = _as_tuple(kind, "kind")
         _check_str(principal, "principal")
         limit = _check_int(limit, "limit", minimum=1, allow_none=False)
-        where, args = [f"NOT ({_EXPIRED})"], [self._now_ms()]
-        for column, values in (("status", statuses), ("kind", kinds)):
-            if values is not None:
-                where.append(f"{column} IN ({', '.join('?' * len(values))})")
-                args.extend(values)
-        if principal is not None:
-            where.append("principal = ?")
-            args.append(principal)
-        if cursor is not None:
-            where.append("id < ?")
-            args.append(_decode_cursor(cursor))
-        sql = _SELECT_TASK + " WHERE " + " AND ".join(where)
-        with self._reading() as conn:
-            rows = conn.execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit + 1)).fetchall()
+        before = None if cursor is None else _decode_cursor(cursor)
+        with self._reading() as engine:
+            rows = engine.list_tasks(self._now_ms(), statuses, kinds, principal, before,
+                                     limit + 1)
         tasks = [_task_from_row(r) for r in rows[:limit]]
         return tasks, (_encode_cursor(tasks[-1].id) if len(rows) > limit else None)
 
@@ -1909,9 +2511,8 @@ class TaskStore:
         if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
             raise InvalidCursor("after must be a non-negative integer", param="after")
         limit = _check_int(limit, "limit", minimum=1)
-        with self._reading() as conn:
-            row = conn.execute(f"SELECT principal, last_seq, first_seq, {_EXPIRED} FROM tasks "
-                               "WHERE id = ?", (self._now_ms(), task_id)).fetchone()
+        with self._reading() as engine:
+            row = engine.event_bounds(task_id, self._now_ms())
             if row is None or (principal is not None and row[0] != principal) or row[3]:
                 self._get_locked(task_id, principal)       # raises the right not-found error
             _, last_seq, first_seq, _ = row
@@ -1921,9 +2522,7 @@ class TaskStore:
             start = 0 if after is None else after + 1
             if start < first_seq:
                 raise EventsExpired(task_id, first_seq)
-            rows = conn.execute(
-                "SELECT seq, type, data, created_at FROM events WHERE task_id = ? AND seq >= ? "
-                "ORDER BY seq LIMIT ?", (task_id, start, -1 if limit is None else limit)).fetchall()
+            rows = engine.read_events(task_id, start, limit)
         # The data stays JSON text until someone reads Event.data.
         return [_new_tuple(Event, (task_id, *row)) for row in rows]
 
@@ -1979,14 +2578,12 @@ class TaskStore:
             moved = {}
             for start in range(0, max(len(ids), 1), 500):
                 chunk = ids[start:start + 500]
-                with self._reading() as conn:
-                    seqs = dict(conn.execute(
-                        f"SELECT id, last_seq FROM tasks WHERE id IN "
-                        f"({', '.join('?' * len(chunk))})", chunk).fetchall())
+                with self._reading() as engine:
+                    seqs = engine.last_seqs(chunk)
                     for task_id in chunk:
                         seq = seqs.get(task_id)
                         if seq is None or seq > last_seqs[task_id]:
-                            moved[task_id] = None if seq is None else self._read_locked(task_id)
+                            moved[task_id] = None if seq is None else engine.read_task(task_id)
                     remaining = deadline - time.monotonic()
                     if start + 500 < len(ids) or moved or remaining <= 0:
                         continue
@@ -2003,11 +2600,11 @@ class TaskStore:
 
     def load_snapshot(self, task_id):
         """Return the task's last saved snapshot, or None."""
-        with self._reading() as conn:
-            row = conn.execute("SELECT snapshot FROM tasks WHERE id = ?", (task_id,)).fetchone()
-        if row is None:
+        with self._reading() as engine:
+            found, snapshot = engine.load_snapshot(task_id)
+        if not found:
             raise TaskNotFound(task_id)
-        return None if row[0] is None else _loads(row[0])
+        return None if snapshot is None else _loads(snapshot)
 
     # -- moving tasks ----------------------------------------------------------
 
@@ -2089,21 +2686,14 @@ class TaskStore:
         waiters see it.  Returns False when the task has already ended.
         """
         now = self._now_ms()
-        sets, args = ["updated_at = ?", "version = version + 1"], [now]
+        values = {}
         if progress is not None:
-            sets += ["progress = ?", "progress_total = ?"]
-            args += [float(progress), None if total is None else float(total)]
+            values["progress"] = float(progress)
+            values["progress_total"] = None if total is None else float(total)
         if message is not _MISSING:
-            sets.append("status_message = ?")
-            args.append(message)
-        sql = (f"UPDATE tasks SET {', '.join(sets)} WHERE id = ? "
-               f"AND status IN ({', '.join('?' * len(UNFINISHED_STATES))})")
-        args += [task_id, *UNFINISHED_STATES]
-        if attempt is not None:
-            sql += " AND attempt = ?"
-            args.append(attempt)
+            values["status_message"] = message
         with self._writing() as notices:
-            changed = self._conn.execute(sql, args).rowcount == 1
+            changed = self._engine.set_progress(task_id, values, UNFINISHED_STATES, attempt, now)
             if changed:
                 notices.append((task_id, "progress"))
         return changed
@@ -2123,20 +2713,13 @@ class TaskStore:
         snap = None if snapshot is _MISSING else _json_param(snapshot, "snapshot")
         now = self._now_ms()
         with self._writing() as notices:
-            row = self._conn.execute("SELECT status, last_seq, attempt FROM tasks WHERE id = ?",
-                                     (task_id,)).fetchone()
+            row = self._engine.event_head(task_id)
             if row is None:
                 raise TaskNotFound(task_id)
             if row[0] not in ACTIVE_STATES or (attempt is not None and row[2] != attempt):
                 raise InvalidTransition(task_id, row[0], "emit")
             seq = row[1] + 1
-            self._conn.execute(
-                "UPDATE tasks SET last_seq = ?, updated_at = ?, version = version + 1"
-                + (", snapshot = ?" if snap is not None else "") + " WHERE id = ?",
-                (seq, now, snap, task_id) if snap is not None else (seq, now, task_id))
-            self._conn.execute(
-                "INSERT INTO events (task_id, seq, type, data, created_at) VALUES (?, ?, ?, ?, ?)",
-                (task_id, seq, etype, data_json, now))
+            self._engine.append_event(task_id, seq, etype, data_json, snap, now)
             notices.append((task_id, "event"))
         return seq
 
@@ -2144,13 +2727,7 @@ class TaskStore:
         """Save a JSON snapshot the task can resume from after a restart."""
         snap = _json_param(snapshot, "snapshot")
         with self._writing():
-            sql = (f"UPDATE tasks SET snapshot = ? WHERE id = ? "
-                   f"AND status IN ({', '.join('?' * len(ACTIVE_STATES))})")
-            args = [snap, task_id, *ACTIVE_STATES]
-            if attempt is not None:
-                sql += " AND attempt = ?"
-                args.append(attempt)
-            if self._conn.execute(sql, args).rowcount != 1:
+            if not self._engine.save_snapshot(task_id, snap, ACTIVE_STATES, attempt):
                 raise InvalidTransition(task_id, "not active", "save_snapshot")
 
     def cancel_event(self, task_id):
@@ -2174,40 +2751,53 @@ class TaskStore:
 
     # -- runners: claiming, ownership -------------------------------------------
 
-    def _claim(self, owner, kinds, loading_kinds=()):
-        """Claim the oldest queued task of *kinds* for *owner*; None when there is none.
+    def claim(self, kinds, *, owner, loading_kinds=()):
+        """Claim the oldest queued task of *kinds* for *owner*; return it, or None when there is none.
 
-        Kinds in *loading_kinds* go to ``loading`` (their handler says when it
-        runs); the others go straight to ``running``.
+        The claimed task is ``loading`` if its kind is in *loading_kinds*
+        (its worker says when the work runs, with ``start``), else
+        ``running``.  *owner* is a registration from ``register_process``:
+        while it heartbeats the task is its own; once it is dead, recovery
+        applies the task's restart policy.  Each queued task is claimed
+        exactly once, whatever the number of workers and processes.  A
+        worker moves the task on with ``start``, ``emit``, ``set_progress``,
+        ``require_input`` and finishes it with ``succeed``, ``fail`` or,
+        after a cancel, ``confirm_cancel``, each with ``attempt=task.attempt``.
+        Does not block (see ``wait_for_work``).
+
+        Raises:
+            StoreClosed, StoreUnavailable: the store cannot be used.
         """
         if not kinds:
             return None
-        # The status is a literal, not a parameter: only then can SQLite use
-        # the partial index (WHERE status = 'queued') instead of a table scan.
-        where = f"WHERE status = '{QUEUED}' AND kind IN ({', '.join('?' * len(kinds))})"
-        with self._reading() as conn:
+        with self._reading() as engine:
             # A cheap read first, so idle polling never takes the write lock;
             # skipped when this process has queued work since a claim last
             # found none (then there is most likely something to take).
-            if self._work_gen == self._claimed_empty_gen and conn.execute(
-                    f"SELECT 1 FROM tasks {where} LIMIT 1", kinds).fetchone() is None:
+            if self._work_gen == self._claimed_empty_gen and not engine.has_queued(kinds):
                 return None
         now = self._now_ms()
 
         def body(notices):
-            row = self._conn.execute(f"{_SELECT_TASK} {where} ORDER BY id LIMIT 1",
-                                     kinds).fetchone()
-            if row is None:
+            task = self._engine.oldest_queued(kinds)
+            if task is None:
                 self._claimed_empty_gen = self._work_gen
                 return None
-            task = _task_from_row(row)
             return self._transition_locked(
                 notices, task, CLAIM if task.kind in loading_kinds else START, now,
                 fields={"owner": owner})
-        return self._group_write(body)
+        return self._engine.group_write(body, self._run_group)
 
-    def _wait_for_work(self, seen, timeout):
-        """Wait until a task may have become queued; return the new generation."""
+    def wait_for_work(self, seen, timeout):
+        """Block until a task may have become queued in this process; return a generation.
+
+        Pass the generation the last call returned (None at first): the call
+        returns at once if work was queued since, else waits at most
+        *timeout* seconds.  A create in this process wakes it at once; work
+        queued by another process is only seen by the next ``claim``, so
+        keep *timeout* short (the runner uses ``poll_interval``).  Returns
+        at once once the store is closed (the next ``claim`` raises).
+        """
         with self._lock:
             if seen == self._work_gen and not self._closed:
                 self._work_waiting += 1
@@ -2221,24 +2811,25 @@ class TaskStore:
         """Register this process as a task owner; return its registration id."""
         proc_id = new_id("proc", self._now_ms())
         now = self._now_ms()
-        pid = os.getpid()
         with self._writing():
-            self._conn.execute(
-                "INSERT INTO processes (id, pid, host, proc_start, started_at, heartbeat_at) "
-                "VALUES (?, ?, ?, ?, ?, ?)", (proc_id, pid, self._host, _proc_start(pid), now, now))
+            self._engine.register(proc_id, now)
         _LIVE_PROCESS_IDS.add(proc_id)
         return proc_id
 
     def heartbeat(self, proc_id):
         """Renew the lease of a registration; False when it was declared dead meanwhile."""
         with self._writing():
-            return self._conn.execute("UPDATE processes SET heartbeat_at = ? WHERE id = ?",
-                                      (self._now_ms(), proc_id)).rowcount == 1
+            return self._engine.heartbeat(proc_id, self._now_ms())
 
-    def _cancelling_owned(self, proc_id):
-        with self._reading() as conn:
-            return {r[0] for r in conn.execute(
-                "SELECT id FROM tasks WHERE owner = ? AND status = ?", (proc_id, CANCELLING))}
+    def cancelling_owned(self, owner):
+        """Return the ids of the tasks *owner* holds that are ``cancelling``.
+
+        A worker polls this (the runner does with each heartbeat) to learn
+        of cancels made in other processes; within this process
+        ``cancel_event`` is set at once.
+        """
+        with self._reading() as engine:
+            return engine.cancelling_of(owner)
 
     def release(self, proc_id, reason="the process running this task stopped", *, present=None,
                 tally=None):
@@ -2255,36 +2846,25 @@ class TaskStore:
         moved added to it (key ``cancelling`` for cancels completed).
         """
         _LIVE_PROCESS_IDS.discard(proc_id)
-        # A batch is a key range of the tasks_owner index: this owner's ids
-        # after the previous batch, up to the RELEASE_BATCH-th one (finished
-        # or not), so the statements find it by the index, with no id list
-        # built in Python.  (A task this loop could miss would still name the
-        # owner, whose registration is gone: the next recover() releases it.)
-        owned = f"owner = ? AND status IN ({', '.join(repr(s) for s in (QUEUED, *ACTIVE_STATES))}) " \
-                "AND id > ?"
+        # Batches come from the engine (``owner_batch``).  A task this loop
+        # could miss would still name the owner, whose registration is gone:
+        # the next recover() releases it.
         moved, after = 0, ""
-        with self._bulk():
+        with self._engine.bulk():
             while True:
                 now = self._now_ms()
                 with self._writing() as notices:
-                    # Counting finished tasks too makes the bound a walk of
-                    # the index alone, with no row read.
-                    last = self._conn.execute(
-                        "SELECT id FROM tasks WHERE owner = ? AND id > ? ORDER BY id "
-                        "LIMIT 1 OFFSET ?", (proc_id, after, RELEASE_BATCH - 1)).fetchone()
+                    selector, last = self._engine.owner_batch(proc_id, after, RELEASE_BATCH,
+                                                              _RECOVERABLE)
+                    moved += self._restart_batch_locked(notices, now, reason, selector,
+                                                        present, tally)
                     if last is None:
-                        moved += self._restart_batch_locked(notices, now, reason, owned,
-                                                            (proc_id, after), present, tally)
-                        self._conn.execute("DELETE FROM processes WHERE id = ?", (proc_id,))
+                        self._engine.unregister(proc_id)
                         return moved
-                    moved += self._restart_batch_locked(
-                        notices, now, reason, f"{owned} AND id <= ?", (proc_id, after, last[0]),
-                        present, tally)
-                    after = last[0]
+                    after = last
 
-    def _restart_batch_locked(self, notices, now, reason, batch, args, present=None,
-                              tally=None):
-        """Apply the restart policy (DESIGN.md, LMSP A.5) to the tasks *batch* selects; return the count.
+    def _restart_batch_locked(self, notices, now, reason, selector, present=None, tally=None):
+        """Apply the restart table (``RESTART``) to the tasks *selector* selects; return the count.
 
         *present*: the ``(status, policy)`` pairs the batch may hold, when
         the caller knows them (then nothing is counted); None: counted here.
@@ -2293,62 +2873,46 @@ class TaskStore:
         """
         tally = {} if tally is None else tally
         if present is None:
-            rows = self._conn.execute(
-                f"SELECT status, policy, count(*) FROM tasks WHERE {batch} GROUP BY status, policy",
-                args)
+            rows = self._engine.restart_groups(selector)
         else:
             rows = [(status, policy, None) for status, policy in present]
-        groups = {}
+        # RESTART decides each (status, policy); tasks that get the same event
+        # and the same fields move together, one status at a time.
+        plan, disown = {}, set()
         for status, policy, count in rows:
-            groups.setdefault(policy, []).append((status, count))
-            groups.setdefault(None, []).append((status, count))
-        moved = 0
-        # A cancel that was under way completes, whatever the policy.
-        counts = [c for t, c in groups.get(None, ()) if t == CANCELLING]
-        if counts:
-            done = self._transition_set_locked(
-                notices, CONFIRM_CANCEL, now, f"{batch} AND status = ?", (*args, CANCELLING),
-                message=reason, groups=[(CANCELLING, None if None in counts else sum(counts))])
-            tally[CANCELLING] = tally.get(CANCELLING, 0) + done
-            moved += done
-        active = f"{batch} AND status IN ('{LOADING}', '{RUNNING}', '{INPUT_REQUIRED}') " \
-                 "AND policy = ?"
-        message = f"CRASH_RECOVERY: {reason} before it finished"
-        error = {"code": "server_restarted", "message": message}
-        for policy in POLICIES:
-            present = [(s, c) for s, c in groups.get(policy, ()) if s not in (CANCELLING, QUEUED)]
-            if not present:
+            event = RESTART[status][policy]
+            if event is None:
+                disown.add(status)
                 continue
-            if policy == "fail":
+            # confirm_cancel writes the same whatever the policy: one statement.
+            key = (event, None if event == CONFIRM_CANCEL else policy, status)
+            plan[key] = None if None in (count, plan.get(key, 0)) else plan.get(key, 0) + count
+        moved = 0
+        for (event, policy, status), count in plan.items():
+            if event == CONFIRM_CANCEL:
+                done = self._transition_set_locked(notices, event, selector, now,
+                                                   [(status, count)], message=reason)
+            elif event == FAIL:
+                message = (f"CRASH_RECOVERY: {reason} before it "
+                           f"{'started' if status == QUEUED else 'finished'}")
+                error = {"code": "server_restarted", "message": message}
                 done = self._transition_set_locked(
-                    notices, FAIL, now, active, (*args, policy), error=error, message=message,
-                    fields={"error": dumps(error), "status_message": message}, groups=present)
+                    notices, event, selector, now, [(status, count)], policy=policy, error=error,
+                    message=message, fields={"error": dumps(error), "status_message": message})
             else:
-                fields = {"owner": None, "attempt": _Sql("attempt + 1"), "input_request": None,
-                          "input_answer": None, "status_message": None}
-                if policy == "retry":
+                fields = {"owner": None, "input_request": None, "input_answer": None,
+                          "status_message": None}
+                if not RESTART_KEEPS_SNAPSHOT[policy]:
                     fields["snapshot"] = None      # retry starts from the beginning
                 done = self._transition_set_locked(
-                    notices, REQUEUE, now, active, (*args, policy), fields=fields,
-                    message=f"requeued ({policy}): {reason}", groups=present)
-            tally[policy] = tally.get(policy, 0) + done
+                    notices, event, selector, now, [(status, count)], policy=policy, fields=fields,
+                    message=f"requeued ({policy}): {reason}", bump_attempt=True)
+            key = CANCELLING if event == CONFIRM_CANCEL else policy
+            tally[key] = tally.get(key, 0) + done
             moved += done
-        # Queued tasks whose creator vouched for them (create(owner=...)): a
-        # `fail` task fails now, as a started one would; the others simply
-        # stay queued for any runner.
-        queued_fail = [(s, c) for s, c in groups.get("fail", ()) if s == QUEUED]
-        if queued_fail:
-            message = f"CRASH_RECOVERY: {reason} before it started"
-            error = {"code": "server_restarted", "message": message}
-            done = self._transition_set_locked(
-                notices, FAIL, now, f"{batch} AND status = '{QUEUED}' AND policy = ?",
-                (*args, "fail"), error=error, message=message,
-                fields={"error": dumps(error), "status_message": message}, groups=queued_fail)
-            tally["fail"] = tally.get("fail", 0) + done
-            moved += done
-        if any(s == QUEUED for s, _ in groups.get(None, ())):
-            self._conn.execute(f"UPDATE tasks SET owner = NULL WHERE {batch} AND status = ?",
-                               (*args, QUEUED))
+        if disown:
+            # The task stays where it is for any runner; only its owner goes.
+            self._engine.disown(selector, sorted(disown))
         return moved
 
     def _owner_dead(self, proc, now):
@@ -2359,14 +2923,11 @@ class TaskStore:
         """
         if proc is None:
             return True            # nobody is registered to heartbeat it
-        proc_id, pid, host, proc_start, heartbeat_at = proc
-        if heartbeat_at + self.lease_ms < now:
+        if proc[-1] + self.lease_ms < now:
             return True            # lease expired: dead or cut off, either way not running it
-        if host != self._host:
-            return False           # another machine: only the lease can tell
-        if pid == os.getpid() and proc_start == _proc_start(pid):
-            return proc_id not in _LIVE_PROCESS_IDS
-        return not _pid_alive(pid, proc_start)
+        if self._engine.this_process(proc):
+            return proc[0] not in _LIVE_PROCESS_IDS
+        return bool(self._engine.host_verdict(proc))    # None: another host, the lease decides
 
     def recover(self, now=None):
         """Apply the restart policy to unfinished tasks whose owner is provably dead.
@@ -2378,23 +2939,8 @@ class TaskStore:
         Returns how many tasks it moved.
         """
         now = self._now_ms() if now is None else now
-        with self._reading() as conn:
-            # One read transaction, one snapshot: read apart, a runner that
-            # registers and claims between the two reads looks unregistered.
-            conn.execute("BEGIN")
-            try:
-                procs = {r[0]: r for r in conn.execute(
-                    "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
-                owned = _RECOVERABLE
-                # Which statuses and policies each owner has cost no more to
-                # read than the owners alone (the rows are read either way).
-                present = {}
-                for owner, status, policy in conn.execute(
-                        "SELECT DISTINCT owner, status, policy FROM tasks WHERE owner IS NOT NULL "
-                        f"AND status IN ({', '.join('?' * len(owned))})", owned):
-                    present.setdefault(owner, []).append((status, policy))
-            finally:
-                conn.execute("COMMIT")
+        with self._reading() as engine:
+            procs, present = engine.recovery_view(_RECOVERABLE)
         moved, tally = 0, {}
         for proc_id in sorted(present.keys() | procs.keys()):
             if self._owner_dead(procs.get(proc_id), now):
@@ -2420,9 +2966,8 @@ class TaskStore:
         owned = [t for t in tasks if t.owner is not None and t.status in _RECOVERABLE]
         if not owned:
             return set()
-        with self._reading() as conn:
-            procs = {r[0]: r for r in conn.execute(
-                "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
+        with self._reading() as engine:
+            procs = engine.processes()
         dead = {owner for owner in {t.owner for t in owned}
                 if self._owner_dead(procs.get(owner), now)}
         return {t.id for t in owned if t.owner in dead}
@@ -2439,118 +2984,28 @@ class TaskStore:
         """
         now = self._now_ms() if now is None else now
         counts = {"tasks": 0, "events": 0, "idempotency": 0, "tombstones": 0}
-        with self._bulk():
-            while self._reap_tasks_once(now, batch_rows, counts):
-                pass
+        with self._engine.bulk():
+            more = True
+            while more:
+                with self._writing():
+                    more, deleted = self._engine.reap_tasks_once(now, batch_rows, counts,
+                                                                 self.tombstone_ms)
+                    for task_id in deleted:
+                        self._cancel_events.pop(task_id, None)
             if self.event_retention_ms is not None:
-                while self._prune_events_once(now - self.event_retention_ms, batch_rows, counts):
-                    pass
-            for table, column in (("idempotency", "scope, key"), ("tombstones", "id")):
+                more = True
+                while more:
+                    with self._writing():
+                        more = self._engine.prune_events_once(now - self.event_retention_ms,
+                                                              batch_rows, counts)
+            for table in ("idempotency", "tombstones"):
                 while True:
                     with self._writing():
-                        deleted = self._conn.execute(
-                            f"DELETE FROM {table} WHERE ({column}) IN (SELECT {column} FROM "
-                            f"{table} WHERE expires_at <= ? LIMIT ?)", (now, batch_rows)).rowcount
+                        deleted = self._engine.delete_expired(table, now, batch_rows)
                     counts[table] += deleted
                     if deleted < batch_rows:
                         break
         return counts
-
-    @contextlib.contextmanager
-    def _bulk(self):
-        """Checkpoint the WAL once after a bulk job instead of after every 1,000 pages.
-
-        Reap and recovery write many small transactions; checkpoints during
-        the job would copy the same pages back to the database file again
-        and again.  Checkpoints move committed data between two durable
-        files, so deferring them changes nothing a crash can lose; the WAL
-        just grows for the length of the job, and the background checkpoint
-        at its end shrinks it back.
-        """
-        with self._lock:
-            self._check_open()
-            self._bulk_depth += 1
-            if self._bulk_depth == 1:
-                self._conn.execute("PRAGMA wal_autocheckpoint=0")
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._bulk_depth -= 1
-                if self._bulk_depth == 0 and not self._closed:
-                    try:
-                        self._conn.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
-                    except sqlite3.Error as exc:
-                        logger.warning("cannot restore automatic checkpoints: %s", exc)
-                    self._checkpoint_soon_locked()
-
-    def _reap_tasks_once(self, now, budget, counts):
-        """Delete one batch of expired tasks with their events; True when there may be more.
-
-        A batch is at most *budget* tasks and ``10 * budget`` event rows; a
-        longer event log is deleted in slices over several transactions.
-        The batch is a key range of the ``tasks_purge`` index, ``(purge_at,
-        id) <= (last of the batch)``, so each of the three set-based
-        statements finds it by the index, with no id list built in Python.
-        """
-        with self._writing():
-            rows = self._conn.execute(
-                f"SELECT id, purge_at, last_seq - first_seq + 1 FROM tasks WHERE {_EXPIRED} "
-                "ORDER BY purge_at, id LIMIT ?", (now, budget)).fetchall()
-            take, events = 0, 0
-            for _, _, count in rows:
-                if events + count > 10 * budget:
-                    break
-                take += 1
-                events += count
-            if not take and rows:
-                # A very long log goes in slices so no transaction runs long.
-                task_id = rows[0][0]
-                first = self._conn.execute("SELECT first_seq FROM tasks WHERE id = ?",
-                                           (task_id,)).fetchone()[0]
-                cut = first + 10 * budget
-                counts["events"] += self._conn.execute(
-                    "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
-                self._conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
-                return True
-            if take:
-                batch = "purge_at IS NOT NULL AND (purge_at, id) <= (?, ?)"
-                last = rows[take - 1][1], rows[take - 1][0]
-                counts["events"] += self._conn.execute(
-                    f"DELETE FROM events WHERE task_id IN (SELECT id FROM tasks WHERE {batch})",
-                    last).rowcount
-                self._conn.execute(
-                    "INSERT OR REPLACE INTO tombstones (id, deleted_at, expires_at) "
-                    f"SELECT id, ?, ? FROM tasks WHERE {batch}", (now, now + self.tombstone_ms, *last))
-                deleted = self._conn.execute(f"DELETE FROM tasks WHERE {batch}", last).rowcount
-                if deleted != take:      # the range is exactly the rows read: same transaction
-                    raise StoreUnavailable(f"{self.path}: reap batch changed under the write lock")
-                counts["tasks"] += deleted
-                if self._cancel_events:
-                    for row in rows[:take]:
-                        self._cancel_events.pop(row[0], None)
-            return len(rows) == budget or take < len(rows)
-
-    def _prune_events_once(self, finished_before, budget, counts):
-        """Prune one batch of finished tasks' events; True when there may be more."""
-        with self._writing():
-            # No index serves this scan on purpose: an index on finished_at
-            # would cost every task one more write for a query run once a
-            # minute.
-            rows = self._conn.execute(
-                "SELECT id, first_seq, last_seq FROM tasks WHERE finished_at IS NOT NULL "
-                "AND first_seq <= last_seq AND finished_at <= ? LIMIT ?",
-                (finished_before, budget)).fetchall()
-            spent = 0
-            for task_id, first_seq, last_seq in rows:
-                cut = min(last_seq + 1, first_seq + max(1, 10 * budget - spent))
-                counts["events"] += self._conn.execute(
-                    "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
-                self._conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
-                spent += cut - first_seq
-                if spent >= 10 * budget:
-                    return True
-            return len(rows) == budget
 
     def checkpoint(self):
         """Copy the whole WAL into the database file now, and empty the WAL.
@@ -2563,14 +3018,7 @@ class TaskStore:
         """
         with self._lock:
             self._check_open()
-            if self.readonly:
-                raise StoreUnavailable(f"{self.path}: opened read-only")
-            try:
-                _, log, copied = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-            except sqlite3.Error as exc:
-                raise self._unavailable(exc) from None
-            self._checkpoint_mark = self._conn.total_changes
-        return log, copied
+            return self._engine.checkpoint()
 
     def start_reaper(self, interval=DEFAULT_REAP_INTERVAL_S):
         """Start the opt-in reaper thread: ``reap()`` and ``recover()`` every *interval* s.
@@ -2598,13 +3046,9 @@ class TaskStore:
             self._changed.notify_all()
             self._work.notify_all()
             reaper, self._reaper = self._reaper, None
-            checkpointer, self._checkpointer = self._checkpointer, None
         if reaper is not None:
             reaper.stop()
-        if checkpointer is not None:
-            checkpointer.stop()
-        with self._lock:
-            self._conn.close()
+        self._engine.close()
 
     def __enter__(self):
         return self
@@ -2613,9 +3057,7 @@ class TaskStore:
         self.close()
 
 
-# =============================================================================
-# 7. Reaper
-# =============================================================================
+# -- the reaper thread --------------------------------------------------------
 # The store never starts this thread on its own: the command line does, or the
 # embedding application through ``store.start_reaper()``.  A failing pass is
 # logged and the next one tries again; ``stop`` returns within one pass.
@@ -2905,8 +3347,10 @@ class Runner:
         seen = None
         while not self._stopping.is_set():
             try:
-                task = self.store._claim(self.process_id, tuple(self.handlers), tuple(
-                    k for k, h in self.handlers.items() if getattr(h, "has_loading_phase", False)))
+                loading = tuple(k for k, h in self.handlers.items()
+                                if getattr(h, "has_loading_phase", False))
+                task = self.store.claim(tuple(self.handlers), owner=self.process_id,
+                                        loading_kinds=loading)
             except StoreClosed:
                 return
             except TaskStoreError as exc:
@@ -2916,7 +3360,7 @@ class Runner:
                 self._complained = False
             if task is None:
                 try:
-                    seen = self.store._wait_for_work(seen, self.store.poll_interval)
+                    seen = self.store.wait_for_work(seen, self.store.poll_interval)
                 except StoreClosed:
                     return
                 continue
@@ -2987,20 +3431,18 @@ class Runner:
             else:
                 store.confirm_cancel(task_id, attempt=attempt)
         except InvalidTransition:
-            # Someone moved the task first.  MCP and LMSP: a cancel committed
-            # before the outcome wins, and the late outcome is dropped.
+            # Someone moved the task first: LATE_OUTCOME says what happens now.
             try:
                 task = store.get(task_id)
             except TaskNotFound:            # finished by another and expired already
                 logger.debug("late outcome of task %s ignored: it has expired", task_id)
                 return
-            if task.status == CANCELLING and task.attempt == attempt:
-                # A cancel won; whatever the handler returned is kept as the
-                # partial result, never as a success.
-                store.confirm_cancel(task_id, attempt=attempt,
-                                     result=outcome[1] if outcome[0] == "succeed" else None)
-            elif outcome[0] == "cancelled" and task.status in (LOADING, RUNNING, INPUT_REQUIRED) \
-                    and task.attempt == attempt:
+            reported = {"succeed": SUCCEED, "fail": FAIL}.get(outcome[0], CONFIRM_CANCEL)
+            event = LATE_OUTCOME[reported].get(task.status) if task.attempt == attempt else None
+            if event == CONFIRM_CANCEL:
+                store.confirm_cancel(task_id, attempt=attempt, result=outcome[1] if (
+                    reported in LATE_RESULT_KEPT) else None)
+            elif event == FAIL:
                 store.fail(task_id, {"code": "internal_error",
                                      "message": "the handler stopped as cancelled without a cancel"},
                            attempt=attempt)
@@ -3047,7 +3489,7 @@ class Runner:
                         for ctx in contexts:
                             ctx.cancelled.set()
                         self.process_id = self.store.register_process()
-                    for task_id in self.store._cancelling_owned(self.process_id):
+                    for task_id in self.store.cancelling_owned(self.process_id):
                         with self._lock:
                             ctx = self._active.get(task_id)
                         if ctx is not None:

@@ -148,7 +148,7 @@ class Bench:
         def ours_run(store):
             for i in range(self.n):
                 task = store.create("bench", {"i": i})
-                store._claim("proc_bench", ("bench",))
+                store.claim(("bench",), owner="proc_bench")
                 store.succeed(task.id, {"ok": True})
 
         def raw_run(conn):
@@ -306,7 +306,7 @@ class Bench:
             rates = self._pair(
                 store, lambda: self._timed_transactions("reap", store, count, store.reap),
                 lambda: self._rate(count, raw_run))
-            assert store._conn.execute("SELECT count(*) FROM tasks").fetchone()[0] == 0
+            assert store._engine.conn.execute("SELECT count(*) FROM tasks").fetchone()[0] == 0
             assert raw.execute("SELECT count(*) FROM t").fetchone()[0] == 0
         return rates
 
@@ -320,11 +320,11 @@ class Bench:
             elif sql == "COMMIT" and begun:
                 longest[0] = max(longest[0], time.perf_counter() - begun[-1])
 
-        store._conn.set_trace_callback(trace)
+        store._engine.conn.set_trace_callback(trace)
         try:
             rate = self._rate(count, fn)
         finally:
-            store._conn.set_trace_callback(None)
+            store._engine.conn.set_trace_callback(None)
         key = f"{name}_longest_transaction_ms"
         self.notes[key] = max(self.notes.get(key, 0), round(longest[0] * 1000, 2))
         return rate
@@ -346,7 +346,7 @@ class Bench:
             rates = self._pair(
                 store, lambda: self._timed_transactions("recover", store, count, store.recover),
                 lambda: self._rate(count, raw_run))
-            assert store._conn.execute("SELECT count(*) FROM tasks WHERE status = ?",
+            assert store._engine.conn.execute("SELECT count(*) FROM tasks WHERE status = ?",
                                        (FAILED,)).fetchone()[0] == count
         return rates
 
@@ -362,7 +362,7 @@ class Bench:
         def cycle(store, rounds):
             for i in range(rounds):
                 store.create("bench")
-                task = store._claim("proc_bench", ("bench",))
+                task = store.claim(("bench",), owner="proc_bench")
                 if task is not None:
                     store.succeed(task.id, i)
 
@@ -375,7 +375,7 @@ class Bench:
             for t in pool:
                 t.join()
             growth = _rss_bytes() - before
-            done = store._conn.execute("SELECT count(*) FROM tasks WHERE status = ?",
+            done = store._engine.conn.execute("SELECT count(*) FROM tasks WHERE status = ?",
                                        (SUCCEEDED,)).fetchone()[0]
         self.notes["memory_tasks"] = per * threads
         self.notes["memory_completed"] = done
