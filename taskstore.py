@@ -67,6 +67,7 @@ __all__ = [
     "InvalidTransition", "NotCancelable", "IdempotencyMismatch", "EventsExpired",
     "StoreClosed", "StoreUnavailable", "TaskFailed", "Cancelled",
     "TRANSITIONS", "STATES", "TERMINAL_STATES", "CANCELLED_STATES", "POLICIES", "next_state",
+    "RESTART", "RESTART_KEEPS_SNAPSHOT", "LATE_OUTCOME", "LATE_RESULT_KEPT",
     "mcp_status", "lmsp_status", "to_jsonrpc_error", "to_problem", "problem_object",
     "fingerprint", "new_id", "is_task_id", "iso_time",
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
@@ -456,7 +457,8 @@ class IdempotencyMismatch(TaskStoreError):
     jsonrpc_code = -32602
 
     def __init__(self, key):
-        super().__init__(f"idempotency key {key!r} was already used with a different request")
+        super().__init__(f"idempotency key '{_echo(key)}' was already used with a different "
+                         "request")
         self.key = key
 
 
@@ -5710,7 +5712,7 @@ def _json_body(body, content_type):
         raise UnsupportedMediaType("a body needs Content-Type: application/json")
     media = content_type.split(";")[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
-        raise UnsupportedMediaType(f"Content-Type {media or '(empty)'} is not JSON; "
+        raise UnsupportedMediaType(f"Content-Type {_echo(media) or '(empty)'} is not JSON; "
                                    "send application/json")
     try:
         value = json.loads(body.decode("utf-8"), parse_constant=_not_json,

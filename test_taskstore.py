@@ -936,6 +936,16 @@ class IdempotencyTests(StoreTestCase):
         with self.assertRaises(taskstore.IdempotencyMismatch):
             self.store.create("k", idempotency=("s", "key", "fp2", None))
 
+    def test_a_mismatched_key_is_echoed_printable_and_short(self):
+        key = "\u2028\x00" + "k" * 1000
+        self.store.create("k", idempotency=("s", key, "fp1", None))
+        with self.assertRaises(taskstore.IdempotencyMismatch) as caught:
+            self.store.create("k", idempotency=("s", key, "fp2", None))
+        message = str(caught.exception)
+        self.assertTrue(message.isascii() and message.isprintable(), message[:300])
+        self.assertLess(len(message), 300)
+        self.assertEqual(caught.exception.key, key)        # the key itself, for the caller
+
     def test_sixteen_threads_with_one_key_make_one_task(self):
         barrier = threading.Barrier(16, timeout=TIMEOUT)
         ids = queue.Queue()
@@ -3878,6 +3888,18 @@ class LmspRouteTests(ServerTestCase):
             with self.subTest(method=method[:8], target=target[:30]):
                 reply = self.app.handle(method, target, http.client.HTTPMessage(), lambda: b"")
                 self.assertEqual(reply.status, status)
+                detail = json.loads(reply.body)["detail"]
+                self.assertTrue(detail.isascii() and detail.isprintable(), detail[:300])
+                self.assertLess(len(detail), 300)
+
+    def test_a_content_type_from_outside_is_echoed_printable_and_short(self):
+        self.start_server()
+        for content_type in ("text/\x1b[31mred\x85\xa0", "x/" + "\xe9" * 5000):
+            with self.subTest(content_type=content_type[:12]):
+                headers = http.client.HTTPMessage()
+                headers["Content-Type"] = content_type
+                reply = self.app.handle("POST", "/lmsp/v1/tasks", headers, lambda: b"{}")
+                self.assertEqual(reply.status, 415)
                 detail = json.loads(reply.body)["detail"]
                 self.assertTrue(detail.isascii() and detail.isprintable(), detail[:300])
                 self.assertLess(len(detail), 300)
