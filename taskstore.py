@@ -6061,7 +6061,10 @@ class OpenAIBackend:
         return body
 
     def __call__(self, request, out):
-        parts = urllib.parse.urlsplit(self.url + "/chat/completions")
+        parts = urllib.parse.urlsplit(self.url)
+        # The route goes after the URL's path; its query (an api-version, say) stays at the end.
+        path = parts.path.rstrip("/") + "/chat/completions" + (
+            "?" + parts.query if parts.query else "")
         connection = (http.client.HTTPSConnection if parts.scheme == "https"
                       else http.client.HTTPConnection)
         conn = connection(parts.hostname, parts.port, timeout=self.timeout)
@@ -6073,7 +6076,7 @@ class OpenAIBackend:
         # socket down; the read then fails and we return as cancelled.
         usage, finish = None, None
         try:
-            conn.request("POST", parts.path, body=dumps(self.chat_request(request)).encode(),
+            conn.request("POST", path, body=dumps(self.chat_request(request)).encode(),
                          headers=headers)
             # Keep the socket: getresponse() forgets it for a Connection: close answer.
             threading.Thread(target=self._watch, args=(out.cancelled, done, conn.sock),

@@ -4627,6 +4627,14 @@ class LmspOpenAIBackendTests(ServerTestCase):
         self.assertEqual((sent["model"], sent["stream"], sent["max_tokens"], sent["temperature"]),
                          ("llama3", True, 50, 0.5))
 
+    def test_a_query_in_the_backend_url_stays_after_the_route(self):
+        url, requests = self.fake_upstream(lambda h, body: self.sse(h, [self.piece("ok", "stop")]))
+        client = self.start_server(OpenAIBackend(url + "/?api-version=2024-10-21"))
+        task = client.create(create_body("hi"))
+        self.assertEqual(deltas(client.events(task["id"])), "ok")
+        path, _ = requests.get(timeout=TIMEOUT)
+        self.assertEqual(path, "/v1/chat/completions?api-version=2024-10-21")
+
     def test_length_finish_is_incomplete_and_an_upstream_error_fails_the_task(self):
         url, _ = self.fake_upstream(lambda h, body: self.sse(h, [self.piece("ab", "length")])
                                     if body["model"] == "short" else self.sse(h, [], status=500))
