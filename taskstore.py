@@ -3422,7 +3422,8 @@ class Runner:
                     logger.error("handler for task %s returned what the store cannot keep: %s",
                                  task_id, exc)
                     outcome = ("fail", {"code": "internal_error",
-                                        "message": "the task's handler returned no JSON value"},
+                                        "message": "the task's handler returned a value "
+                                                   "the store cannot keep"},
                                None)
             if outcome[0] == "succeed":
                 ctx.running()
@@ -5278,7 +5279,8 @@ class McpServer:
 # -- demo tools (their contract is in the README; clients and tests rely on it) --
 
 def _demo_sleep_then_echo(ctx, args):
-    if ctx.cancelled.wait(max(0.0, args["seconds"])):
+    # Any number is valid input; a lock cannot wait longer than TIMEOUT_MAX (~292 years).
+    if ctx.cancelled.wait(min(max(0.0, args["seconds"]), threading.TIMEOUT_MAX)):
         raise Cancelled()
     return args["text"]
 

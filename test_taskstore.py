@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import unittest
 import unittest.mock
 
@@ -783,6 +784,8 @@ class RunnerTests(StoreTestCase):
                 done = self.finished(self.store.create(kind).id)
                 self.assertEqual((done.status, done.error["code"], done.result),
                                  (FAILED, "internal_error", None))
+                self.assertEqual(done.error["message"],
+                                 "the task's handler returned a value the store cannot keep")
             self.assertIn("result is nested deeper than 64 levels", "\n".join(logs.output))
 
     def test_stop_applies_the_restart_policy_to_running_tasks(self):
@@ -6199,6 +6202,23 @@ class McpProtocolTests(McpTestBase):
                          -32602, "'n' must be of type integer")
         with self.assertRaises(taskstore.InvalidParams):
             server.add_tool("bad", square, task_support="sometimes")
+
+
+class DemoToolTests(unittest.TestCase):
+
+    def test_sleep_then_echo_takes_any_number_of_seconds(self):
+        waited = []
+
+        class Cancelled:
+            def wait(self, timeout):
+                waited.append(timeout)
+                return True             # cancelled while waiting
+
+        ctx = types.SimpleNamespace(cancelled=Cancelled())
+        for seconds in (1e300, float(2**64), -5):
+            with self.assertRaises(taskstore.Cancelled):
+                taskstore._demo_sleep_then_echo(ctx, {"seconds": seconds, "text": "x"})
+        self.assertEqual(waited, [threading.TIMEOUT_MAX, threading.TIMEOUT_MAX, 0.0])
 
 
 class McpDispatcherTests(unittest.TestCase):
