@@ -7459,9 +7459,9 @@ class _WatchView:
                   (_status_cell(task, awaiting), _WATCH_COLOURS.get(task.status))]
         percent = _watch_percent(task)
         status = pieces[-1][0]
-        if task.progress_total:         # the bar gives way to 20 columns of message first
-            room = width - len(task_id) - len(status) - 11 - 20
-            bar = max(5, min(_WATCH_BAR, room))
+        # The bar gives way to 20 columns of message first, and goes when under 5.
+        bar = min(_WATCH_BAR, width - len(task_id) - len(status) - 11 - 20)
+        if task.progress_total and bar >= 5:
             done = round(bar * min(max(task.progress / task.progress_total, 0.0), 1.0))
             pieces.append((f"  [{'#' * done}{'-' * (bar - done)}] {percent:>4}", None))
         elif percent:
