@@ -7361,7 +7361,8 @@ def _watch_percent(task):
 def _watch_json(task_id, task, awaiting, status=None, seq=None, message=None):
     """One change as ``--json`` prints it; *status*, *seq*, *message*: a past status event's."""
     if task is None:
-        return {"id": task_id, "status": None, "mcp_status": None, "lmsp_status": None,
+        return {"id": task_id, "kind": None, "status": None, "mcp_status": None,
+                "lmsp_status": None,
                 "owner_dead": False, "progress": None, "progress_total": None,
                 "message": _GONE, "seq": None}
     status = status or task.status
@@ -7429,13 +7430,23 @@ class _WatchView:
                     lines.append(f"{task_id}  {event.data['status']}")
                 lines.append(self._line(task_id, task, awaiting))
             self._shown[task_id] = key
-        width = self._live and shutil.get_terminal_size().columns - 1   # the last column wraps
+        size = shutil.get_terminal_size()
+        width = size.columns - 1        # a line filling the last column would wrap
         if self._live and (changed or width != self._width):
-            self._draw(lines, [self._row(i, t, awaiting, width) for i, t in tasks.items()],
-                       width)
+            self._draw(lines, self._rows_fitting(tasks, awaiting, width, size.lines), width)
         elif lines:
             self._out.write("".join(line + "\n" for line in lines))
             self._out.flush()
+
+    def _rows_fitting(self, tasks, awaiting, width, height):
+        """The board's rows: one per task, unless more than the terminal holds (cursor up
+        cannot reach a line scrolled off); then the unfinished first, and a count of the rest."""
+        if len(tasks) < height:
+            return [self._row(i, t, awaiting, width) for i, t in tasks.items()]
+        order = sorted(tasks.items(), key=lambda item: item[1] is None or item[1].terminal)
+        shown = max(1, height - 2)
+        return [*(self._row(i, t, awaiting, width) for i, t in order[:shown]),
+                [(f"\u2026 and {len(tasks) - shown} more tasks", None)]]
 
     def _line(self, task_id, task, awaiting):
         if task is None:
@@ -7522,16 +7533,20 @@ def _tasks_watch(args):
             return 0
         view = _WatchView(sys.stdout, args.json, colour)
         steps = {}
-        while True:
-            live = [t for t in tasks.values() if t is not None and not t.terminal]
-            view.show(tasks, steps, store.awaiting_recovery(live))
-            if not live:
-                return 0
-            # Wakes at once on a status change; progress shows at the next --interval.
-            store.wait_any({t.id: t.last_seq for t in live}, timeout=args.interval)
-            steps = {}
-            for task in live:
-                tasks[task.id], steps[task.id] = _watch_read(store, task)
+        try:
+            while True:
+                live = [t for t in tasks.values() if t is not None and not t.terminal]
+                view.show(tasks, steps, store.awaiting_recovery(live))
+                if not live:
+                    return 0
+                # Wakes at once on a status change; progress shows at the next --interval.
+                store.wait_any({t.id: t.last_seq for t in live}, timeout=args.interval)
+                steps = {}
+                for task in live:
+                    tasks[task.id], steps[task.id] = _watch_read(store, task)
+        except BrokenPipeError:         # the reader has gone (``| head``): nobody to tell
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
 
 
 def main(argv=None):

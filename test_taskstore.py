@@ -2589,6 +2589,20 @@ class WatchCommandTests(OwnedTaskTestCase):
         self.assertIn(f"{task.id}  running  25%  mmm", text, "too narrow for a bar")
         self.assertIn("m\u2026", text, "the message is cut to the width")
 
+    def test_a_board_taller_than_the_terminal_shows_the_unfinished_and_counts_the_rest(self):
+        done = self.running_task()
+        self.store.succeed(done.id, 1)
+        first, second = self.store.create("k"), self.store.create("k")
+        proc, master = self.watch(done.id, first.id, second.id, tty=True, env={"LINES": "3"})
+        screen = self.expect_screen(master, b"", "\u2026 and 2 more tasks")
+        board = self.ANSI.sub("", screen.decode())
+        self.assertIn(f"{first.id}  queued", board)
+        self.assertNotIn(done.id, board, "a finished task gives way to an unfinished one")
+        self.store.cancel(first.id)
+        self.store.cancel(second.id)
+        screen = self.expect_screen(master, screen, f"{second.id}  queued -> cancelled")
+        self.assertEqual(proc.wait(TIMEOUT), 0, proc.stderr.read())
+
     @unittest.skipUnless(hasattr(signal, "SIGINT"), "POSIX only")
     def test_ctrl_c_exits_0(self):
         task = self.store.create("report")
