@@ -7156,6 +7156,8 @@ def _add_tasks_parser(commands):
                "messages and status changes, until every watched task has finished or Ctrl-C.",
                _tasks_watch, json_help="print one JSON object per change, one a line "
                "(default: a live view on a terminal, one plain line per change otherwise)")
+    sub.description += (" Exits 0 then, 1 on an unknown id. On a terminal the rows are redrawn "
+                        "in place, in colour unless NO_COLOR is set.")
     sub.add_argument("task_id", nargs="*", help="the tasks to watch (default: the tasks "
                      "unfinished when watch starts; tasks created later are not watched)")
     sub.add_argument("--interval", type=_positive(float), default=WATCH_INTERVAL_S,
