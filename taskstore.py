@@ -7364,9 +7364,8 @@ def _watch_json(task_id, task, awaiting, status=None, seq=None, message=None):
     """One change as ``--json`` prints it; *status*, *seq*, *message*: a past status event's."""
     if task is None:
         return {"id": task_id, "kind": None, "status": None, "mcp_status": None,
-                "lmsp_status": None,
-                "owner_dead": False, "progress": None, "progress_total": None,
-                "message": _GONE, "seq": None}
+                "lmsp_status": None, "owner_dead": False, "progress": None,
+                "progress_total": None, "message": _GONE, "seq": None}
     status = status or task.status
     return {"id": task_id, "kind": task.kind, "status": status,
             "mcp_status": mcp_status(status), "lmsp_status": lmsp_status(status),
