@@ -115,6 +115,7 @@ import queue
 import re
 import secrets
 import select
+import shutil
 import signal
 import socket
 import sqlite3
@@ -7121,11 +7122,11 @@ def _add_tasks_parser(commands):
     verbs = tasks.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
 
-    def verb(name, help_text, func):
+    def verb(name, help_text, func,
+             json_help="print JSON for scripts instead of a table (default: table)"):
         sub = verbs.add_parser(name, help=help_text, description=help_text)
         _add_db_option(sub)
-        sub.add_argument("--json", action="store_true",
-                         help="print JSON for scripts instead of a table (default: table)")
+        sub.add_argument("--json", action="store_true", help=json_help)
         sub.set_defaults(func=func)
         return sub
 
@@ -7151,6 +7152,17 @@ def _add_tasks_parser(commands):
     verb("reap", "Delete what retention says is over, now.", _tasks_reap)
     verb("recover", "Apply the restart policy to tasks whose owner is provably dead.",
          _tasks_recover)
+    sub = verb("watch", "Follow tasks live, from any process sharing the file: progress bars, "
+               "messages and status changes, until every watched task has finished or Ctrl-C.",
+               _tasks_watch, json_help="print one JSON object per change, one a line "
+               "(default: a live view on a terminal, one plain line per change otherwise)")
+    sub.description += (" Exits 0 then, 1 on an unknown id. On a terminal the rows are redrawn "
+                        "in place, in colour unless NO_COLOR is set.")
+    sub.add_argument("task_id", nargs="*", help="the tasks to watch (default: the tasks "
+                     "unfinished when watch starts; tasks created later are not watched)")
+    sub.add_argument("--interval", type=_positive(float), default=WATCH_INTERVAL_S,
+                     metavar="S", help="seconds between re-reads of progress and messages, "
+                     "which are not events (status changes show at once) (default: %(default)s)")
     return tasks
 
 
@@ -7304,6 +7316,238 @@ def _tasks_recover(args):
     print(dumps({"recovered": moved}) if args.json else
           f"{moved} {'task' if moved == 1 else 'tasks'} recovered")
     return 0
+
+
+# ``tasks watch``.  Status changes are events, so ``wait_any`` wakes on them
+# at once (another process's within the store's poll interval); progress and
+# messages are not, so every wake-up, and at the latest every --interval,
+# re-reads the watched tasks.  Each status change is read from the event log,
+# so a task that went running -> succeeded between two reads shows both.
+# Three ways to print one change: a live board on a terminal (a row per task,
+# redrawn in place, the status changes scrolling above it), a plain line on a
+# pipe, a JSON object with --json.
+WATCH_INTERVAL_S = 0.5
+_WATCH_BAR = 20                 # the progress bar's width, at most
+_WATCH_COLOURS = {QUEUED: "2", LOADING: "36", RUNNING: "36", INPUT_REQUIRED: "35",
+                  CANCELLING: "33", CANCELLED: "33", SUCCEEDED: "32", FAILED: "31"}
+_GONE = "gone (expired or deleted)"
+
+
+def _printable(text):
+    """*text* on one line, every control character (escape sequences too) a space."""
+    return "".join(c if c.isprintable() else " " for c in str(text))
+
+
+def _watch_message(task, printable=True):
+    """The task's status message, or a failed task's error message, on one line.
+
+    Not *printable*: as stored, None when there is none (``--json``).
+    """
+    message = task.status_message
+    if message is None and isinstance(task.error, dict):
+        message = task.error.get("message")
+    if not printable:
+        return message
+    return "" if message is None else _printable(message)
+
+
+def _watch_percent(task):
+    """Progress as text: ``40%`` against a total, the count without one, "" with none."""
+    if task.progress is None:
+        return ""
+    if task.progress_total:
+        return f"{min(max(task.progress / task.progress_total, 0.0), 1.0):.0%}"
+    return f"{task.progress:g}"
+
+
+def _watch_json(task_id, task, awaiting, status=None, seq=None, message=None):
+    """One change as ``--json`` prints it; *status*, *seq*, *message*: a past status event's."""
+    if task is None:
+        return {"id": task_id, "kind": None, "status": None, "mcp_status": None,
+                "lmsp_status": None, "owner_dead": False, "progress": None,
+                "progress_total": None, "message": _GONE, "seq": None}
+    status = status or task.status
+    return {"id": task_id, "kind": task.kind, "status": status,
+            "mcp_status": mcp_status(status), "lmsp_status": lmsp_status(status),
+            "owner_dead": task.id in awaiting and status == task.status,
+            "progress": task.progress, "progress_total": task.progress_total,
+            "message": _watch_message(task, printable=False) if seq is None else message,
+            "seq": task.last_seq if seq is None else seq}
+
+
+def _watch_fit(pieces, width, colour):
+    """Join ``(text, SGR code or None)`` *pieces*, cut to *width* columns, coloured if asked."""
+    out = []
+    for text, code in pieces:
+        if width <= 0:
+            break
+        text = _clip(text, width)
+        width -= len(text)
+        out.append(f"\x1b[{code}m{text}\x1b[0m" if colour and code and text else text)
+    return "".join(out)
+
+
+class _WatchView:
+    """What ``tasks watch`` prints: ``show`` gets each read of the tasks.
+
+    It prints a task only when what it shows has changed: its status (each
+    status event), owner death, progress, message.
+    """
+
+    def __init__(self, out, as_json, colour):
+        self._out = out
+        self._json = as_json
+        self._live = not as_json and out.isatty()
+        self._colour = colour and self._live
+        self._shown = {}        # task id -> what was printed of it last
+        self._rows = 0          # lines of the board drawn last (live view)
+        self._width = None
+
+    def _key(self, task, awaiting):
+        if task is None:
+            return None
+        return (task.status, task.id in awaiting, _watch_percent(task), _watch_message(task))
+
+    def show(self, tasks, steps, awaiting):
+        """Print what changed: *tasks* ``{id: Task or None}``, *steps* ``{id: [status Event]}``."""
+        lines, changed = [], False
+        for task_id, task in tasks.items():
+            key = self._key(task, awaiting)
+            passed = steps.get(task_id, ())
+            if self._shown.get(task_id, ()) == key and not passed:
+                continue
+            changed = True
+            if self._json:
+                for event in passed[:-1]:    # the last one is the task as read now
+                    data = event.data
+                    lines.append(dumps(_watch_json(task_id, task, awaiting, data["status"],
+                                                   event.seq, data.get("message"))))
+                lines.append(dumps(_watch_json(task_id, task, awaiting)))
+            elif self._live:
+                for event in passed:
+                    lines.append(self._step(task_id, event.data))
+            else:
+                for event in passed[:-1]:
+                    lines.append(f"{task_id}  {event.data['status']}")
+                lines.append(self._line(task_id, task, awaiting))
+            self._shown[task_id] = key
+        size = shutil.get_terminal_size()
+        width = size.columns - 1        # a line filling the last column would wrap
+        if self._live and (changed or width != self._width):
+            self._draw(lines, self._rows_fitting(tasks, awaiting, width, size.lines), width)
+        elif lines:
+            self._out.write("".join(line + "\n" for line in lines))
+            self._out.flush()
+
+    def _rows_fitting(self, tasks, awaiting, width, height):
+        """The board's rows: one per task, unless more than the terminal holds (cursor up
+        cannot reach a line scrolled off); then the unfinished first, and a count of the rest."""
+        if len(tasks) < height:
+            return [self._row(i, t, awaiting, width) for i, t in tasks.items()]
+        order = sorted(tasks.items(), key=lambda item: item[1] is None or item[1].terminal)
+        shown = max(1, height - 2)
+        return [*(self._row(i, t, awaiting, width) for i, t in order[:shown]),
+                [(f"\u2026 and {len(tasks) - shown} more tasks", None)]]
+
+    def _line(self, task_id, task, awaiting):
+        if task is None:
+            return f"{task_id}  {_GONE}"
+        return "  ".join(part for part in (task_id, _status_cell(task, awaiting),
+                                           _watch_percent(task), _watch_message(task)) if part)
+
+    def _step(self, task_id, data):
+        """A status change on the live view: ``id  running -> succeeded  message``."""
+        pieces = [(f"{task_id}  {data.get('from')} -> ", None),
+                  (data["status"], _WATCH_COLOURS.get(data["status"]))]
+        if data.get("message"):
+            pieces.append(("  " + _printable(data["message"]), None))
+        return pieces
+
+    def _row(self, task_id, task, awaiting, width):
+        """A task's row on the live view: ``id  status  [#####-----]  50%  message``."""
+        if task is None:
+            return [(f"{task_id}  ", None), (_GONE, None)]
+        pieces = [(f"{task_id}  ", None),
+                  (_status_cell(task, awaiting), _WATCH_COLOURS.get(task.status))]
+        percent = _watch_percent(task)
+        status = pieces[-1][0]
+        # The bar gives way to 20 columns of message first, and goes when under 5.
+        bar = min(_WATCH_BAR, width - len(task_id) - len(status) - 11 - 20)
+        if task.progress_total and bar >= 5:
+            done = round(bar * min(max(task.progress / task.progress_total, 0.0), 1.0))
+            pieces.append((f"  [{'#' * done}{'-' * (bar - done)}] {percent:>4}", None))
+        elif percent:
+            pieces.append((f"  {percent}", None))
+        message = _watch_message(task)
+        if message:
+            pieces.append(("  " + message, None))
+        return pieces
+
+    def _draw(self, steps, rows, width):
+        """Redraw the board in place, the status changes printed above it first."""
+        parts = []
+        if self._rows:
+            parts.append(f"\x1b[{self._rows}F\x1b[J")   # to the board's first line; clear below
+        for pieces in (*steps, *rows):
+            parts.append(_watch_fit(pieces, width, self._colour) + "\n")
+        self._rows, self._width = len(rows), width
+        self._out.write("".join(parts))
+        self._out.flush()
+
+
+def _watch_targets(store, ids):
+    """The tasks to watch, ``{id: Task}``: *ids* in order, or every unfinished task, oldest first."""
+    if ids:
+        return {task_id: store.get(task_id) for task_id in dict.fromkeys(ids)}
+    found, cursor = [], None
+    while True:
+        page, cursor = store.list(status=UNFINISHED_STATES, limit=500, cursor=cursor)
+        found += page
+        if cursor is None:
+            return {task.id: task for task in reversed(found)}
+
+
+def _watch_read(store, task):
+    """*task* read again, and the status events it passed since: ``(Task or None, [Event])``."""
+    try:
+        new = store.get(task.id)
+    except TaskNotFound:            # expired or deleted meanwhile (TaskExpired too)
+        return None, []
+    if new.last_seq == task.last_seq:
+        return new, []
+    try:
+        events = store.events(task.id, after=task.last_seq)
+    except (TaskNotFound, EventsExpired):
+        events = []
+    # Events written since the get show with the next read, not twice.
+    return new, [e for e in events if e.type == "status" and e.seq <= new.last_seq]
+
+
+def _tasks_watch(args):
+    """``tasks watch``: print the watched tasks as they change until all have finished."""
+    colour = not os.environ.get("NO_COLOR")
+    with _admin_store(args) as store:
+        tasks = _watch_targets(store, args.task_id)
+        if not tasks:
+            if not args.json:
+                print("no unfinished tasks to watch")
+            return 0
+        view = _WatchView(sys.stdout, args.json, colour)
+        steps = {}
+        try:
+            while True:
+                live = [t for t in tasks.values() if t is not None and not t.terminal]
+                view.show(tasks, steps, store.awaiting_recovery(live))
+                if not live:
+                    return 0
+                # Wakes at once on a status change; progress shows at the next --interval.
+                store.wait_any({t.id: t.last_seq for t in live}, timeout=args.interval)
+                steps = {}
+                for task in live:
+                    tasks[task.id], steps[task.id] = _watch_read(store, task)
+        except BrokenPipeError:         # the reader has gone (``| head``): nobody to tell
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
 
 
 def main(argv=None):

@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import os
+import pty
 import queue
 import random
 import re
@@ -2428,6 +2429,215 @@ class AdminCommandTests(OwnedTaskTestCase):
                 if leaf:                # each opens a store, through the one shared helper
                     self.assertIn("--db PATH", out)
                     self.assertIn("--sync {normal,full}", out)
+
+
+class WatchCommandTests(OwnedTaskTestCase):
+    """``tasks watch`` in a child process, on a pipe and on a pseudo-terminal,
+    while the test drives the tasks.  The test waits for the line it expects
+    (TIMEOUT at most), never for time to pass."""
+
+    # The child sets Python's own SIGINT handler: a shell may start the test
+    # run with SIGINT ignored, and children inherit that.
+    CHILD = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.path.insert(0, sys.argv[1]); import taskstore; "
+             "sys.exit(taskstore.main(sys.argv[2:]))")
+    ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+    def setUp(self):
+        super().setUp()
+        self.clock.now = time.time()        # the child's clock is the real one
+
+    def watch(self, *argv, tty=False, env=None):
+        """Start ``tasks watch ARGV`` on this store; return the child and its output."""
+        argv = [sys.executable, "-c", self.CHILD, TASKSTORE_DIR, "tasks", "watch",
+                "--db", self.path, "--interval", "0.05", *argv]
+        env = {**{k: v for k, v in os.environ.items() if k != "NO_COLOR"},
+               "COLUMNS": "100", **(env or {})}
+        if not tty:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env)
+            self.addCleanup(end_child, proc)
+            return proc, LinePeer(proc.stdout, "watch stdout")
+        master, slave = pty.openpty()
+        self.addCleanup(os.close, master)
+        try:
+            proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=subprocess.PIPE,
+                                    env=env)
+        finally:
+            os.close(slave)
+        self.addCleanup(end_child, proc)
+        return proc, master
+
+    def expect_line(self, peer, wanted):
+        """Lines up to the first that starts with *wanted*; fail after TIMEOUT."""
+        seen = []
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                line = peer.get(max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                self.fail(f"no line {wanted!r}; got {seen!r}")
+            seen.append(line.rstrip("\n"))
+            if seen[-1].startswith(wanted):
+                return seen
+
+    def expect_screen(self, master, buffer, wanted):
+        """Read the terminal until its text (escape codes left out) has *wanted*; return all."""
+        deadline = time.monotonic() + TIMEOUT
+        while wanted not in self.ANSI.sub("", buffer.decode("utf-8", "replace")):
+            remaining = deadline - time.monotonic()
+            ready, _, _ = select.select([master], [], [], max(0.0, remaining))
+            if not ready:
+                self.fail(f"no {wanted!r} on the terminal; got {buffer!r}")
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:             # Linux: EIO once the child has closed the terminal
+                chunk = b""
+            if not chunk:
+                self.fail(f"the terminal closed before {wanted!r}; got {buffer!r}")
+            buffer += chunk
+        return buffer
+
+    def statuses(self, lines, task_id):
+        """The statuses a task's plain lines show, repeats of one status merged."""
+        found = []
+        for line in lines:
+            words = line.split()
+            if words[0] == task_id and (not found or found[-1] != words[1]):
+                found.append(words[1])
+        return found
+
+    def test_a_pipe_gets_a_plain_line_per_change_in_order_and_exit_0_when_all_finished(self):
+        report, build = self.store.create("report"), self.store.create("build")
+        proc, out = self.watch(report.id, build.id)
+        lines = self.expect_line(out, f"{report.id}  queued")
+        lines += self.expect_line(out, f"{build.id}  queued")
+        self.store.start(report.id)
+        lines += self.expect_line(out, f"{report.id}  running")
+        self.store.set_progress(report.id, progress=1, total=4, message="step 1 of 4")
+        lines += self.expect_line(out, f"{report.id}  running  25%  step 1 of 4")
+        self.store.succeed(report.id, {"rows": 3})
+        lines += self.expect_line(out, f"{report.id}  succeeded")
+        # Three moves before the child can look: each status shows all the same, in order.
+        self.store.start(build.id)
+        self.store.cancel(build.id)
+        self.store.confirm_cancel(build.id)
+        lines += out.rest()
+        self.assertEqual(proc.wait(TIMEOUT), 0, proc.stderr.read())
+        self.assertEqual(self.statuses(lines, report.id), [QUEUED, RUNNING, SUCCEEDED])
+        self.assertEqual(self.statuses(lines, build.id),
+                         [QUEUED, RUNNING, CANCELLING, CANCELLED])
+        self.assertFalse([line for line in lines if "\x1b" in line], "no escape codes on a pipe")
+
+    def test_json_gives_an_object_per_change_for_the_unfinished_tasks_at_start(self):
+        done = self.running_task()
+        self.store.succeed(done.id, 1)
+        task = self.store.create("report")
+        proc, out = self.watch("--json")
+        first = json.loads(out.get())
+        self.assertEqual(first, {"id": task.id, "kind": "report", "status": QUEUED,
+                                 "mcp_status": "working", "lmsp_status": "queued",
+                                 "owner_dead": False, "progress": None, "progress_total": None,
+                                 "message": None, "seq": 0})
+        self.store.start(task.id)
+        self.store.set_progress(task.id, progress=3, total=4, message="almost")
+        self.store.fail(task.id, {"code": "boom", "message": "it broke"})
+        changes = [first] + [json.loads(line) for line in out.rest()]
+        self.assertEqual(proc.wait(TIMEOUT), 0, proc.stderr.read())
+        self.assertEqual({c["id"] for c in changes}, {task.id}, "the finished task is not watched")
+        self.assertEqual(changes[-1]["status"], FAILED)
+        self.assertEqual(changes[-1]["mcp_status"], "failed")
+        self.assertEqual(changes[-1]["seq"], self.store.get(task.id).last_seq)
+        self.assertIn(RUNNING, [c["status"] for c in changes])
+        self.assertEqual([c["seq"] for c in changes], sorted(c["seq"] for c in changes))
+
+    def test_a_terminal_gets_bars_redrawn_in_place_and_status_changes_above_them(self):
+        task = self.store.create("report")
+        proc, master = self.watch(task.id, tty=True)
+        screen = self.expect_screen(master, b"", f"{task.id}  queued")
+        self.store.start(task.id)
+        screen = self.expect_screen(master, screen, f"{task.id}  queued -> running")
+        self.store.set_progress(task.id, progress=1, total=2, message="half way")
+        screen = self.expect_screen(master, screen, "]  50%  half way")
+        self.store.succeed(task.id, 1)
+        screen = self.expect_screen(master, screen, f"{task.id}  running -> succeeded")
+        self.assertEqual(proc.wait(TIMEOUT), 0, proc.stderr.read())
+        text = screen.decode()
+        self.assertIn("[##########----------]  50%  half way", text)
+        self.assertIn("\x1b[1F\x1b[J", text, "the board is redrawn in place")
+        self.assertIn("\x1b[32msucceeded\x1b[0m", text)
+        self.assertTrue(all(len(self.ANSI.sub("", line)) < 100
+                            for line in text.splitlines()), "lines fit the terminal")
+
+    def test_no_color_keeps_the_redraw_and_drops_the_colours(self):
+        task = self.running_task()
+        proc, master = self.watch(task.id, tty=True, env={"NO_COLOR": "1", "COLUMNS": "80"})
+        screen = self.expect_screen(master, b"", f"{task.id}  running")
+        self.store.set_progress(task.id, progress=1, total=4, message="m" * 80)
+        screen = self.expect_screen(master, screen, "25%")
+        self.store.cancel(task.id)
+        self.store.confirm_cancel(task.id)
+        screen = self.expect_screen(master, screen, "cancelling -> cancelled")
+        self.assertEqual(proc.wait(TIMEOUT), 0, proc.stderr.read())
+        text = screen.decode()
+        self.assertNotRegex(text, r"\x1b\[[0-9;]*m", "no colour")
+        self.assertIn("\x1b[J", text)
+        self.assertTrue(all(len(self.ANSI.sub("", line)) <= 79 for line in text.splitlines()),
+                        text)
+        self.assertIn(f"{task.id}  running  25%  mmm", text, "too narrow for a bar")
+        self.assertIn("m\u2026", text, "the message is cut to the width")
+
+    def test_a_board_taller_than_the_terminal_shows_the_unfinished_and_counts_the_rest(self):
+        done = self.running_task()
+        self.store.succeed(done.id, 1)
+        first, second = self.store.create("k"), self.store.create("k")
+        proc, master = self.watch(done.id, first.id, second.id, tty=True, env={"LINES": "3"})
+        screen = self.expect_screen(master, b"", "\u2026 and 2 more tasks")
+        board = self.ANSI.sub("", screen.decode())
+        self.assertIn(f"{first.id}  queued", board)
+        self.assertNotIn(done.id, board, "a finished task gives way to an unfinished one")
+        self.store.cancel(first.id)
+        self.store.cancel(second.id)
+        screen = self.expect_screen(master, screen, f"{second.id}  queued -> cancelled")
+        self.assertEqual(proc.wait(TIMEOUT), 0, proc.stderr.read())
+
+    @unittest.skipUnless(hasattr(signal, "SIGINT"), "POSIX only")
+    def test_ctrl_c_exits_0(self):
+        task = self.store.create("report")
+        proc, out = self.watch(task.id)
+        self.expect_line(out, f"{task.id}  queued")
+        proc.send_signal(signal.SIGINT)
+        self.assertEqual(proc.wait(TIMEOUT), 0)
+        self.assertEqual(proc.stderr.read(), "")
+
+    def test_a_task_whose_owner_is_dead_says_so_as_tasks_list_does(self):
+        dead = self.claimed("fail", self.dead_owner())
+        proc, out = self.watch(dead)
+        self.expect_line(out, f"{dead}  running (owner dead: will be recovered; "
+                              "`tasks recover` does it now)")
+        with self.assertLogs("taskstore", "INFO"):
+            self.store.recover()
+        self.expect_line(out, f"{dead}  failed")
+        self.assertEqual(proc.wait(TIMEOUT), 0, proc.stderr.read())
+
+    def test_unknown_ids_nothing_to_watch_and_bad_options(self):
+        code, out, err = AdminCommandTests.run_main(
+            self, "tasks", "watch", "task_missing", "--db", self.path)
+        self.assertEqual((code, out, err),
+                         (1, "", "taskstore: error: no task with id task_missing\n"))
+        code, out, _ = AdminCommandTests.run_main(self, "tasks", "watch", "--db", self.path)
+        self.assertEqual((code, out), (0, "no unfinished tasks to watch\n"))
+        done = self.running_task()
+        self.store.succeed(done.id, 1)
+        code, out, _ = AdminCommandTests.run_main(self, "tasks", "watch", done.id, done.id,
+                                                  "--db", self.path)
+        self.assertEqual((code, out), (0, f"{done.id}  succeeded\n"))
+        code, _, err = AdminCommandTests.run_main(self, "tasks", "watch", "--interval", "0",
+                                                  "--db", self.path)
+        self.assertEqual(code, 2)
+        self.assertIn("must be > 0", err)
 
 
 # =============================================================================
