@@ -911,7 +911,8 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #   lock                  the lock that guards the engine; conditions may share it
 #   readonly              whether the database was opened for reading only
 #   transaction()         context: one write transaction, committed or rolled back
-#   reading()             context: reads whose errors become StoreUnavailable
+#   reading()             context: the lock held for reads whose errors become StoreUnavailable
+#   shut()                refuse new work: transaction() and reading() raise StoreClosed
 #   group_write(body, run_batch)  run body with other threads' writes, committed before it returns
 #   changes()             a counter of rows written: did a body write anything?
 #   bulk()                context: a long job of many transactions (reap, recovery)
@@ -919,7 +920,6 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #   close()               stop the engine's threads and close the connection
 #   read_task(task_id)    the Task, or None
 #   task_row_at(task_id, now)  the task's row with an "expired" flag last, or None
-#                         (no reading() needed: it raises StoreUnavailable itself)
 #   tombstoned(task_id)   whether the id names a task that was purged
 #   insert_tasks(rows, events)  new tasks and their first events
 #   move_task(task_id, status, values, event_json, now)  compare-and-set one task and its event
@@ -947,8 +947,7 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #   recovery_view(statuses)  (processes(), {owner: [(status, policy)]}) read at one instant
 #   cancelling_of(owner)  ids of the owner's cancelling tasks
 #   owner_batch(owner, after, size, statuses)  (selector, last id or None): the owner's next tasks
-#   this_process(registration)  whether this very process made the registration
-#   host_verdict(registration)  True dead, False alive, None: cannot tell from this host
+#   owner_dead(registration, now, lease_ms)  whether a processes() value (or None) is dead
 #   reap_tasks_once(now, budget, counts, tombstone_ms)  delete one batch; (more, deleted ids)
 #   prune_events_once(finished_before, budget, counts)  prune one batch; more?
 #   delete_expired(table, now, limit)  drop expired idempotency keys or tombstones
@@ -1029,6 +1028,7 @@ _SELECT_TASK_BY_ID = _SELECT_TASK + " WHERE id = ?"
 _SELECT_TASK_AT = f"SELECT {', '.join(_TASK_COLUMNS)}, {_EXPIRED} FROM tasks WHERE id = ?"
 _WRITABLE_COLUMNS = frozenset(_TASK_COLUMNS) | {"snapshot"}
 _HOST = socket.gethostname
+_LIVE_PROCESS_IDS = set()    # registrations of runners alive in this process (the store's)
 
 
 def _marks(values):
@@ -1317,6 +1317,8 @@ class _Transaction:
         self.engine = engine
 
     def __enter__(self):
+        if self.engine.closed:
+            raise StoreClosed()
         try:
             self.engine.conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -1345,17 +1347,26 @@ class _Transaction:
 
 
 class _Reads:
-    """``SQLiteEngine.reading()``: a sqlite3 error inside becomes StoreUnavailable."""
+    """``SQLiteEngine.reading()``: the lock, StoreClosed once shut, sqlite3 errors as StoreUnavailable.
 
-    __slots__ = ("engine",)
+    A class, not a generator, for the reason ``_Transaction`` is one.
+    """
+
+    __slots__ = ("engine", "lock")
 
     def __init__(self, engine):
         self.engine = engine
+        self.lock = engine.lock
 
     def __enter__(self):
-        return None
+        self.lock.acquire()
+        if self.engine.closed:
+            self.lock.release()
+            raise StoreClosed()
+        return self.engine
 
     def __exit__(self, kind, exc, tb):
+        self.lock.release()
         if kind is not None and issubclass(kind, sqlite3.Error):
             raise self.engine._unavailable(exc) from None
         return False
@@ -1516,8 +1527,12 @@ class SQLiteEngine:
         return self._transaction
 
     def reading(self):
-        """Reads (lock held by the caller) whose sqlite3 errors become StoreUnavailable."""
+        """Take the lock for reads whose sqlite3 errors become StoreUnavailable; yield the engine."""
         return self._reads
+
+    def shut(self):
+        """Refuse new work (lock held): transaction() and reading() raise StoreClosed from now on."""
+        self.closed = True
 
     def group_write(self, body, run_batch):
         """Run *body* in a batch with other threads' writes (``_GroupCommit.write``)."""
@@ -1598,11 +1613,7 @@ class SQLiteEngine:
         return None if row is None else _task_from_row(row)
 
     def task_row_at(self, task_id, now):
-        # Guarded here, not by reading(): this is the hot path of every get.
-        try:
-            return self.conn.execute(_SELECT_TASK_AT, (now, task_id)).fetchone()
-        except sqlite3.Error as exc:
-            raise self._unavailable(exc) from None
+        return self.conn.execute(_SELECT_TASK_AT, (now, task_id)).fetchone()
 
     def tombstoned(self, task_id):
         return self.conn.execute("SELECT 1 FROM tombstones WHERE id = ?",
@@ -1847,23 +1858,25 @@ class SQLiteEngine:
         return (owned + " AND id <= ?", (owner, after, last[0])), last[0]
 
     @staticmethod
-    def host_verdict(proc):
-        """Is the registration *proc* (as ``processes`` returns it) dead, by this host's means?
+    def owner_dead(proc, now, lease_ms):
+        """Is the registration *proc* (a ``processes()`` value, or None) dead at *now*?
 
-        True or False for a process on this host (its pid is gone, or now
-        belongs to a later process); None for one on another host, where
-        only its lease can tell.
+        Dead: nobody is registered to heartbeat it; its lease expired (dead or
+        cut off, either way not running it); or, on this host, its pid is
+        gone or now belongs to a later process.  A registration of this very
+        process is alive while a runner holds it (``_LIVE_PROCESS_IDS``); one
+        on another host lives as long as its lease.
         """
-        _, pid, host, proc_start, _ = proc
+        if proc is None:
+            return True
+        proc_id, pid, host, proc_start, heartbeat_at = proc
+        if heartbeat_at + lease_ms < now:
+            return True
         if host != _HOST():
-            return None
+            return False
+        if pid == os.getpid() and proc_start == _proc_start(pid):
+            return proc_id not in _LIVE_PROCESS_IDS
         return not _pid_alive(pid, proc_start)
-
-    @staticmethod
-    def this_process(proc):
-        """True when the registration *proc* was made by this very process."""
-        _, pid, host, proc_start, _ = proc
-        return host == _HOST() and pid == os.getpid() and proc_start == _proc_start(pid)
 
     # -- retention -------------------------------------------------------------
 
@@ -1961,7 +1974,6 @@ class SQLiteEngine:
 _MISSING = object()
 _JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
 _PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
-_LIVE_PROCESS_IDS = set()    # registrations of runners alive in this process
 _RECOVERABLE = (QUEUED, *ACTIVE_STATES)   # an owner's tasks recovery hands to their policy
 
 
@@ -2146,13 +2158,6 @@ class TaskStore:
 
     # -- plumbing --------------------------------------------------------------
 
-    def _now_ms(self):
-        return int(self.clock() * 1000)
-
-    def _check_open(self):
-        if self._closed:
-            raise StoreClosed()
-
     @contextlib.contextmanager
     def _writing(self):
         """Hold the lock for one engine transaction; yield a notice list.
@@ -2162,8 +2167,7 @@ class TaskStore:
         """
         notices = []
         with self._lock:
-            self._check_open()
-            with self._engine.transaction():
+            with self._engine.transaction():      # raises StoreClosed once closed
                 yield notices
             if self._changed_waiting:
                 self._changed.notify_all()
@@ -2180,19 +2184,12 @@ class TaskStore:
                 except Exception:
                     logger.exception("task listener %r failed", listener)
 
-    @contextlib.contextmanager
-    def _reading(self):
-        with self._lock:
-            self._check_open()
-            with self._engine.reading():
-                yield self._engine
-
     def _get_locked(self, task_id, principal=None):
         if not isinstance(task_id, str):
             raise InvalidParams("task id must be a string", param="task_id")
         if not task_id.isascii():
             raise TaskNotFound(task_id)     # never an id; the message escapes it
-        row = self._engine.task_row_at(task_id, self._now_ms())
+        row = self._engine.task_row_at(task_id, int(self.clock() * 1000))
         if row is None or (principal is not None and row[_PRINCIPAL_INDEX] != principal):
             if row is None and self._engine.tombstoned(task_id):
                 raise TaskExpired(task_id)
@@ -2286,7 +2283,7 @@ class TaskStore:
 
     def _move(self, task_id, event, *, principal=None, **kwargs):
         """Run one transition, committed (group commit) before it returns; return the new Task."""
-        now = self._now_ms()
+        now = int(self.clock() * 1000)
 
         def body(notices):
             if principal is not None:
@@ -2371,12 +2368,12 @@ class TaskStore:
             payload_json, payload = _payload(payload, f"payloads[{i}]")
             specs.append(first._replace(payload=payload, payload_json=payload_json))
         return self._engine.group_write(
-            lambda notices: self._insert_tasks_locked(notices, specs, self._now_ms()),
+            lambda notices: self._insert_tasks_locked(notices, specs, int(self.clock() * 1000)),
             self._run_group)
 
     def _create_locked(self, notices, spec, idempotency):
         """Create one task under an idempotency key: the first task for the key, or a new one."""
-        now = self._now_ms()
+        now = int(self.clock() * 1000)
         scope, key, fprint, expires_in_ms = idempotency
         row = self._engine.idempotency_get(scope, key)
         if row is not None and (row[2] is None or row[2] > now):
@@ -2449,7 +2446,7 @@ class TaskStore:
                         op.error = exc
                 if creates:
                     tasks = self._insert_tasks_locked(notices, [op.body for op in creates],
-                                                      self._now_ms())
+                                                      int(self.clock() * 1000))
                     for op, task in zip(creates, tasks):
                         op.result = task
         except BaseException as exc:
@@ -2467,17 +2464,8 @@ class TaskStore:
             TaskExpired: its retention is over (``reap`` has deleted it, or
                 will: the answer is the same either way), for a while after.
         """
-        if isinstance(task_id, str) and task_id.isascii():
-            # The hot path: one lookup under the lock, decoding outside it.
-            now = self._now_ms()
-            with self._lock:
-                self._check_open()
-                row = self._engine.task_row_at(task_id, now)
-            if row is not None and not row[-1] and (
-                    principal is None or row[_PRINCIPAL_INDEX] == principal):
-                return _task_from_row(row[:-1])
-        with self._reading():
-            return self._get_locked(task_id, principal)      # raises the right error
+        with self._engine.reading():
+            return self._get_locked(task_id, principal)
 
     def list(self, *, status=None, kind=None, principal=None, limit=50, cursor=None):
         """Return ``(tasks, next_cursor)``, newest first; filters combine with AND.
@@ -2494,8 +2482,8 @@ class TaskStore:
         _check_str(principal, "principal")
         limit = _check_int(limit, "limit", minimum=1, allow_none=False)
         before = None if cursor is None else _decode_cursor(cursor)
-        with self._reading() as engine:
-            rows = engine.list_tasks(self._now_ms(), statuses, kinds, principal, before,
+        with self._engine.reading() as engine:
+            rows = engine.list_tasks(int(self.clock() * 1000), statuses, kinds, principal, before,
                                      limit + 1)
         tasks = [_task_from_row(r) for r in rows[:limit]]
         return tasks, (_encode_cursor(tasks[-1].id) if len(rows) > limit else None)
@@ -2511,8 +2499,8 @@ class TaskStore:
         if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
             raise InvalidCursor("after must be a non-negative integer", param="after")
         limit = _check_int(limit, "limit", minimum=1)
-        with self._reading() as engine:
-            row = engine.event_bounds(task_id, self._now_ms())
+        with self._engine.reading() as engine:
+            row = engine.event_bounds(task_id, int(self.clock() * 1000))
             if row is None or (principal is not None and row[0] != principal) or row[3]:
                 self._get_locked(task_id, principal)       # raises the right not-found error
             _, last_seq, first_seq, _ = row
@@ -2540,7 +2528,7 @@ class TaskStore:
             StoreClosed: the store was closed while waiting.
         """
         deadline = time.monotonic() + timeout
-        with self._reading():
+        with self._engine.reading():
             while True:
                 task = self._get_locked(task_id, principal)
                 if (terminal and task.terminal) or (
@@ -2555,7 +2543,8 @@ class TaskStore:
                     self._changed.wait(min(remaining, self.poll_interval))
                 finally:
                     self._changed_waiting -= 1
-                self._check_open()
+                if self._closed:
+                    raise StoreClosed()
 
     def wait_any(self, last_seqs, *, timeout):
         """Block until some of the tasks have events the caller has not seen; return them.
@@ -2578,7 +2567,7 @@ class TaskStore:
             moved = {}
             for start in range(0, max(len(ids), 1), 500):
                 chunk = ids[start:start + 500]
-                with self._reading() as engine:
+                with self._engine.reading() as engine:
                     seqs = engine.last_seqs(chunk)
                     for task_id in chunk:
                         seq = seqs.get(task_id)
@@ -2594,13 +2583,14 @@ class TaskStore:
                         self._changed.wait(min(remaining, self.poll_interval))
                     finally:
                         self._changed_waiting -= 1
-                    self._check_open()
+                    if self._closed:
+                        raise StoreClosed()
             if moved or deadline - time.monotonic() <= 0:
                 return moved
 
     def load_snapshot(self, task_id):
         """Return the task's last saved snapshot, or None."""
-        with self._reading() as engine:
+        with self._engine.reading() as engine:
             found, snapshot = engine.load_snapshot(task_id)
         if not found:
             raise TaskNotFound(task_id)
@@ -2624,7 +2614,7 @@ class TaskStore:
             TaskNotFound, TaskExpired: as ``get``.
         """
         _check_str(reason, "reason", max_len=10000)
-        now = self._now_ms()
+        now = int(self.clock() * 1000)
         with self._writing() as notices:
             task = self._get_locked(task_id, principal)
             if refuse_repeat or task.status not in CANCELLED_STATES:
@@ -2685,7 +2675,7 @@ class TaskStore:
         Not a status change, so it appends no event; it bumps ``version`` so
         waiters see it.  Returns False when the task has already ended.
         """
-        now = self._now_ms()
+        now = int(self.clock() * 1000)
         values = {}
         if progress is not None:
             values["progress"] = float(progress)
@@ -2711,7 +2701,7 @@ class TaskStore:
         _check_str(etype, "type", allow_none=False, max_len=200)
         data_json = _json_param({} if data is None else data, "data")
         snap = None if snapshot is _MISSING else _json_param(snapshot, "snapshot")
-        now = self._now_ms()
+        now = int(self.clock() * 1000)
         with self._writing() as notices:
             row = self._engine.event_head(task_id)
             if row is None:
@@ -2770,13 +2760,13 @@ class TaskStore:
         """
         if not kinds:
             return None
-        with self._reading() as engine:
+        with self._engine.reading() as engine:
             # A cheap read first, so idle polling never takes the write lock;
             # skipped when this process has queued work since a claim last
             # found none (then there is most likely something to take).
             if self._work_gen == self._claimed_empty_gen and not engine.has_queued(kinds):
                 return None
-        now = self._now_ms()
+        now = int(self.clock() * 1000)
 
         def body(notices):
             task = self._engine.oldest_queued(kinds)
@@ -2809,8 +2799,8 @@ class TaskStore:
 
     def register_process(self):
         """Register this process as a task owner; return its registration id."""
-        proc_id = new_id("proc", self._now_ms())
-        now = self._now_ms()
+        now = int(self.clock() * 1000)
+        proc_id = new_id("proc", now)
         with self._writing():
             self._engine.register(proc_id, now)
         _LIVE_PROCESS_IDS.add(proc_id)
@@ -2819,7 +2809,7 @@ class TaskStore:
     def heartbeat(self, proc_id):
         """Renew the lease of a registration; False when it was declared dead meanwhile."""
         with self._writing():
-            return self._engine.heartbeat(proc_id, self._now_ms())
+            return self._engine.heartbeat(proc_id, int(self.clock() * 1000))
 
     def cancelling_owned(self, owner):
         """Return the ids of the tasks *owner* holds that are ``cancelling``.
@@ -2828,7 +2818,7 @@ class TaskStore:
         of cancels made in other processes; within this process
         ``cancel_event`` is set at once.
         """
-        with self._reading() as engine:
+        with self._engine.reading() as engine:
             return engine.cancelling_of(owner)
 
     def release(self, proc_id, reason="the process running this task stopped", *, present=None,
@@ -2852,7 +2842,7 @@ class TaskStore:
         moved, after = 0, ""
         with self._engine.bulk():
             while True:
-                now = self._now_ms()
+                now = int(self.clock() * 1000)
                 with self._writing() as notices:
                     selector, last = self._engine.owner_batch(proc_id, after, RELEASE_BATCH,
                                                               _RECOVERABLE)
@@ -2915,20 +2905,6 @@ class TaskStore:
             self._engine.disown(selector, sorted(disown))
         return moved
 
-    def _owner_dead(self, proc, now):
-        """The rule of recovery: is the registration *proc* (a processes row, or None) dead?
-
-        Recovery (``recover``) and what the admin commands show
-        (``awaiting_recovery``) both ask this, and nothing else.
-        """
-        if proc is None:
-            return True            # nobody is registered to heartbeat it
-        if proc[-1] + self.lease_ms < now:
-            return True            # lease expired: dead or cut off, either way not running it
-        if self._engine.this_process(proc):
-            return proc[0] not in _LIVE_PROCESS_IDS
-        return bool(self._engine.host_verdict(proc))    # None: another host, the lease decides
-
     def recover(self, now=None):
         """Apply the restart policy to unfinished tasks whose owner is provably dead.
 
@@ -2938,12 +2914,12 @@ class TaskStore:
         open (unless disabled) and with every reaper pass; idempotent.
         Returns how many tasks it moved.
         """
-        now = self._now_ms() if now is None else now
-        with self._reading() as engine:
+        now = int(self.clock() * 1000) if now is None else now
+        with self._engine.reading() as engine:
             procs, present = engine.recovery_view(_RECOVERABLE)
         moved, tally = 0, {}
         for proc_id in sorted(present.keys() | procs.keys()):
-            if self._owner_dead(procs.get(proc_id), now):
+            if engine.owner_dead(procs.get(proc_id), now, self.lease_ms):
                 moved += self.release(proc_id, "the process running this task stopped",
                                       present=present.get(proc_id, ()), tally=tally)
         if moved:
@@ -2957,19 +2933,19 @@ class TaskStore:
         """Return the ids of *tasks* that the next ``recover()`` will hand to their policy.
 
         Those are the unfinished tasks whose owner is provably dead, by the
-        very rule recovery applies (``_owner_dead``); until some process
+        very rule recovery applies (the engine's ``owner_dead``); until some process
         runs ``recover()`` (any server opening the file, its reaper, or
         ``taskstore tasks recover``) they still show the status they had
         when their process died.
         """
-        now = self._now_ms() if now is None else now
+        now = int(self.clock() * 1000) if now is None else now
         owned = [t for t in tasks if t.owner is not None and t.status in _RECOVERABLE]
         if not owned:
             return set()
-        with self._reading() as engine:
+        with self._engine.reading() as engine:
             procs = engine.processes()
         dead = {owner for owner in {t.owner for t in owned}
-                if self._owner_dead(procs.get(owner), now)}
+                if engine.owner_dead(procs.get(owner), now, self.lease_ms)}
         return {t.id for t in owned if t.owner in dead}
 
     # -- retention -------------------------------------------------------------
@@ -2982,7 +2958,7 @@ class TaskStore:
         pruned; expired idempotency keys and tombstones are dropped.
         Unfinished tasks are never deleted.  Returns counts per kind.
         """
-        now = self._now_ms() if now is None else now
+        now = int(self.clock() * 1000) if now is None else now
         counts = {"tasks": 0, "events": 0, "idempotency": 0, "tombstones": 0}
         with self._engine.bulk():
             more = True
@@ -3016,9 +2992,8 @@ class TaskStore:
         reader in progress.  Returns ``(wal_pages, copied_pages)`` as SQLite
         reports them.
         """
-        with self._lock:
-            self._check_open()
-            return self._engine.checkpoint()
+        with self._engine.reading() as engine:
+            return engine.checkpoint()
 
     def start_reaper(self, interval=DEFAULT_REAP_INTERVAL_S):
         """Start the opt-in reaper thread: ``reap()`` and ``recover()`` every *interval* s.
@@ -3026,7 +3001,8 @@ class TaskStore:
         ``close()`` stops it.  Returns the thread.
         """
         with self._lock:
-            self._check_open()
+            if self._closed:
+                raise StoreClosed()
             if self._reaper is None:
                 self._reaper = Reaper(self, interval)
                 self._reaper.start()
@@ -3043,6 +3019,7 @@ class TaskStore:
             if self._closed:
                 return
             self._closed = True
+            self._engine.shut()
             self._changed.notify_all()
             self._work.notify_all()
             reaper, self._reaper = self._reaper, None

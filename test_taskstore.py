@@ -2526,7 +2526,7 @@ side.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()   # an empty WAL file
 side.close()
 blob = "x" * 40000
 with store._writing() as notices:
-    now = store._now_ms()
+    now = int(store.clock() * 1000)
     for task_id in ids:
         store._transition_locked(notices, task_id, taskstore.SUCCEED, now,
                                  fields={"result": taskstore.dumps({"blob": blob})})
