@@ -913,7 +913,9 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #   transaction()         context: one write transaction, committed or rolled back
 #   reading()             context: the lock held for reads whose errors become StoreUnavailable
 #   shut()                refuse new work: transaction() and reading() raise StoreClosed
-#   group_write(body, run_batch)  run body with other threads' writes, committed before it returns
+#   group_write(body, writing, insert)  run body(notices) with other threads' writes in one
+#                         writing() (the store's context); records (bodies that are not
+#                         callable) go to insert(notices, records) together; committed on return
 #   changes()             a counter of rows written: did a body write anything?
 #   bulk()                context: a long job of many transactions (reap, recovery)
 #   checkpoint()          copy the log into the database file now; (log, copied)
@@ -1164,7 +1166,7 @@ class _GroupOp:
     __slots__ = ("body", "result", "error", "done", "wake", "next")
 
     def __init__(self, body):
-        self.body = body        # what the batch runner runs (the store's to interpret)
+        self.body = body        # body(notices), or a record for the batch's insert
         self.result = None
         self.error = None
         self.done = False       # committed (or failed): result or error is final
@@ -1175,8 +1177,8 @@ class _GroupOp:
 class _GroupCommit:
     """Group commit: many threads' writes share one transaction and one commit.
 
-    The first writer to arrive becomes the leader and hands every body queued
-    by then to ``run_batch`` (one transaction; each body gets its own result
+    The first writer to arrive becomes the leader and runs every body queued
+    by then in one transaction (``_run_batch``: each body gets its own result
     or error); the others wait until that transaction has committed.  Bodies
     queued while the leader commits (the commit releases the GIL, so they do
     arrive) go in the leader's next transaction, up to ``GROUP_ROUNDS``
@@ -1185,7 +1187,8 @@ class _GroupCommit:
     returns before its change is committed.
     """
 
-    def __init__(self):
+    def __init__(self, changes):
+        self._changes = changes       # the engine's changes(): did a body write anything?
         # Its own lock, because the leader holds the engine's lock while the
         # others wait.  (Each waiting member sleeps on a lock of its own.)
         self._group = threading.Lock()                     # the queue and who leads
@@ -1195,8 +1198,8 @@ class _GroupCommit:
         self._group_gathering = 0     # while a leader waits for company: how many it wants
         self._group_last = 1          # size of the last batch: > 1 means contention
 
-    def write(self, body, run_batch):
-        """Run *body* in a batch through ``run_batch(ops)``; return its result or raise its error."""
+    def write(self, body, writing, insert):
+        """Run *body* in a batch (see ``_run_batch``); return its result or raise its error."""
         op = _GroupOp(body)
         with self._group:
             self._group_queue.append(op)
@@ -1210,7 +1213,7 @@ class _GroupCommit:
         if op.wake is not None:
             self._wait_woken(op)    # until committed (done), or handed the lead
         if not op.done:
-            self._lead_groups(run_batch)
+            self._lead_groups(writing, insert)
         if op.error is not None:
             raise op.error
         return op.result
@@ -1223,7 +1226,7 @@ class _GroupCommit:
         if op.next is not None:
             op.next.wake.release()
 
-    def _lead_groups(self, run_batch):
+    def _lead_groups(self, writing, insert):
         """As the leader: commit what is queued, batch after batch; then hand the lead on."""
         group = self._group
         with group:
@@ -1232,7 +1235,7 @@ class _GroupCommit:
         rounds = 0
         try:
             while batch:
-                run_batch(batch)
+                self._run_batch(batch, writing, insert)
                 rounds += 1
                 with group:
                     self._group_last = len(batch)
@@ -1251,6 +1254,48 @@ class _GroupCommit:
                 with group:
                     self._hand_over_locked()
                 self._wake(batch)
+
+    def _run_batch(self, batch, writing, insert):
+        """Run *batch* in one ``writing()`` transaction; store each body's result or error.
+
+        *writing* is the store's context: the lock, one ``transaction()``,
+        the store's notices (``with writing() as notices``).  A body is
+        ``body(notices)``, or a record (anything not callable: the store's
+        plain creates), which goes with the batch's other records to
+        ``insert(notices, records)``, one call returning their results.
+
+        A body raises a TaskStoreError only before its first write (create's
+        idempotency checks do), so a failing body has nothing to undo and
+        fails alone without a savepoint per body.  A body that wrote and
+        then raised would break that rule: the whole batch is rolled back and
+        every member gets the error, so nothing half-done is ever committed.
+        """
+        try:
+            with writing() as notices:
+                changes = self._changes
+                records = []
+                for op in batch:
+                    body = op.body
+                    if not callable(body):
+                        records.append(op)
+                        continue
+                    before, mark = changes(), len(notices)
+                    try:
+                        op.result = body(notices)
+                    except TaskStoreError as exc:
+                        if len(batch) == 1 or changes() != before:
+                            raise
+                        del notices[mark:]
+                        op.error = exc
+                if records:
+                    for op, result in zip(records, insert(notices, [op.body for op in records])):
+                        op.result = result
+        except BaseException as exc:
+            for op in batch:
+                if op.error is None:
+                    op.result, op.error = None, exc
+            if not isinstance(exc, Exception):
+                raise
 
     def _hand_over_locked(self):
         # The oldest queued writer leads next; with none, the next to arrive does.
@@ -1395,7 +1440,7 @@ class SQLiteEngine:
         self._busy_timeout = float(busy_timeout)
         self.lock = threading.Lock()
         self.closed = False
-        self._group = _GroupCommit()
+        self._group = _GroupCommit(self.changes)
         self._move_sql = {}
         self._transaction = _Transaction(self)
         self._reads = _Reads(self)
@@ -1534,9 +1579,9 @@ class SQLiteEngine:
         """Refuse new work (lock held): transaction() and reading() raise StoreClosed from now on."""
         self.closed = True
 
-    def group_write(self, body, run_batch):
+    def group_write(self, body, writing, insert):
         """Run *body* in a batch with other threads' writes (``_GroupCommit.write``)."""
-        return self._group.write(body, run_batch)     # replaced per instance, see __init__
+        return self._group.write(body, writing, insert)   # replaced per instance, see __init__
 
     def changes(self):
         """Rows written on this connection so far (a body that wrote moved it)."""
@@ -2293,7 +2338,7 @@ class TaskStore:
                 if task is None:
                     raise TaskNotFound(task_id)
             return self._transition_locked(notices, task, event, now, **kwargs)
-        return self._engine.group_write(body, self._run_group)
+        return self._engine.group_write(body, self._writing, self._insert_tasks_locked)
 
     # -- creating and reading --------------------------------------------------
 
@@ -2337,9 +2382,11 @@ class TaskStore:
                 _check_str(value, f"idempotency {name}", allow_none=False)
             _check_int(expires_in_ms, "idempotency expires_in_ms")
         if idempotency is None:
-            return self._engine.group_write(spec, self._run_group)   # inserted with its batch
+            # A record: inserted with the other creates of its batch.
+            return self._engine.group_write(spec, self._writing, self._insert_tasks_locked)
         return self._engine.group_write(
-            lambda notices: self._create_locked(notices, spec, idempotency), self._run_group)
+            lambda notices: self._create_locked(notices, spec, idempotency), self._writing,
+            self._insert_tasks_locked)
 
     def create_many(self, kind, payloads, *, ttl_ms=None, retention_ms=None, policy="fail",
                     principal=None, meta=None, prefix="task", status_message=None, owner=None):
@@ -2368,8 +2415,8 @@ class TaskStore:
             payload_json, payload = _payload(payload, f"payloads[{i}]")
             specs.append(first._replace(payload=payload, payload_json=payload_json))
         return self._engine.group_write(
-            lambda notices: self._insert_tasks_locked(notices, specs, int(self.clock() * 1000)),
-            self._run_group)
+            lambda notices: self._insert_tasks_locked(notices, specs), self._writing,
+            self._insert_tasks_locked)
 
     def _create_locked(self, notices, spec, idempotency):
         """Create one task under an idempotency key: the first task for the key, or a new one."""
@@ -2389,11 +2436,13 @@ class TaskStore:
                                      None if expires_in_ms is None else now + expires_in_ms)
         return task
 
-    def _insert_tasks_locked(self, notices, specs, now):
+    def _insert_tasks_locked(self, notices, specs, now=None):
         """Insert new queued tasks (``_NewTask``s) with their first events; return their Tasks.
 
-        The engine writes the lot at once (``insert_tasks``).
+        The engine writes the lot at once (``insert_tasks``).  A batch of
+        group-commit records comes here too (see ``group_write``).
         """
+        now = int(self.clock() * 1000) if now is None else now
         tasks, rows, events = [], [], []
         for spec in specs:
             (kind, payload, payload_json, ttl_ms, retention_ms, policy, principal, meta,
@@ -2413,48 +2462,6 @@ class TaskStore:
         if self._work_waiting:
             self._work.notify_all()
         return tasks
-
-    def _run_group(self, batch):
-        """Run a batch of group-commit bodies in one transaction; store each one's result or error.
-
-        Every write that must be committed before its verb returns goes to
-        the engine's ``group_write`` with this as the batch runner.  A body
-        is ``body(notices)``, or a ``_NewTask``: a plain create, which the
-        batch inserts with the other creates in it.
-
-        A body raises a TaskStoreError only before its first write (create's
-        idempotency checks do), so a failing body has nothing to undo and
-        fails alone without a savepoint per body.  A body that wrote and
-        then raised would break that rule: the whole batch is rolled back and
-        every member gets the error, so nothing half-done is ever committed.
-        """
-        try:
-            with self._writing() as notices:
-                engine = self._engine
-                creates = []        # plain creates (a _NewTask body): inserted together
-                for op in batch:
-                    if type(op.body) is _NewTask:
-                        creates.append(op)
-                        continue
-                    before, mark = engine.changes(), len(notices)
-                    try:
-                        op.result = op.body(notices)
-                    except TaskStoreError as exc:
-                        if len(batch) == 1 or engine.changes() != before:
-                            raise
-                        del notices[mark:]
-                        op.error = exc
-                if creates:
-                    tasks = self._insert_tasks_locked(notices, [op.body for op in creates],
-                                                      int(self.clock() * 1000))
-                    for op, task in zip(creates, tasks):
-                        op.result = task
-        except BaseException as exc:
-            for op in batch:
-                if op.error is None:
-                    op.result, op.error = None, exc
-            if not isinstance(exc, Exception):
-                raise
 
     def get(self, task_id, *, principal=None):
         """Return the task.
@@ -2776,7 +2783,7 @@ class TaskStore:
             return self._transition_locked(
                 notices, task, CLAIM if task.kind in loading_kinds else START, now,
                 fields={"owner": owner})
-        return self._engine.group_write(body, self._run_group)
+        return self._engine.group_write(body, self._writing, self._insert_tasks_locked)
 
     def wait_for_work(self, seen, timeout):
         """Block until a task may have become queued in this process; return a generation.

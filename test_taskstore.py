@@ -1105,7 +1105,8 @@ class GroupCommitTests(StoreTestCase):
         commits = []
         self.store._engine.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
                                             else None)
-        self.store._run_group(batch)
+        self.store._engine._group._run_batch(batch, self.store._writing,
+                                             self.store._insert_tasks_locked)
         self.store._engine.conn.set_trace_callback(None)
         self.assertEqual(len(commits), 1)
         a, b, missing, c, moved = batch
@@ -1240,7 +1241,7 @@ class BatchCreateTests(StoreTestCase):
         started, release = threading.Event(), threading.Event()
         real = taskstore.TaskStore._insert_tasks_locked
 
-        def insert(store, notices, specs, now):
+        def insert(store, notices, specs, now=None):
             if len(specs) == 100:           # the batch, inside its transaction
                 started.set()
                 release.wait(TIMEOUT)
