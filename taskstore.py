@@ -932,14 +932,14 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #   list_tasks(now, statuses, kinds, principal, before, limit)  rows, newest first
 #   event_bounds(task_id, now)  (principal, last_seq, first_seq, expired), or None
 #   read_events(task_id, start, limit)  [(seq, type, data, created_at)]
-#   last_seqs(ids)        {task_id: last_seq} of those that exist
+#   tasks_past(last_seqs, idle)  {id: Task or None} past those seqs, else idle() with the lock held
 #   load_snapshot(task_id)  (True, snapshot text or None), or (False, None)
 #   set_progress(task_id, values, statuses, attempt, now)  whether the task took it
 #   event_head(task_id)   (status, last_seq, attempt), or None
 #   append_event(task_id, seq, etype, data_json, snapshot_json, now)  one event row
 #   save_snapshot(task_id, snapshot_json, statuses, attempt)  whether the task took it
-#   has_queued(kinds)     whether a queued task of these kinds may exist (a cheap read)
-#   oldest_queued(kinds)  the oldest queued Task of these kinds, or None
+#   may_have_queued(kinds, gen)  whether a queued task of these kinds may exist (no write lock)
+#   oldest_queued(kinds, gen)  the oldest queued Task of these kinds, or None
 #   idempotency_get(scope, key)  (fingerprint, task_id, expires_at), or None
 #   idempotency_put(scope, key, fingerprint, task_id, now, expires_at)
 #   register(proc_id, now)  a process registration for this process
@@ -1448,6 +1448,7 @@ class SQLiteEngine:
         self._checkpointer = None
         self._checkpoint_mark = 0     # conn.total_changes at the last checkpoint request
         self._bulk_depth = 0
+        self._empty_gen = 0           # the work generation oldest_queued last found none at
         self.conn = None
         try:
             if self.readonly:
@@ -1776,9 +1777,28 @@ class SQLiteEngine:
             "SELECT seq, type, data, created_at FROM events WHERE task_id = ? AND seq >= ? "
             "ORDER BY seq LIMIT ?", (task_id, start, -1 if limit is None else limit)).fetchall()
 
-    def last_seqs(self, ids):
-        return dict(self.conn.execute(
-            f"SELECT id, last_seq FROM tasks WHERE id IN ({_marks(ids)})", ids).fetchall())
+    def tasks_past(self, last_seqs, idle):
+        """``{task_id: Task or None}`` of the tasks whose ``last_seq`` is past *last_seqs*'s.
+
+        None: the task no longer exists.  Takes the lock (``reading()``),
+        500 ids at a time, so that a long list never holds up writers.  When
+        none has moved, ``idle()`` runs with the lock still held since the
+        last read: a store waits on a condition of the lock there, and no
+        commit of its process slips between.
+        """
+        ids, moved = list(last_seqs), {}
+        for start in range(0, max(len(ids), 1), 500):
+            chunk = ids[start:start + 500]
+            with self._reads:
+                seqs = dict(self.conn.execute(
+                    f"SELECT id, last_seq FROM tasks WHERE id IN ({_marks(chunk)})", chunk))
+                for task_id in chunk:
+                    seq = seqs.get(task_id)
+                    if seq is None or seq > last_seqs[task_id]:
+                        moved[task_id] = None if seq is None else self.read_task(task_id)
+                if not moved and start + 500 >= len(ids):
+                    idle()
+        return moved
 
     def load_snapshot(self, task_id):
         row = self.conn.execute("SELECT snapshot FROM tasks WHERE id = ?", (task_id,)).fetchone()
@@ -1821,14 +1841,28 @@ class SQLiteEngine:
     def _queued(self, kinds):
         return f"WHERE status = '{QUEUED}' AND kind IN ({_marks(kinds)})"
 
-    def has_queued(self, kinds):
-        return self.conn.execute(f"SELECT 1 FROM tasks {self._queued(kinds)} LIMIT 1",
-                                 kinds).fetchone() is not None
+    def may_have_queued(self, kinds, gen):
+        """Whether a queued task of *kinds* may exist, without the write lock.
 
-    def oldest_queued(self, kinds):
+        *gen* is the store's count of work queued in its process.  Unchanged
+        since ``oldest_queued`` last found none, a cheap read (taking the
+        lock) answers, so idle polling never takes the write lock; changed,
+        there is most likely something to take, and the answer is True.
+        """
+        if gen != self._empty_gen:
+            return True
+        with self._reads:
+            return self.conn.execute(f"SELECT 1 FROM tasks {self._queued(kinds)} LIMIT 1",
+                                     kinds).fetchone() is not None
+
+    def oldest_queued(self, kinds, gen):
+        """The oldest queued Task of *kinds*, or None (remembering *gen*: see ``may_have_queued``)."""
         row = self.conn.execute(f"{_SELECT_TASK} {self._queued(kinds)} ORDER BY id LIMIT 1",
                                 kinds).fetchone()
-        return None if row is None else _task_from_row(row)
+        if row is None:
+            self._empty_gen = gen
+            return None
+        return _task_from_row(row)
 
     def idempotency_get(self, scope, key):
         return self.conn.execute(
@@ -2189,7 +2223,6 @@ class TaskStore:
         self._changed = threading.Condition(self._lock)
         self._work = threading.Condition(self._lock)
         self._work_gen = 0
-        self._claimed_empty_gen = 0   # _work_gen when a claim last found nothing (see claim)
         # How many threads wait on each condition: a notify nobody waits for
         # is skipped (it costs a lock probe on every write otherwise).
         self._changed_waiting = 0
@@ -2520,37 +2553,26 @@ class TaskStore:
         is past it (``None`` for a task that no longer exists) as soon as
         there is one, or ``{}`` after *timeout* seconds.  Like ``wait``, a
         write in this process wakes it at once and another process's write
-        is seen within ``poll_interval``: no busy polling, whatever the count.
-        The ids are read 500 at a time, the lock taken for each batch only,
-        so that a long list never holds up writers.
+        is seen within ``poll_interval``: no busy polling, whatever the count,
+        and a long list never holds up writers (see the engine's ``tasks_past``).
 
         Raises:
             StoreClosed: the store was closed while waiting.
         """
-        ids = list(last_seqs)
         deadline = time.monotonic() + timeout
+
+        def idle():          # nothing moved: wait for a commit (lock held since the read)
+            remaining = deadline - time.monotonic()
+            if remaining > 0:
+                self._changed_waiting += 1
+                try:
+                    self._changed.wait(min(remaining, self.poll_interval))
+                finally:
+                    self._changed_waiting -= 1
+                if self._closed:
+                    raise StoreClosed()
         while True:
-            moved = {}
-            for start in range(0, max(len(ids), 1), 500):
-                chunk = ids[start:start + 500]
-                with self._engine.reading() as engine:
-                    seqs = engine.last_seqs(chunk)
-                    for task_id in chunk:
-                        seq = seqs.get(task_id)
-                        if seq is None or seq > last_seqs[task_id]:
-                            moved[task_id] = None if seq is None else engine.read_task(task_id)
-                    remaining = deadline - time.monotonic()
-                    if start + 500 < len(ids) or moved or remaining <= 0:
-                        continue
-                    # The last batch: wait with the lock still held since its
-                    # read, so that no commit of this process slips between.
-                    self._changed_waiting += 1
-                    try:
-                        self._changed.wait(min(remaining, self.poll_interval))
-                    finally:
-                        self._changed_waiting -= 1
-                    if self._closed:
-                        raise StoreClosed()
+            moved = self._engine.tasks_past(last_seqs, idle)
             if moved or deadline - time.monotonic() <= 0:
                 return moved
 
@@ -2724,20 +2746,13 @@ class TaskStore:
         Raises:
             StoreClosed, StoreUnavailable: the store cannot be used.
         """
-        if not kinds:
+        if not kinds or not self._engine.may_have_queued(kinds, self._work_gen):
             return None
-        with self._engine.reading() as engine:
-            # A cheap read first, so idle polling never takes the write lock;
-            # skipped when this process has queued work since a claim last
-            # found none (then there is most likely something to take).
-            if self._work_gen == self._claimed_empty_gen and not engine.has_queued(kinds):
-                return None
         now = int(self.clock() * 1000)
 
         def body(notices):
-            task = self._engine.oldest_queued(kinds)
+            task = self._engine.oldest_queued(kinds, self._work_gen)
             if task is None:
-                self._claimed_empty_gen = self._work_gen
                 return None
             return self._transition_locked(
                 notices, task, CLAIM if task.kind in loading_kinds else START, now,
