@@ -1392,7 +1392,7 @@ class _Transaction:
 
 
 class _Reads:
-    """``SQLiteEngine.reading()``: the lock, StoreClosed once shut, sqlite3 errors as StoreUnavailable.
+    """``SQLiteEngine.reading()``: the lock; StoreClosed once shut; StoreUnavailable for errors.
 
     A class, not a generator, for the reason ``_Transaction`` is one.
     """
@@ -1573,11 +1573,11 @@ class SQLiteEngine:
         return self._transaction
 
     def reading(self):
-        """Take the lock for reads whose sqlite3 errors become StoreUnavailable; yield the engine."""
+        """Hold the lock for reads whose sqlite3 errors become StoreUnavailable; yield the engine."""
         return self._reads
 
     def shut(self):
-        """Refuse new work (lock held): transaction() and reading() raise StoreClosed from now on."""
+        """Refuse new work (lock held): transaction() and reading() raise StoreClosed from now."""
         self.closed = True
 
     def group_write(self, body, writing, insert):
@@ -1856,7 +1856,7 @@ class SQLiteEngine:
                                      kinds).fetchone() is not None
 
     def oldest_queued(self, kinds, gen):
-        """The oldest queued Task of *kinds*, or None (remembering *gen*: see ``may_have_queued``)."""
+        """The oldest queued Task of *kinds*, or None (then noting *gen*: see ``may_have_queued``)."""
         row = self.conn.execute(f"{_SELECT_TASK} {self._queued(kinds)} ORDER BY id LIMIT 1",
                                 kinds).fetchone()
         if row is None:
@@ -2263,7 +2263,8 @@ class TaskStore:
                 except Exception:
                     logger.exception("task listener %r failed", listener)
 
-    def _get_locked(self, task_id, principal=None):
+    def _get_locked(self, task_id, principal=None, decode=True):
+        """The task as *principal* may see it, else the right error; *decode* False: its row."""
         if not isinstance(task_id, str):
             raise InvalidParams("task id must be a string", param="task_id")
         if not task_id.isascii():
@@ -2275,7 +2276,7 @@ class TaskStore:
             raise TaskNotFound(task_id)
         if row[-1]:
             raise TaskExpired(task_id)     # not reaped yet, expired all the same
-        return _task_from_row(row[:-1])
+        return _task_from_row(row[:-1]) if decode else row[:-1]
 
     def _transition_locked(self, notices, task, event, now, *, attempt=None, fields=None,
                            message=None, error=None):
@@ -2464,7 +2465,8 @@ class TaskStore:
                 will: the answer is the same either way), for a while after.
         """
         with self._engine.reading():
-            return self._get_locked(task_id, principal)
+            row = self._get_locked(task_id, principal, decode=False)
+        return _task_from_row(row)       # decoded outside the lock
 
     def list(self, *, status=None, kind=None, principal=None, limit=50, cursor=None):
         """Return ``(tasks, next_cursor)``, newest first; filters combine with AND.
@@ -2482,8 +2484,8 @@ class TaskStore:
         limit = _check_int(limit, "limit", minimum=1, allow_none=False)
         before = None if cursor is None else _decode_cursor(cursor)
         with self._engine.reading() as engine:
-            rows = engine.list_tasks(int(self.clock() * 1000), statuses, kinds, principal, before,
-                                     limit + 1)
+            rows = engine.list_tasks(int(self.clock() * 1000), statuses, kinds, principal,
+                                     before, limit + 1)
         tasks = [_task_from_row(r) for r in rows[:limit]]
         return tasks, (_encode_cursor(tasks[-1].id) if len(rows) > limit else None)
 
