@@ -2037,11 +2037,13 @@ class SQLiteEngine:
 #   idempotency, retention, recovery decisions, waiting.  Everything that is
 #   SQLite's is the engine's (section 6), reached only through the names its
 #   banner lists; no SQL text lives here.
-# - One lock (the engine's, ``_lock``).  Public methods take it; helpers
-#   whose names end in ``_locked`` expect it held.  It is not re-entrant.
-# - Every write is one engine transaction (``_writing``); every status change
-#   inside it goes through ``_transition_locked`` (or, for recovery, the
-#   set-based moves of ``release``), which asks the lifecycle tables
+# - One lock (the engine's, ``_lock``).  Public methods take it: reads through
+#   the engine's ``reading()``, writes through ``_writing``; helpers whose
+#   names end in ``_locked`` expect it held.  It is not re-entrant.
+# - Every write is one engine transaction (``_writing``; the writes a verb
+#   waits for go through the engine's ``group_write``); every status change
+#   inside it goes through ``_transition_locked`` (or, for recovery,
+#   ``_restart_locked``'s set-based moves), which asks the lifecycle tables
 #   (section 3) and appends the event row.
 #   After the commit, ``_changed`` wakes this process's waiters; other
 #   processes see the change on their next poll.
