@@ -1107,10 +1107,13 @@ class GroupCommitTests(StoreTestCase):
 
     def test_a_mixed_batch_commits_together_and_a_failing_member_fails_alone(self):
         existing = self.store.create("k")
+        # The body create hands to the engine for a create under a key.
+        with unittest.mock.patch.object(self.store._engine, "group_write",
+                                        lambda body, writing, insert: body):
+            keyed = self.store.create("b", idempotency=("scope", "key", "fp", None))
         batch = [taskstore._GroupOp(body) for body in (
             self.spec("a", {"n": 1}),
-            lambda notices: self.store._create_locked(
-                notices, self.spec("b"), ("scope", "key", "fp", None)),
+            keyed,
             lambda notices: self.store._transition_locked(
                 notices, "task_missing", taskstore.START, 0),
             self.spec("c", [2]),
@@ -1119,7 +1122,8 @@ class GroupCommitTests(StoreTestCase):
         commits = []
         self.store._engine.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
                                             else None)
-        self.store._run_group(batch)
+        self.store._engine._group._run_batch(batch, self.store._writing,
+                                             self.store._insert_tasks_locked)
         self.store._engine.conn.set_trace_callback(None)
         self.assertEqual(len(commits), 1)
         a, b, missing, c, moved = batch
@@ -1254,7 +1258,7 @@ class BatchCreateTests(StoreTestCase):
         started, release = threading.Event(), threading.Event()
         real = taskstore.TaskStore._insert_tasks_locked
 
-        def insert(store, notices, specs, now):
+        def insert(store, notices, specs, now=None):
             if len(specs) == 100:           # the batch, inside its transaction
                 started.set()
                 release.wait(TIMEOUT)
@@ -2749,7 +2753,7 @@ side.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()   # an empty WAL file
 side.close()
 blob = "x" * 40000
 with store._writing() as notices:
-    now = store._now_ms()
+    now = int(store.clock() * 1000)
     for task_id in ids:
         store._transition_locked(notices, task_id, taskstore.SUCCEED, now,
                                  fields={"result": taskstore.dumps({"blob": blob})})
