@@ -8,9 +8,11 @@ blocking call has a timeout.
 """
 
 import asyncio
+import base64
 import collections
 import contextlib
 import email.utils
+import hashlib
 import http.client
 import http.server
 import io
@@ -5053,6 +5055,107 @@ class LmspCrossSiteTests(ServerTestCase):
                     parser.parse_args(["http", "--allow-origin", bad])
                 self.assertEqual(exit_.exception.code, 2)
                 self.assertIn("--allow-origin", err.getvalue())
+
+
+class LmspBoardTests(ServerTestCase):
+    """The task board at GET / and its change stream, without a browser."""
+
+    def page(self, client, headers=None):
+        return plain_request(client, "GET", "/", headers)
+
+    def test_the_page_has_a_strict_csp_and_the_store_s_transitions(self):
+        client = self.start_server()
+        status, resp, body = self.page(client)
+        self.assertEqual(status, 200)
+        self.assertEqual(resp.getheader("Content-Type"), "text/html; charset=utf-8")
+        self.assertEqual(resp.getheader("X-Content-Type-Options"), "nosniff")
+        csp = dict(part.strip().partition(" ")[::2]
+                   for part in resp.getheader("Content-Security-Policy").split(";"))
+        self.assertEqual(csp["default-src"], "'none'")
+        self.assertEqual(csp["connect-src"], "'self'")
+        page = body.decode()
+        # The one executable script is allowed by its hash, nothing else is.
+        scripts = re.findall(r"<script>(.*?)</script>", page, re.S)
+        self.assertEqual(len(scripts), 1)
+        digest = base64.b64encode(hashlib.sha256(scripts[0].encode()).digest()).decode()
+        self.assertEqual(csp["script-src"], f"'sha256-{digest}'")
+        self.assertNotIn("http", csp["script-src"] + csp["style-src"])
+        self.assertNotRegex(page, r"(src|href)=\"https?:")
+        data = re.search(r'<script type="application/json" id="board-data">(.*?)</script>',
+                         page, re.S).group(1)
+        embedded = json.loads(data)
+        self.assertEqual(embedded["transitions"], taskstore.TRANSITIONS)
+        self.assertEqual(set(embedded["terminal"]), set(taskstore.TERMINAL_STATES))
+        self.assertEqual(plain_request(client, "HEAD", "/")[0], 200)
+
+    def test_a_link_from_another_site_loads_the_page_and_nothing_else(self):
+        client = self.start_server()
+        task = client.create()
+        navigate = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate",
+                    "Sec-Fetch-Dest": "document"}
+        self.assertEqual(self.page(client, navigate)[0], 200)
+        # Anything but a top-level navigation from another site is refused, page included.
+        for headers in ({"Sec-Fetch-Site": "cross-site"},
+                        dict(navigate, **{"Sec-Fetch-Dest": "iframe"}),
+                        dict(navigate, **{"Sec-Fetch-Mode": "no-cors"}),
+                        dict(navigate, Origin="http://evil.example")):
+            with self.subTest(headers=headers):
+                self.assertProblem(self.page(client, headers), 403, "forbidden")
+        for path in ("/lmsp/v1/tasks", f"/lmsp/v1/tasks/{task['id']}",
+                     f"/lmsp/v1/tasks/{task['id']}/events", "/lmsp/v1/tasks/changes"):
+            with self.subTest(path=path):
+                self.assertProblem(plain_request(client, "GET", path, navigate), 403, "forbidden")
+        self.assertProblem(plain_request(client, "POST", "/lmsp/v1/tasks", dict(
+            navigate, **{"Content-Type": "application/json"}),
+            json.dumps(create_body()).encode()), 403, "forbidden")
+        self.assertEqual(len(self.store.list()[0]), 1)
+
+    def test_with_tokens_the_page_is_served_and_every_data_route_wants_the_token(self):
+        client = self.start_server(tokens={"s3cret-token": "alice"})
+        status, _, body = self.page(client)
+        self.assertEqual(status, 200)
+        self.assertNotIn(b"s3cret", body)
+        for path in ("/lmsp/v1/tasks", "/lmsp/v1/tasks/changes"):
+            with self.subTest(path=path):
+                reply = plain_request(client, "GET", path)
+                self.assertProblem(reply, 401, "unauthorized")
+                self.assertEqual(reply[1].getheader("WWW-Authenticate"), 'Bearer realm="lmsp"')
+        with EventReader(client, "/lmsp/v1/tasks/changes") as reader:
+            self.assertEqual(reader.status, 200)
+
+    def test_the_change_stream_sends_the_list_then_each_change(self):
+        client = self.start_server()
+        first = client.create(create_body("first"))
+        self.wait_terminal(first["id"])
+        with EventReader(client, "/lmsp/v1/tasks/changes") as reader:
+            self.assertEqual(reader.status, 200)
+            self.assertEqual(reader.resp.getheader("Content-Type"),
+                             "text/event-stream; charset=utf-8")
+            seen = reader.until(lambda e: e.get("event") == "task")
+            item = seen[-1]["data"]
+            self.assertEqual((item["id"], item["status"], item["state"], item["model"]),
+                             (first["id"], "succeeded", SUCCEEDED, "demo-model"))
+            second = client.create(create_body("second", on_restart="retry"))
+            seen = reader.until(lambda e: e.get("event") == "task"
+                                and e["data"]["id"] == second["id"]
+                                and e["data"]["status"] == "succeeded")
+            self.assertEqual(seen[-1]["data"]["on_restart"], "retry")
+            reader.resp.close()      # with the connection: the socket is shut only then
+        # Each stream holds a slot, given back once the server sees the client left.
+        deadline = time.monotonic() + TIMEOUT
+        while self.app._streams._value != self.app.max_streams:
+            self.assertLess(time.monotonic(), deadline, "the stream's slot was never given back")
+            self.app.stopping.wait(0.05)
+
+    def test_task_data_is_never_markup_in_the_page(self):
+        # The page is the same bytes whatever the tasks hold: data only arrives as
+        # JSON and the script writes it with textContent.
+        client = self.start_server()
+        before = self.page(client)[2]
+        client.create(create_body("<img src=x onerror=alert(1)>"))
+        self.assertEqual(self.page(client)[2], before)
+        self.assertNotIn("innerHTML", taskstore.BOARD_SCRIPT)
+        self.assertNotIn("insertAdjacentHTML", taskstore.BOARD_SCRIPT)
 
 
 class LmspChunkedBodyTests(ServerTestCase):
