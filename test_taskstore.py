@@ -35,6 +35,8 @@ import time
 import types
 import unittest
 import unittest.mock
+import urllib.request
+import urllib.error
 
 import taskstore
 from taskstore import *  # noqa: F401,F403  (the protocol sections' public names)
@@ -5156,6 +5158,274 @@ class LmspBoardTests(ServerTestCase):
         self.assertEqual(self.page(client)[2], before)
         self.assertNotIn("innerHTML", taskstore.BOARD_SCRIPT)
         self.assertNotIn("insertAdjacentHTML", taskstore.BOARD_SCRIPT)
+
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+_ELEMENT = "element-6066-11e4-a52e-4f735466cecf"     # W3C WebDriver's element reference key
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class WebDriver:
+    """A W3C WebDriver session over urllib: just what the board tests use."""
+
+    def __init__(self, url, capabilities):
+        self.url = url
+        self.session = self.call("POST", "/session", {"capabilities": capabilities},
+                                 timeout=60)["sessionId"]
+
+    def call(self, method, path, body=None, timeout=TIMEOUT):
+        if path != "/session":
+            path = f"/session/{self.session}{path}"
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
+                return json.loads(resp.read())["value"]
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"WebDriver {method} {path}: {exc.read()[:500]!r}") from None
+
+    def quit(self):
+        with contextlib.suppress(Exception):
+            self.call("DELETE", "")
+
+    def js(self, script, *args):
+        return self.call("POST", "/execute/sync", {"script": script, "args": list(args)})
+
+    def find(self, css):
+        found = self.call("POST", "/element", {"using": "css selector", "value": css})
+        assert isinstance(found, dict) and _ELEMENT in found, (css, found)
+        return found[_ELEMENT]
+
+    def click(self, css):
+        self.call("POST", f"/element/{self.find(css)}/click", {})
+
+    def type(self, css, text):
+        element = self.find(css)
+        self.call("POST", f"/element/{element}/clear", {})
+        self.call("POST", f"/element/{element}/value", {"text": text})
+
+    def text(self, css):
+        """The element's textContent, or None when there is no such element."""
+        return self.js("const e = document.querySelector(arguments[0]);"
+                       "return e ? e.textContent : null;", css)
+
+    def screenshot(self, path):
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(self.call("GET", "/screenshot")))
+
+
+@unittest.skipUnless(os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK),
+                     "no browser: apt-get install chromium chromium-driver")
+class BoardBrowserTests(unittest.TestCase):
+    """The board in Debian's Chromium, headless, against a real ``taskstore.py http``.
+
+    Driven through chromedriver's W3C WebDriver API; every step waits for a
+    fact on the page (with a deadline).  Screenshots go to $TASKSTORE_SCREENSHOTS
+    or a temporary directory.
+    """
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.shots = os.environ.get("TASKSTORE_SCREENSHOTS") or tempfile.mkdtemp(
+            prefix="taskstore-board-")
+        port = free_port()
+        cls.driver_log = open(os.path.join(cls.tmp.name, "chromedriver.log"), "wb")
+        cls.chromedriver = subprocess.Popen([CHROMEDRIVER, f"--port={port}"],
+                                            stdout=cls.driver_log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/status", timeout=2) as resp:
+                    if json.loads(resp.read())["value"]["ready"]:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                cls.tearDownClass()
+                raise AssertionError("chromedriver did not start")
+            time.sleep(0.1)
+        args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--window-size=1100,1100",
+                "--user-data-dir=" + os.path.join(cls.tmp.name, "profile")]
+        try:
+            cls.browser = WebDriver(url, {"alwaysMatch": {
+                "browserName": "chrome",
+                "goog:chromeOptions": {"binary": CHROMIUM, "args": args}}})
+        except BaseException:
+            cls.browser = None
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        if getattr(cls, "browser", None) is not None:
+            cls.browser.quit()
+        cls.chromedriver.kill()
+        cls.chromedriver.wait()
+        cls.driver_log.close()
+        cls.tmp.cleanup()
+
+    def setUp(self):
+        self.dir = temp_dir(self)
+        self.db = os.path.join(self.dir, "board.db")
+        self.port = free_port()
+        self.server = None
+        self.addCleanup(self.stop_server)
+
+    def start_server(self, *extra):
+        """Run ``taskstore.py http`` on this test's file and port; wait until it answers."""
+        log = open(os.path.join(self.dir, "server.log"), "ab")
+        self.addCleanup(log.close)
+        self.server = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                          "taskstore.py"),
+             "http", "--db", self.db, "--port", str(self.port), "--demo-delay", "0.1", *extra],
+            stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2):
+                    return
+            except OSError:
+                self.assertIsNone(self.server.poll(), "the server exited")
+                self.assertLess(time.monotonic(), deadline, "the server did not answer")
+                time.sleep(0.05)
+
+    def stop_server(self, sig=signal.SIGTERM):
+        if self.server is not None and self.server.poll() is None:
+            self.server.send_signal(sig)
+            self.server.wait(TIMEOUT)
+
+    def wait_for(self, what, check, timeout=20):
+        """Poll *check()* until it is truthy; return its value, or fail after *timeout* seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = check()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                self.shot("timeout")
+                self.fail(f"{what}: not seen within {timeout} s (page status: "
+                          f"{self.browser.text('#conn')!r}, error: {self.browser.text('#error')!r})")
+            time.sleep(0.1)
+
+    def wait_text(self, css, expected, timeout=20):
+        return self.wait_for(f"{css} == {expected!r}",
+                             lambda: self.browser.text(css) == expected, timeout)
+
+    def shot(self, name):
+        self.browser.screenshot(os.path.join(self.shots, f"{self._testMethodName}-{name}.png"))
+
+    def open_board(self):
+        self.browser.call("POST", "/url", {"url": f"http://127.0.0.1:{self.port}/"})
+        self.wait_for("a live board", lambda: self.browser.js(
+            "return document.getElementById('conn').dataset.state") == "live")
+
+    def create(self, text, policy):
+        """Create a task from the form; return its id (the page selects it)."""
+        b = self.browser
+        b.type("#text", text)
+        b.js("document.getElementById('policy').value = arguments[0];", policy)
+        before = b.text("#h-detail")
+        b.click("#create button[type=submit]")
+        heading = self.wait_for("the new task selected", lambda: (
+            b.text("#h-detail") != before and b.text("#h-detail")))
+        return heading.removeprefix("Task ")
+
+    def row_status(self, task_id):
+        return self.browser.js("const r = [...document.querySelectorAll('#tasks tr')]"
+                               ".find(r => r.dataset.id === arguments[0]);"
+                               "return r ? r.querySelector('.badge').textContent : null;", task_id)
+
+    def test_a_task_created_on_the_page_streams_and_succeeds_live(self):
+        self.start_server()
+        self.open_board()
+        text = "Durable tasks stream their text live to the board"
+        task_id = self.create(text, "fail")
+        self.assertRegex(task_id, r"^task_[0-9A-Z]+$")
+        self.wait_text("#d-status", "succeeded")
+        self.wait_for("succeeded in the list", lambda: self.row_status(task_id) == "succeeded")
+        self.wait_text("#text-out", text)
+        self.wait_text("#d-next", "Final state: no move is legal")
+        self.assertEqual(self.browser.text("#diagram li.current strong"), SUCCEEDED)
+        log = self.browser.text("#log")
+        self.assertIn("response.output_text.delta", log)
+        self.assertIn("response.completed", log)
+        self.assertIn("fail: a server restart fails the task", self.browser.text("#d-policy"))
+        self.shot("succeeded")
+
+    def test_cancelling_a_long_task_from_the_page(self):
+        self.start_server()
+        self.open_board()
+        task_id = self.create(" ".join(f"word{i}" for i in range(300)), "retry")
+        self.wait_text("#d-status", "running")
+        self.assertIn("cancel \u2192 cancelling", self.browser.text("#d-next"))
+        self.assertEqual(self.browser.text("#diagram li.current strong"), RUNNING)
+        self.browser.click("#cancel")
+        self.wait_text("#d-status", "cancelled")
+        self.wait_for("cancelled in the list", lambda: self.row_status(task_id) == "cancelled")
+        self.wait_for("the final event in the log",
+                      lambda: "response.cancelled" in self.browser.text("#log"))
+        self.assertTrue(self.browser.js("return document.getElementById('cancel').disabled"))
+        self.shot("cancelled")
+
+    def test_after_kill_9_and_a_restart_the_page_shows_what_each_policy_did(self):
+        self.start_server()
+        self.open_board()
+        words = " ".join(f"w{i}" for i in range(60))
+        failing = self.create(words, "fail")
+        self.wait_text("#d-status", "running")
+        resumed = self.create(words, "resume")
+        self.wait_for("some text streamed", lambda: len(self.browser.text("#text-out")) > 20)
+        self.stop_server(signal.SIGKILL)
+        self.wait_for("the page noticing", lambda: self.browser.js(
+            "return document.getElementById('conn').dataset.state") == "down")
+        self.shot("server-down")
+        self.start_server()
+        self.wait_text("#conn", "Reconnected: live")
+        self.wait_for("the resumed task succeeding", lambda: self.row_status(resumed) == "succeeded",
+                      timeout=30)
+        self.wait_text("#d-status", "succeeded")
+        # Resumed after its last streamed chunk: the text is whole, nothing twice.
+        self.wait_text("#text-out", words)
+        self.wait_for("the requeue in the log",
+                      lambda: "queued again" in self.browser.text("#log"))
+        self.assertEqual(self.browser.text("#d-attempt"), "2")
+        self.wait_for("the fail task failed", lambda: self.row_status(failing) == "failed")
+        self.browser.click(f"#tasks tr[data-id={failing}] button")
+        self.wait_for("its error", lambda: "server_restarted" in self.browser.text("#d-error"))
+        self.assertEqual(self.browser.text("#diagram li.current strong"), FAILED)
+        self.shot("after-restart")
+
+    def test_with_a_token_the_page_asks_for_it_and_sends_it(self):
+        self.start_server("--token", "alice=board-secret")
+        self.browser.call("POST", "/url", {"url": f"http://127.0.0.1:{self.port}/"})
+        self.wait_for("the token prompt", lambda: self.browser.js(
+            "return !document.getElementById('auth').hidden"))
+        self.assertEqual(self.browser.text("#auth-msg"), "a valid bearer token is required")
+        self.browser.type("#token", "wrong")
+        self.browser.click("#auth button")
+        self.wait_for("the token asked again", lambda: self.browser.js(
+            "return !document.getElementById('auth').hidden"))
+        self.browser.type("#token", "board-secret")
+        self.browser.click("#auth button")
+        self.wait_for("a live board", lambda: self.browser.js(
+            "return document.getElementById('conn').dataset.state") == "live")
+        self.create("with a token", "fail")
+        self.wait_text("#d-status", "succeeded")
+        # Not in the URL, not in localStorage: the tab's sessionStorage at most.
+        self.assertNotIn("board-secret", self.browser.call("GET", "/url"))
+        self.assertEqual(self.browser.js("return localStorage.length"), 0)
+        self.shot("token")
 
 
 class LmspChunkedBodyTests(ServerTestCase):
