@@ -6586,6 +6586,7 @@ def _board_page():
 BOARD_STYLE = """
 :root { font: 15px/1.4 system-ui, sans-serif; color: #1b1b1b; background: #fafafa; }
 body { margin: 0 auto; max-width: 72em; padding: 0 1em 2em; }
+[hidden] { display: none !important; }
 header { display: flex; flex-wrap: wrap; align-items: baseline; gap: 0 1em; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.5em; } h3 { font-size: 1em; }
 #conn[data-state=live] { color: #196c2e; } #conn[data-state=down] { color: #a4262c; }

@@ -5329,6 +5329,8 @@ class BoardBrowserTests(unittest.TestCase):
         self.browser.call("POST", "/url", {"url": f"http://127.0.0.1:{self.port}/"})
         self.wait_for("a live board", lambda: self.browser.js(
             "return document.getElementById('conn').dataset.state") == "live")
+        self.assertIsNone(self.browser.js(   # no token asked for where none is needed
+            "return document.getElementById('auth').offsetParent"))
 
     def create(self, text, policy):
         """Create a task from the form; return its id (the page selects it)."""
@@ -5409,17 +5411,17 @@ class BoardBrowserTests(unittest.TestCase):
     def test_with_a_token_the_page_asks_for_it_and_sends_it(self):
         self.start_server("--token", "alice=board-secret")
         self.browser.call("POST", "/url", {"url": f"http://127.0.0.1:{self.port}/"})
-        self.wait_for("the token prompt", lambda: self.browser.js(
-            "return !document.getElementById('auth').hidden"))
+        shown = "return document.getElementById('auth').offsetParent !== null"
+        self.wait_for("the token prompt", lambda: self.browser.js(shown))
         self.assertEqual(self.browser.text("#auth-msg"), "a valid bearer token is required")
         self.browser.type("#token", "wrong")
         self.browser.click("#auth button")
-        self.wait_for("the token asked again", lambda: self.browser.js(
-            "return !document.getElementById('auth').hidden"))
+        self.wait_for("the token asked again", lambda: self.browser.js(shown))
         self.browser.type("#token", "board-secret")
         self.browser.click("#auth button")
         self.wait_for("a live board", lambda: self.browser.js(
             "return document.getElementById('conn').dataset.state") == "live")
+        self.assertFalse(self.browser.js(shown))
         self.create("with a token", "fail")
         self.wait_text("#d-status", "succeeded")
         # Not in the URL, not in localStorage: the tab's sessionStorage at most.
