@@ -5364,6 +5364,12 @@ class BoardBrowserTests(unittest.TestCase):
         self.assertIn("response.completed", log)
         self.assertIn("fail: a server restart fails the task", self.browser.text("#d-policy"))
         self.shot("succeeded")
+        # A narrow window: everything still fits its width, nothing scrolls sideways.
+        self.browser.call("POST", "/window/rect", {"width": 400, "height": 900})
+        self.addCleanup(self.browser.call, "POST", "/window/rect", {"width": 1100, "height": 1100})
+        self.wait_for("no sideways scrolling", lambda: self.browser.js(
+            "return document.documentElement.scrollWidth <= window.innerWidth"))
+        self.shot("narrow")
 
     def test_cancelling_a_long_task_from_the_page(self):
         self.start_server()
