@@ -5363,6 +5363,10 @@ class BoardBrowserTests(unittest.TestCase):
         self.assertIn("response.output_text.delta", log)
         self.assertIn("response.completed", log)
         self.assertIn("fail: a server restart fails the task", self.browser.text("#d-policy"))
+        # The CSP let the page's own style in (its script evidently runs).
+        self.assertEqual(self.browser.js("return getComputedStyle("
+                                         "document.getElementById('conn')).color"),
+                         "rgb(25, 108, 46)")
         self.shot("succeeded")
         # A narrow window: everything still fits its width, nothing scrolls sideways.
         self.browser.call("POST", "/window/rect", {"width": 400, "height": 900})
