@@ -5149,6 +5149,33 @@ class LmspBoardTests(ServerTestCase):
             self.assertLess(time.monotonic(), deadline, "the stream's slot was never given back")
             self.app.stopping.wait(0.05)
 
+    def test_the_change_stream_sees_another_process_s_writes(self):
+        # No runner: nothing in the server's process writes, so no listener fires.
+        store = TaskStore(self.db)
+        app = LMSPApp(store, DemoBackend(delay=0))
+        server = LMSPServer(app, "127.0.0.1", 0)
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+        thread.start()
+
+        def stop():
+            app.close()
+            server.shutdown()
+            server.server_close()
+            thread.join(TIMEOUT)
+            store.close()
+        self.addCleanup(stop)
+        client = Client("127.0.0.1", server.server_address[1])
+        with EventReader(client, "/lmsp/v1/tasks/changes") as reader:
+            self.assertEqual(reader.status, 200)
+            other = TaskStore(self.db)     # another writer on the file: no listener of ours
+            self.addCleanup(other.close)
+            task = other.create("response", create_body("elsewhere")["input"], policy="fail")
+            seen = reader.until(lambda e: e.get("event") == "task"
+                                and e["data"]["id"] == task.id)
+            self.assertEqual((seen[-1]["data"]["model"], seen[-1]["data"]["status"]),
+                             ("demo-model", "queued"))
+            reader.resp.close()
+
     def test_task_data_is_never_markup_in_the_page(self):
         # The page is the same bytes whatever the tasks hold: data only arrives as
         # JSON and the script writes it with textContent.
