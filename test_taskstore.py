@@ -5465,6 +5465,9 @@ class BoardBrowserTests(unittest.TestCase):
         self.assertNotIn("board-secret", self.browser.call("GET", "/url"))
         self.assertEqual(self.browser.js("return localStorage.length"), 0)
         self.shot("token")
+        self.stop_server()
+        with open(os.path.join(self.dir, "server.log"), "rb") as log:
+            self.assertNotIn(b"board-secret", log.read())     # the server logs no token
 
 
 class LmspChunkedBodyTests(ServerTestCase):
