@@ -6619,12 +6619,13 @@ progress { width: 8em; } .msg { display: block; font-size: .85em; color: #555; }
 #log { font: .85em ui-monospace, monospace; max-height: 20em; overflow: auto; }
 .sr { position: absolute; width: 1px; height: 1px; overflow: hidden; clip: rect(0 0 0 0); }
 h2, dd, .msg, #log { overflow-wrap: anywhere; }
-td button { max-width: 100%; word-break: break-all; text-align: left; }
+td button { max-width: 100%; text-align: left; white-space: nowrap; }
 @media (max-width: 40em) {      /* narrow: each task is a block, the header only for readers */
   thead { position: absolute; width: 1px; height: 1px; overflow: hidden; clip: rect(0 0 0 0); }
   table, tbody, tr, td { display: block; } td { border: 0; padding: .15em 0; }
   tr { border-bottom: 1px solid #ddd; padding: .4em 0; } progress { width: 100%; }
   td.model, td.age { display: inline-block; margin-right: 1em; } dd { margin-left: 1em; }
+  td button { white-space: normal; word-break: break-all; }
 }
 """
 
