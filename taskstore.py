@@ -5434,6 +5434,8 @@ _CORS_EXPOSE_HEADERS = "Location, Idempotent-Replayed"
 _CORS_MAX_AGE_S = 600
 FINAL_EVENTS = frozenset(("response.completed", "response.incomplete",
                           "response.failed", "response.cancelled"))
+_BOARD_LIMIT = 50           # tasks the board (GET /) and its change stream show, newest first
+_CHANGES_GAP_S = 0.1        # a change stream re-reads the list at most this often (bursts coalesce)
 # The HTTP status in a failed task's problem: 503 when a server restart ended
 # it (nothing was wrong with the request, so trying again may work), 500 for
 # any other failure.
@@ -6149,8 +6151,11 @@ class LMSPApp:
         self._streams = threading.BoundedSemaphore(max_streams)
         self.stopping = threading.Event()
         self.routes = [   # (pattern, {method: operation}); HEAD answers like GET, no body
+            (re.compile(r"/"), {"GET": self._page, "HEAD": self._page}),
             (re.compile(r"/lmsp/v1/tasks"),
              {"GET": self._list, "HEAD": self._list, "POST": self._create}),
+            # Our extension (before the task route, which would take it for an id).
+            (re.compile(r"/lmsp/v1/tasks/changes"), {"GET": self._changes}),
             (re.compile(r"/lmsp/v1/tasks/([^/]*)"), {"GET": self._get, "HEAD": self._get}),
             (re.compile(r"/lmsp/v1/tasks/([^/]*)/cancel"), {"POST": self._cancel}),
             (re.compile(r"/lmsp/v1/tasks/([^/]*)/events"), {"GET": self._events}),
@@ -6167,8 +6172,8 @@ class LMSPApp:
         """Route one request; every exception becomes a problem reply here."""
         origin = None
         try:
-            origin = self.check_site(headers)
             path, _, query = target.partition("?")
+            origin = self.check_site(headers, page=path == "/" and method in ("GET", "HEAD"))
             for pattern, methods in self.routes:
                 match = pattern.fullmatch(path)
                 if match:
@@ -6185,7 +6190,8 @@ class LMSPApp:
                     ("Access-Control-Allow-Headers", _CORS_ALLOW_HEADERS),
                     ("Access-Control-Max-Age", str(_CORS_MAX_AGE_S))], content_type=None)
             else:
-                principal = None if path == "/healthz" else self.authenticate(headers)
+                # The board page holds no data: it asks for the token itself.
+                principal = None if path in ("/healthz", "/") else self.authenticate(headers)
                 op = methods.get(method)
                 if op is None:
                     raise MethodNotAllowed(method, sorted(methods))
@@ -6204,11 +6210,15 @@ class LMSPApp:
                               ("Access-Control-Expose-Headers", _CORS_EXPOSE_HEADERS)]
         return reply
 
-    def check_site(self, headers):
+    def check_site(self, headers, page=False):
         """Refuse what a browser sends for another site's page; return an allowed origin.
 
         Returns the request's ``Origin`` when it is one of ``allow_origins``
-        (the answer then carries CORS headers), else None.
+        (the answer then carries CORS headers), else None.  With *page* (a
+        GET of the board), a top-level navigation from another site (a link
+        followed: ``Sec-Fetch-Mode: navigate``, ``Sec-Fetch-Dest: document``)
+        may load it: the page holds no data, and its own requests are then
+        same-origin.
 
         Raises:
             Forbidden: on a loopback server, a ``Host`` that is not a loopback
@@ -6224,7 +6234,10 @@ class LMSPApp:
         origin = headers.get("Origin")
         if origin is None:
             site = (headers.get("Sec-Fetch-Site") or "").strip().lower()
-            if site == "cross-site":
+            navigation = page and (
+                (headers.get("Sec-Fetch-Mode") or "").strip().lower() == "navigate"
+                and (headers.get("Sec-Fetch-Dest") or "").strip().lower() == "document")
+            if site == "cross-site" and not navigation:
                 raise Forbidden("cross-site requests are refused")
             return None
         origin = origin.strip()
@@ -6281,6 +6294,24 @@ class LMSPApp:
         return values[-1]
 
     # -- operations --
+
+    def _page(self, request):
+        reply = Reply(200, headers=[
+            ("Content-Security-Policy", _BOARD_CSP), ("X-Content-Type-Options", "nosniff"),
+            ("Referrer-Policy", "no-referrer"), ("Cache-Control", "no-store"),
+            ("X-Frame-Options", "DENY")], content_type="text/html; charset=utf-8")
+        reply.body = _board_page()
+        return reply
+
+    def _changes(self, request):
+        limit = self._query(request, "limit") or str(_BOARD_LIMIT)
+        if not re.fullmatch(r"[0-9]{1,3}", limit) or not 1 <= int(limit) <= 100:
+            raise InvalidParams("limit must be an integer from 1 to 100", param="limit")
+        if not self._streams.acquire(blocking=False):
+            raise ServiceUnavailable(f"too many event streams (at most {self.max_streams})")
+        return Reply(200, headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")],
+                     stream=ChangeStream(self, request["principal"], int(limit)),
+                     content_type="text/event-stream; charset=utf-8")
 
     def _health(self, request):
         return Reply(200, {"status": "ok"})
@@ -6437,6 +6468,495 @@ class EventStream:
                 events = store.events(task.id, after=self.last, limit=_EVENT_BATCH)
         except (StoreClosed, TaskNotFound, EventsExpired):
             return       # after the 200 a stream can only end; the client reconnects
+
+
+class ChangeStream:
+    """The board's change stream (our extension): the newest tasks, then each change.
+
+    It sends a ``task`` event (a board_item) for each of the newest *limit*
+    tasks, then one whenever one of them changes or a task is created.  A
+    store listener wakes it at once for a write of this process; every
+    _STREAM_WAKE_S it reads the list anyway, for another process's writes.
+    Same interface as EventStream; it ends only when the server stops or
+    the client leaves (``complete`` stays False: the client reconnects).
+    """
+
+    def __init__(self, app, principal, limit):
+        self.app, self.principal, self.limit = app, principal, limit
+        self.complete = False
+        self._closed = False
+        self.client_gone = lambda: False
+        self._changed = threading.Event()
+        app.store.add_listener(self._listener)
+
+    def _listener(self, task, change):
+        self._changed.set()
+
+    def close(self):
+        """Stop listening and release this stream's slot (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self.app.store.remove_listener(self._listener)
+            self.app._streams.release()
+
+    def __iter__(self):
+        app, store = self.app, self.app.store
+        sent = {}                      # task id -> version sent
+        idle_since = time.monotonic()
+        try:
+            yield b"retry: 1000\n\n"
+            while not app.stopping.is_set() and not self.client_gone():
+                self._changed.clear()
+                tasks, _ = store.list(kind="response", principal=self.principal,
+                                      limit=self.limit)
+                for task in reversed(tasks):       # oldest first: the newest ends on top
+                    if sent.get(task.id) != task.version:
+                        sent[task.id] = task.version
+                        yield f"event: task\ndata: {dumps(board_item(task))}\n\n".encode()
+                        idle_since = time.monotonic()
+                if time.monotonic() - idle_since >= app.keepalive_interval:
+                    yield b": keep-alive\n\n"
+                    idle_since = time.monotonic()
+                if self._changed.wait(_STREAM_WAKE_S):
+                    app.stopping.wait(_CHANGES_GAP_S)      # let a burst of writes land
+        except StoreClosed:
+            return
+
+
+def board_item(task):
+    """Return what the board shows of *task*: the task object's summary plus its lifecycle.
+
+    ``state`` is the stored status (a key of TRANSITIONS, for the diagram);
+    ``status`` the LMSP word.
+    """
+    obj = task_object(task)
+    payload = task.payload if isinstance(task.payload, dict) else {}
+    error = obj["error"]
+    return {"id": task.id, "status": obj["status"], "state": task.status,
+            "model": payload.get("model"), "on_restart": task.policy,
+            "attempt": task.attempt, "created_at": obj["created_at"],
+            "updated_at": obj["updated_at"], "progress": task.progress,
+            "progress_total": task.progress_total, "message": task.status_message,
+            "last_seq": task.last_seq,
+            "error": None if error is None else {"code": error.get("code"),
+                                                 "detail": error.get("detail")}}
+
+
+def _board_page():
+    """Return the board page's bytes, with the lifecycle table embedded as JSON data."""
+    data = dumps({"transitions": TRANSITIONS, "terminal": sorted(TERMINAL_STATES),
+                  "policies": list(POLICIES)})
+    data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return BOARD_HTML.replace("/*BOARD_DATA*/", data).encode()
+
+
+# -- The task board (GET /) --
+# One page, served by this module: HTML, CSS and script inline, nothing
+# fetched from elsewhere.  The script talks to the routes above only (with
+# the bearer token, if the server has tokens), streams with fetch() because
+# EventSource cannot send a header, and puts task data into the page as
+# text (textContent), never as markup.  The lifecycle diagram is drawn from
+# TRANSITIONS, embedded by _board_page() as JSON data (not script).
+
+BOARD_STYLE = """
+:root { font: 15px/1.4 system-ui, sans-serif; color: #1b1b1b; background: #fafafa; }
+body { margin: 0 auto; max-width: 72em; padding: 0 1em 2em; }
+[hidden] { display: none !important; }
+header { display: flex; flex-wrap: wrap; align-items: baseline; gap: 0 1em; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.5em; } h3 { font-size: 1em; }
+#conn[data-state=live] { color: #196c2e; } #conn[data-state=down] { color: #a4262c; }
+#error:not(:empty) { background: #fde7e9; border: 1px solid #a4262c; padding: .5em; }
+form { display: flex; flex-wrap: wrap; gap: .5em; align-items: end; }
+label { display: flex; flex-direction: column; font-weight: 600; }
+textarea { min-width: min(30em, 90vw); }
+button { font: inherit; padding: .3em .8em; cursor: pointer; }
+:focus-visible { outline: 3px solid #0b5cad; outline-offset: 2px; }
+table { border-collapse: collapse; width: 100%; }
+th, td { text-align: left; padding: .3em .5em; border-bottom: 1px solid #ddd; vertical-align: top; }
+td button { font-family: ui-monospace, monospace; font-size: .85em; }
+td button[aria-pressed=true] { background: #0b5cad; color: #fff; }
+.badge { border-radius: 1em; padding: .1em .6em; font-size: .85em; font-weight: 600;
+         background: #e1e1e1; white-space: nowrap; }
+.badge[data-status=queued], .badge[data-status=loading] { background: #e8e3f7; color: #47318c; }
+.badge[data-status=running] { background: #dbeafe; color: #0b4a8f; }
+.badge[data-status=cancelling] { background: #fff1c2; color: #6b4e00; }
+.badge[data-status=succeeded] { background: #d6f2dc; color: #196c2e; }
+.badge[data-status=failed] { background: #fde7e9; color: #a4262c; }
+.badge[data-status=cancelled] { background: #ececec; color: #444; }
+progress { width: 8em; } .msg { display: block; font-size: .85em; color: #555; }
+#diagram { display: flex; flex-wrap: wrap; gap: .5em; list-style: none; padding: 0; }
+#diagram > li { border: 1px solid #bbb; border-radius: .4em; padding: .3em .6em; background: #fff; }
+#diagram > li.current { border: 3px solid #0b5cad; background: #e8f1fb; }
+#diagram ul { margin: 0; padding-left: 1.1em; font-size: .85em; }
+#diagram li.next { font-weight: 700; color: #0b4a8f; }
+#text-out { white-space: pre-wrap; background: #fff; border: 1px solid #ddd; padding: .5em;
+            min-height: 2em; }
+#log { font: .85em ui-monospace, monospace; max-height: 20em; overflow: auto; }
+.sr { position: absolute; width: 1px; height: 1px; overflow: hidden; clip: rect(0 0 0 0); }
+h2, dd, .msg, #log { overflow-wrap: anywhere; }
+td button { max-width: 100%; text-align: left; white-space: nowrap; }
+@media (max-width: 40em) {      /* narrow: each task is a block, the header only for readers */
+  thead { position: absolute; width: 1px; height: 1px; overflow: hidden; clip: rect(0 0 0 0); }
+  table, tbody, tr, td { display: block; } td { border: 0; padding: .15em 0; }
+  tr { border-bottom: 1px solid #ddd; padding: .4em 0; } progress { width: 100%; }
+  td.model, td.age { display: inline-block; margin-right: 1em; } dd { margin-left: 1em; }
+  td button { white-space: normal; word-break: break-all; }
+}
+"""
+
+BOARD_SCRIPT = r"""
+"use strict";
+const data = JSON.parse(document.getElementById("board-data").textContent);
+const $ = (id) => document.getElementById(id);
+const tasks = new Map(), rows = new Map();
+const POLICY = {fail: "fail: a server restart fails the task (server_restarted)",
+                retry: "retry: a server restart runs the task again from the start",
+                resume: "resume: a server restart continues the task where it stopped"};
+let token = sessionStorage.getItem("lmsp-token") || "";
+let selected = null, selectCtl = null, tokenWaiters = [];
+
+function el(tag, props, ...kids) {
+  const e = Object.assign(document.createElement(tag), props || {});
+  e.append(...kids);
+  return e;
+}
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+const say = (text) => { $("live").textContent = text; };
+const showError = (text) => { $("error").textContent = text; };
+
+class HttpError extends Error {
+  constructor(status, detail) { super(detail); this.status = status; }
+}
+
+function headers(extra) {
+  const h = Object.assign({}, extra);
+  if (token) h.Authorization = "Bearer " + token;
+  return h;
+}
+
+async function problem(resp) {
+  let text = "HTTP " + resp.status;
+  try { const p = await resp.json(); text = p.detail || p.title || text; } catch (e) { /* not JSON */ }
+  if (resp.status === 401) askToken(text);
+  return new HttpError(resp.status, text);
+}
+
+async function api(method, path, body) {
+  const resp = await fetch(path, {method, cache: "no-store",
+    headers: headers(body ? {"Content-Type": "application/json"} : {}),
+    body: body ? JSON.stringify(body) : undefined});
+  if (!resp.ok) throw await problem(resp);
+  return resp.json();
+}
+
+// Server-sent events over fetch(): EventSource cannot send a bearer header.
+// Returns "done" on 204 (nothing more will come) or "ended" when the stream ends.
+async function sse(path, lastId, onEvent, signal, onOpen) {
+  const h = headers({Accept: "text/event-stream"});
+  if (lastId !== null) h["Last-Event-ID"] = String(lastId);
+  const resp = await fetch(path, {headers: h, signal, cache: "no-store"});
+  if (resp.status === 204) return "done";
+  if (!resp.ok) throw await problem(resp);
+  if (onOpen) onOpen();
+  const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = "", ev = {data: []};
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) return "ended";
+    buf += value;
+    let i;
+    while ((i = buf.indexOf("\n")) >= 0) {
+      let line = buf.slice(0, i);
+      buf = buf.slice(i + 1);
+      if (line.endsWith("\r")) line = line.slice(0, -1);
+      if (line === "") {
+        if (ev.data.length) onEvent(ev.event || "message", ev.data.join("\n"), ev.id);
+        ev = {data: []};
+        continue;
+      }
+      if (line[0] === ":") continue;
+      const c = line.indexOf(":");
+      const field = c < 0 ? line : line.slice(0, c);
+      let val = c < 0 ? "" : line.slice(c + 1);
+      if (val[0] === " ") val = val.slice(1);
+      if (field === "data") ev.data.push(val);
+      else if (field === "event") ev.event = val;
+      else if (field === "id") ev.id = val;
+    }
+  }
+}
+
+function askToken(message) {
+  $("auth").hidden = false;
+  $("auth-msg").textContent = message;
+  if (document.activeElement !== $("token")) $("token").focus();
+}
+const tokenGiven = () => new Promise((resolve) => tokenWaiters.push(resolve));
+
+function setConn(state, text) {
+  $("conn").dataset.state = state;
+  if ($("conn").textContent !== text) $("conn").textContent = text;
+}
+
+async function watchBoard() {
+  let down = false;
+  for (;;) {
+    try {
+      await sse("/lmsp/v1/tasks/changes", null, (name, text) => onTask(JSON.parse(text)),
+                undefined, () => {
+        setConn("live", down ? "Reconnected: live" : "Live");
+        down = false;
+      });
+      setConn("down", "The server ended the stream; reconnecting");
+    } catch (e) {
+      if (e.status === 401) {
+        setConn("token", "Waiting for a token");
+        await tokenGiven();
+        continue;
+      }
+      down = true;
+      setConn("down", "Server unreachable; reconnecting (" + e.message + ")");
+    }
+    down = true;
+    await sleep(1000);
+  }
+}
+
+function age(seconds) {
+  const s = Math.max(0, Math.round(Date.now() / 1000 - seconds));
+  return s < 60 ? s + " s" : s < 3600 ? Math.floor(s / 60) + " min" : Math.floor(s / 3600) + " h";
+}
+
+function fillProgress(bar, t) {
+  const finished = data.terminal.includes(t.state);
+  if (t.progress_total) { bar.max = t.progress_total; bar.value = t.progress || 0; }
+  else if (finished) { bar.max = 1; bar.value = 1; }
+  else if (t.status === "queued") { bar.max = 1; bar.value = 0; }
+  else bar.removeAttribute("value");       // indeterminate
+}
+
+function message(t) {
+  if (t.message) return t.message;
+  if (t.error) return t.error.detail || t.error.code;
+  if (t.status === "running") return t.last_seq + " events";
+  return "";
+}
+
+function onTask(t) {
+  const old = tasks.get(t.id);
+  tasks.set(t.id, t);
+  let row = rows.get(t.id);
+  if (!row) {
+    const pick = el("button", {type: "button", textContent: t.id});
+    pick.setAttribute("aria-pressed", "false");
+    pick.addEventListener("click", () => select(t.id));
+    row = el("tr", {}, el("td", {}, pick), el("td", {className: "model"}),
+             el("td", {}, el("span", {className: "badge"})),
+             el("td", {}, el("progress", {}), el("span", {className: "msg"})),
+             el("td", {className: "age"}));
+    row.dataset.id = t.id;
+    rows.set(t.id, row);
+    const body = $("tasks");
+    const after = [...body.children].find((r) => {
+      const o = tasks.get(r.dataset.id);
+      return o.created_at < t.created_at || (o.created_at === t.created_at && o.id < t.id);
+    });
+    body.insertBefore(row, after || null);
+  }
+  const cells = row.children;
+  cells[1].textContent = t.model || "";
+  const badge = cells[2].firstChild;
+  badge.textContent = t.status;
+  badge.dataset.status = t.status;
+  fillProgress(cells[3].firstChild, t);
+  cells[3].firstChild.setAttribute("aria-label", "progress of " + t.id);
+  cells[3].lastChild.textContent = message(t);
+  cells[4].textContent = age(t.created_at);
+  if (old && old.status !== t.status) say(t.id + " is now " + t.status);
+  if (t.id === selected) showDetail(t);
+}
+
+function showDetail(t) {
+  if (!t) return;
+  const badge = $("d-status");
+  badge.textContent = t.status;
+  badge.dataset.status = t.status;
+  $("d-policy").textContent = POLICY[t.on_restart] || t.on_restart;
+  $("d-attempt").textContent = String(t.attempt);
+  $("d-error").textContent = t.error ? (t.error.code + ": " + t.error.detail) : "none";
+  $("cancel").disabled = data.terminal.includes(t.state) || t.state === "cancelling";
+  drawDiagram(t.state);
+}
+
+function drawDiagram(state) {
+  const ol = $("diagram");
+  if (ol.dataset.state === state) return;
+  ol.dataset.state = state;
+  ol.replaceChildren();
+  const next = [];
+  for (const [from, moves] of Object.entries(data.transitions)) {
+    const li = el("li", {className: from === state ? "current" : ""}, el("strong", {textContent: from}));
+    const ul = el("ul");
+    const entries = Object.entries(moves);
+    if (!entries.length) ul.append(el("li", {textContent: "final"}));
+    for (const [event, to] of entries) {
+      ul.append(el("li", {className: from === state ? "next" : "", textContent: event + " \u2192 " + to}));
+      if (from === state) next.push(event + " \u2192 " + to);
+    }
+    if (from === state) {
+      li.setAttribute("aria-current", "step");
+      li.append(el("span", {className: "sr", textContent: " (current state)"}));
+    }
+    li.append(ul);
+    ol.append(li);
+  }
+  $("d-next").textContent = next.length ? "Legal next moves: " + next.join(", ")
+                                        : "Final state: no move is legal";
+}
+
+function logEvent(name, obj) {
+  const r = obj.response || {};
+  let note = "";
+  if (name === "response.output_item.added") $("text-out").textContent = "";  // a run from the start
+  if (name === "response.output_text.delta") {
+    $("text-out").textContent += obj.delta;
+    note = JSON.stringify(obj.delta);
+  } else if (name === "response.queued" && obj.sequence_number > 0) {
+    note = "queued again (a server restart requeued it)";
+  } else if (r.error) {
+    note = (r.error.code ? r.error.code + ": " : "") + (r.error.detail || r.error.message || "");
+  } else if (r.status) {
+    note = r.status;
+  }
+  const log = $("log");
+  log.append(el("li", {textContent: obj.sequence_number + " " + name + (note ? " " + note : "")}));
+  while (log.children.length > 500) log.firstChild.remove();
+  log.scrollTop = log.scrollHeight;
+}
+
+function select(id) {
+  if (selectCtl) selectCtl.abort();
+  selected = id;
+  selectCtl = new AbortController();
+  for (const [tid, row] of rows) row.querySelector("button").setAttribute("aria-pressed", String(tid === id));
+  $("detail").hidden = false;
+  $("h-detail").textContent = "Task " + id;
+  $("log").replaceChildren();
+  $("text-out").textContent = "";
+  $("diagram").dataset.state = "";
+  showDetail(tasks.get(id));
+  watchTask(id, selectCtl.signal);
+}
+
+async function watchTask(id, signal) {
+  let last = null, final = false;
+  while (!signal.aborted && !final) {
+    try {
+      const how = await sse("/lmsp/v1/tasks/" + encodeURIComponent(id) + "/events", last,
+        (name, text, eid) => {
+          if (signal.aborted) return;
+          if (eid !== undefined) last = eid;
+          logEvent(name, JSON.parse(text));
+          if (["response.completed", "response.incomplete", "response.failed",
+               "response.cancelled"].includes(name)) final = true;
+        }, signal);
+      if (how === "done") return;
+    } catch (e) {
+      if (signal.aborted) return;
+      if (e.status === 404 || e.status === 410) { showError(e.message); return; }
+      if (e.status === 401) { await tokenGiven(); continue; }
+    }
+    if (!final) await sleep(1000);
+  }
+}
+
+$("create").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  try {
+    const task = await api("POST", "/lmsp/v1/tasks", {type: "response",
+      input: {model: "demo", input: $("text").value}, on_restart: $("policy").value});
+    showError("");
+    say("Created " + task.id);
+    select(task.id);
+  } catch (e) { showError("Could not create the task: " + e.message); }
+});
+
+$("cancel").addEventListener("click", async () => {
+  if (!selected) return;
+  try {
+    await api("POST", "/lmsp/v1/tasks/" + encodeURIComponent(selected) + "/cancel");
+    showError("");
+    say("Cancel requested for " + selected);
+  } catch (e) { showError("Could not cancel: " + e.message); }
+});
+
+$("auth").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  token = $("token").value.trim();
+  $("token").value = "";
+  sessionStorage.setItem("lmsp-token", token);
+  $("auth").hidden = true;
+  const waiters = tokenWaiters;
+  tokenWaiters = [];
+  for (const resolve of waiters) resolve();
+});
+
+setInterval(() => {
+  for (const [id, row] of rows) row.children[4].textContent = age(tasks.get(id).created_at);
+}, 1000);
+watchBoard();
+"""
+
+BOARD_HTML = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>taskstore board</title>
+<link rel="icon" href="data:,">
+<style>""" + BOARD_STYLE + """</style></head>
+<body>
+<header><h1>taskstore board</h1>
+<p id="conn" role="status" aria-live="polite" data-state="down">Connecting</p></header>
+<form id="auth" hidden>
+<p id="auth-msg"></p>
+<label for="token">Bearer token <input id="token" type="password" autocomplete="off" required></label>
+<button type="submit">Use token</button></form>
+<p id="error" role="alert"></p>
+<main>
+<section aria-labelledby="h-new"><h2 id="h-new">New demo task</h2>
+<form id="create">
+<label for="text">Text to echo
+<textarea id="text" rows="2">The demo backend streams this text back one word at a time</textarea></label>
+<label for="policy">Restart policy
+<select id="policy"><option>fail</option><option>retry</option><option selected>resume</option></select></label>
+<button type="submit">Create task</button></form></section>
+<section aria-labelledby="h-tasks"><h2 id="h-tasks">Tasks, newest first</h2>
+<table><thead><tr><th scope="col">Task</th><th scope="col" class="model">Model</th>
+<th scope="col">Status</th><th scope="col">Progress</th><th scope="col">Age</th></tr></thead>
+<tbody id="tasks"></tbody></table>
+<p id="live" class="sr" aria-live="polite"></p></section>
+<section id="detail" aria-labelledby="h-detail" hidden><h2 id="h-detail">Task</h2>
+<dl><dt>Status</dt><dd><span id="d-status" class="badge"></span></dd>
+<dt>Restart policy</dt><dd id="d-policy"></dd>
+<dt>Attempt</dt><dd id="d-attempt"></dd>
+<dt>Error</dt><dd id="d-error"></dd></dl>
+<button id="cancel" type="button">Cancel task</button>
+<h3>Lifecycle</h3><p id="d-next"></p><ol id="diagram" aria-label="lifecycle states"></ol>
+<h3>Response text</h3><pre id="text-out"></pre>
+<h3>Event log</h3><ol id="log"></ol></section></main>
+<script type="application/json" id="board-data">/*BOARD_DATA*/</script>
+<script>""" + BOARD_SCRIPT + """</script>
+</body></html>
+"""
+
+
+def _csp_hash(text):
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+# Nothing from elsewhere; the page's one script and one style by their hashes.
+_BOARD_CSP = (f"default-src 'none'; script-src {_csp_hash(BOARD_SCRIPT)}; "
+              f"style-src {_csp_hash(BOARD_STYLE)}; connect-src 'self'; img-src data:; "
+              "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
 # -- Transport: http.server --
