@@ -10933,6 +10933,7 @@ class _LabRun:
         def pump():
             for out in proc.stdout:
                 lines.put(out.rstrip("\n"))
+            proc.stdout.close()
             lines.put(None)
         threading.Thread(target=pump, daemon=True).start()
         self.procs.append(proc)
