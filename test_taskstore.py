@@ -10777,9 +10777,10 @@ def parse_lab(text):
             i += 1
             continue
         body, i = [], i + 1
-        while not lines[i].startswith("```"):
+        while i < len(lines) and not lines[i].startswith("```"):
             body.append(lines[i])
             i += 1
+        assert i < len(lines), f"a ``` block opened on line {len(lines) - len(body)} is never closed"
         i += 1
         file_name = re.search(r"\bfile=(\S+)", fence.group(2))
         if file_name:
