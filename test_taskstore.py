@@ -11386,5 +11386,318 @@ class BenchCommandTests(unittest.TestCase):
         self.assertEqual(rows[4][5], "yes")
 
 
+# The guided labs (docs/labs/*.md) are run command by command and their output compared, so
+# that no lab can go stale. The format is described in docs/labs/README.md ("How the labs are
+# tested"); this is its only reader.
+LABS_DIR = os.path.join(HERE, "docs", "labs")
+LAB_PORT_WRITTEN = "8765"          # the port the labs show; a free one is used instead
+LAB_TIMEOUT = 60.0                 # any one command, line or exit
+LAB_TIME_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z")
+LAB_VAR_RE = re.compile(r"\\\$([A-Z][A-Z0-9_]*)")
+
+
+def parse_lab(text):
+    """The lab's steps, in order: ("file", name, body) or ("console", [items]).
+
+    A console item is (kind, line, expected, extra): kind "cmd", "bg" (a command ending in
+    " &"), "kill" ("kill [-9] %N") or "session" (a command followed by "> " lines, whose extra
+    is its steps: ("in", [lines], expected), ("other", command, expected), ("eof", None,
+    expected))."""
+    steps, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        fence = re.match(r"^```(\S*)\s*(.*)$", lines[i])
+        if not fence:
+            i += 1
+            continue
+        body, i = [], i + 1
+        while i < len(lines) and not lines[i].startswith("```"):
+            body.append(lines[i])
+            i += 1
+        assert i < len(lines), f"a ``` block opened on line {len(lines) - len(body)} is never closed"
+        i += 1
+        file_name = re.search(r"\bfile=(\S+)", fence.group(2))
+        if file_name:
+            steps.append(("file", file_name.group(1), "\n".join(body) + "\n"))
+        elif fence.group(1) == "console":
+            steps.append(("console", _parse_console(body)))
+    return steps
+
+
+def _parse_console(body):
+    items, j = [], 0
+
+    def command_at(k, prefix):
+        line = body[k][len(prefix):]
+        while line.endswith("\\"):
+            k += 1
+            line = line + "\n" + body[k]
+        return line, k + 1
+
+    def expected_at(k):
+        out = []
+        while k < len(body) and not body[k].startswith(("$ ", "> ", "!$ ")):
+            out.append(body[k])
+            k += 1
+        return out, k
+
+    while j < len(body):
+        assert body[j].startswith("$ "), f"console block: expected a '$ ' line, got {body[j]!r}"
+        line, j = command_at(j, "$ ")
+        if j < len(body) and body[j].startswith("> "):
+            steps = []
+            while j < len(body) and body[j].startswith(("> ", "!$ ")):
+                if body[j].startswith("!$ "):
+                    other, j = command_at(j, "!$ ")
+                    expected, j = expected_at(j)
+                    steps.append(("other", other, expected))
+                    continue
+                inputs = []
+                while j < len(body) and body[j].startswith("> "):
+                    inputs.append(body[j][2:])
+                    j += 1
+                expected, j = expected_at(j)
+                if inputs == ["^D"]:
+                    steps.append(("eof", None, expected))
+                else:
+                    steps.append(("in", inputs, expected))
+            items.append(("session", line, [], steps))
+            continue
+        expected, j = expected_at(j)
+        if re.fullmatch(r"kill( -9)? %\d+", line):
+            items.append(("kill", line, expected, None))
+        elif line.endswith(" &"):
+            items.append(("bg", line[:-2], expected, None))
+        else:
+            items.append(("cmd", line, expected, None))
+    return items
+
+
+class _LabRun:
+    """One lab: its folder, its variables, its background jobs."""
+
+    def __init__(self, test, cwd, port):
+        self.test, self.cwd, self.port = test, cwd, str(port)
+        self.vars, self.jobs, self.procs = {}, {}, []
+
+    def normalise(self, line):
+        line = LAB_TIME_RE.sub("<time>", line)
+        return line.replace(f":{self.port}", f":{LAB_PORT_WRITTEN}")
+
+    def pattern(self, expected, bound):
+        """A regex for one expected line; an unbound $NAME captures an id."""
+        if expected.strip() == "...":
+            return None
+        text = re.escape(self.normalise(expected))
+        text = text.replace(re.escape("..."), ".*?").replace(re.escape("<pid>"), r"\d+")
+        text = text.replace(re.escape("<n>"), r"\d+(?:\.\d+)?")
+        seen = set()
+
+        def var(match):
+            name = match.group(1)
+            if name in bound:
+                return re.escape(bound[name])
+            if name in seen:
+                return f"(?P={name})"
+            seen.add(name)
+            return f"(?P<{name}>[A-Za-z0-9_-]+)"
+        return re.compile(LAB_VAR_RE.sub(var, text))
+
+    def match_line(self, expected, actual, bound):
+        regex = self.pattern(expected, bound)
+        found = regex.fullmatch(self.normalise(actual))
+        if found:
+            bound.update({k: v for k, v in found.groupdict().items() if v is not None})
+        return bool(found)
+
+    def match_ordered(self, expected, actual, where):
+        """expected and actual line lists, in order; a line "..." matches any number of lines."""
+        def go(e, a, bound):
+            if e == len(expected):
+                return bound if a == len(actual) else None
+            if expected[e].strip() == "...":
+                for skip in range(a, len(actual) + 1):
+                    result = go(e + 1, skip, dict(bound))
+                    if result is not None:
+                        return result
+                return None
+            trial = dict(bound)
+            if a < len(actual) and self.match_line(expected[e], actual[a], trial):
+                return go(e + 1, a + 1, trial)
+            return None
+        result = go(0, 0, dict(self.vars))
+        self.fail_unless(result is not None, where, expected, actual)
+        self.vars.update(result)
+
+    def match_unordered(self, expected, actual, where):
+        """The same lines in any order: notifications and replies interleave as they come."""
+        bound, left = dict(self.vars), list(actual)
+        for line in expected:
+            for k, candidate in enumerate(left):
+                if self.match_line(line, candidate, bound):
+                    del left[k]
+                    break
+            else:
+                self.fail_unless(False, where, expected, actual)
+        self.fail_unless(not left, where, expected, actual)
+        self.vars.update(bound)
+
+    def fail_unless(self, ok, where, expected, actual):
+        if not ok:
+            self.test.fail(f"{where}\n--- expected\n" + "\n".join(expected)
+                           + "\n--- got\n" + "\n".join(actual) + "\n--- variables: "
+                           + json.dumps(self.vars))
+
+    def env(self):
+        return dict(os.environ, **self.vars)
+
+    def command(self, line):
+        return line.replace(f":{LAB_PORT_WRITTEN}", f":{self.port}").replace(
+            f"--port {LAB_PORT_WRITTEN}", f"--port {self.port}")
+
+    def substitute(self, line):
+        return re.sub(r"\$([A-Z][A-Z0-9_]*)", lambda m: self.vars.get(m.group(1), m.group(0)),
+                      line)
+
+    def spawn(self, line, stdin):
+        proc = subprocess.Popen(["bash", "-c", self.command(line)], cwd=self.cwd, env=self.env(),
+                                stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        lines = queue.Queue()
+
+        def pump():
+            for out in proc.stdout:
+                lines.put(out.rstrip("\n"))
+            proc.stdout.close()
+            lines.put(None)
+        threading.Thread(target=pump, daemon=True).start()
+        self.procs.append(proc)
+        return proc, lines
+
+    def read_lines(self, lines, n, where):
+        got = []
+        for _ in range(n):
+            try:
+                line = lines.get(timeout=LAB_TIMEOUT)
+            except queue.Empty:
+                self.test.fail(f"{where}: no line within {LAB_TIMEOUT} s; got so far {got}")
+            if line is None:
+                lines.put(None)                # the end stays the end for the next reader
+                break
+            got.append(line)
+        return got
+
+    def run_cmd(self, line, expected):
+        proc = subprocess.run(["bash", "-c", self.command(line)], cwd=self.cwd, env=self.env(),
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=LAB_TIMEOUT)
+        actual = proc.stdout.splitlines()
+        self.test.assertEqual(proc.returncode, 0, f"$ {line}\nexit {proc.returncode}:\n{proc.stdout}")
+        self.match_ordered(expected, actual, f"$ {line}")
+
+    def run_bg(self, line, expected):
+        number = max(self.jobs, default=0) + 1
+        proc, lines = self.spawn(line, subprocess.DEVNULL)
+        self.jobs[number] = proc
+        actual = [f"[{number}] {proc.pid}"] + self.read_lines(lines, len(expected) - 1,
+                                                              f"$ {line} &")
+        self.match_ordered(expected, actual, f"$ {line} &")
+
+    def run_kill(self, line, expected):
+        number = int(line.rsplit("%", 1)[1])
+        proc = self.jobs.pop(number)
+        proc.send_signal(signal.SIGKILL if " -9 " in line else signal.SIGTERM)
+        proc.wait(timeout=LAB_TIMEOUT)
+        self.match_ordered(expected, [], f"$ {line}")
+
+    def run_session(self, line, steps):
+        proc, lines = self.spawn(line, subprocess.PIPE)
+        for kind, what, expected in steps:
+            if kind == "other":
+                self.run_cmd(what, expected)
+                continue
+            where = f"$ {line}\n> " + ("^D" if kind == "eof" else "\n> ".join(what))
+            if kind == "eof":
+                proc.stdin.close()
+                actual = self.read_lines(lines, 10 ** 6, where)
+            else:
+                for text in what:
+                    proc.stdin.write(self.substitute(text) + "\n")
+                proc.stdin.flush()
+                actual = self.read_lines(lines, len(expected), where)
+            self.match_unordered(expected, actual, where)
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            proc.stdin.close()
+        proc.wait(timeout=LAB_TIMEOUT)
+        rest = self.read_lines(lines, 10 ** 6, f"$ {line}")
+        self.match_unordered([], rest, f"$ {line}: after its last step")
+
+    def run(self, steps):
+        for step in steps:
+            if step[0] == "file":
+                with open(os.path.join(self.cwd, step[1]), "w") as f:
+                    f.write(step[2])
+                continue
+            for kind, line, expected, extra in step[1]:
+                getattr(self, "run_" + kind)(line, extra if kind == "session" else expected)
+
+    def close(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=LAB_TIMEOUT)
+
+
+class LabsTests(unittest.TestCase):
+    """Every command of every lab in docs/labs/ runs, in a fresh folder, with the output shown.
+
+    A lab that uses curl is skipped where curl is missing, unless TASKSTORE_LABS_REQUIRED=1
+    (CI), where a missing tool is a failure."""
+
+    def run_lab(self, name):
+        with open(os.path.join(LABS_DIR, name)) as f:
+            text = f.read()
+        steps = parse_lab(text)
+        self.assertTrue(steps, f"{name} has no console block")
+        if "curl " in text and shutil.which("curl") is None:
+            if os.environ.get("TASKSTORE_LABS_REQUIRED") == "1":
+                self.fail(f"{name} needs curl, which is missing")
+            self.skipTest("curl is missing")
+        with tempfile.TemporaryDirectory() as cwd:
+            shutil.copy(TASKSTORE_PY, cwd)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            run = _LabRun(self, cwd, port)
+            try:
+                run.run(steps)
+            finally:
+                run.close()
+
+    def test_every_lab_is_in_the_index(self):
+        with open(os.path.join(LABS_DIR, "README.md")) as f:
+            index = f.read()
+        for name in sorted(os.listdir(LABS_DIR)):
+            if re.fullmatch(r"\d\d-.*\.md", name):
+                self.assertIn(f"({name})", index)
+
+    def test_the_parser_reads_sessions_files_and_jobs(self):
+        steps = parse_lab("```python file=a.py\nprint(1)\n```\n```console\n"
+                          "$ python3 taskstore.py http --port 8765 &\n[1] <pid>\n"
+                          "$ echo a \\\nb\na b\n$ python3 taskstore.py mcp\n> {}\n< x\n"
+                          "!$ true\n> ^D\n$ kill -9 %1\n```\n")
+        self.assertEqual(steps[0], ("file", "a.py", "print(1)\n"))
+        kinds = [item[0] for item in steps[1][1]]
+        self.assertEqual(kinds, ["bg", "cmd", "session", "kill"])
+        self.assertEqual(steps[1][1][1][1], "echo a \\\nb")
+        self.assertEqual([s[0] for s in steps[1][1][2][3]], ["in", "other", "eof"])
+
+
+for _name in (sorted(os.listdir(LABS_DIR)) if os.path.isdir(LABS_DIR) else []):
+    if re.fullmatch(r"\d\d-.*\.md", _name):
+        setattr(LabsTests, "test_lab_" + _name[:-3].replace("-", "_"),
+                lambda self, _n=_name: self.run_lab(_n))
+
+
 if __name__ == "__main__":
     unittest.main()
