@@ -11681,6 +11681,29 @@ class LabsTests(unittest.TestCase):
             if re.fullmatch(r"\d\d-.*\.md", name):
                 self.assertIn(f"({name})", index)
 
+    def test_what_each_lab_points_at_exists(self):
+        # "section N (title)" must be section N's banner, and every `Name.attr`
+        # naming something of taskstore's must still be there: the labs send
+        # students into the file, and a renamed function must fail here.
+        with open(TASKSTORE_PY) as f:
+            banners = {n: t.lower() for n, t in re.findall(r"(?m)^# (\d+)\. (.+)$", f.read())}
+        for name in sorted(os.listdir(LABS_DIR)):
+            with open(os.path.join(LABS_DIR, name)) as f:
+                text = f.read()
+            for number, title in re.findall(r"section (\d+) \(([^)]*)\)", text):
+                with self.subTest(lab=name, section=number):
+                    self.assertTrue(banners.get(number, "").startswith(title.lower()),
+                                    f"section {number} is {banners.get(number)!r}, not {title!r}")
+            for dotted in re.findall(r"`([A-Za-z_]\w*(?:\.\w+)+)`", text):
+                head, *rest = dotted.split(".")
+                if not hasattr(taskstore, head):
+                    continue                # a JSON field, a file name, not a name of ours
+                with self.subTest(lab=name, name=dotted):
+                    obj = getattr(taskstore, head)
+                    for part in rest:
+                        self.assertTrue(hasattr(obj, part), f"{dotted}: no {part}")
+                        obj = getattr(obj, part)
+
     def test_the_parser_reads_sessions_files_and_jobs(self):
         steps = parse_lab("```python file=a.py\nprint(1)\n```\n```console\n"
                           "$ python3 taskstore.py http --port 8765 &\n[1] <pid>\n"
