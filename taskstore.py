@@ -7926,9 +7926,12 @@ class _WatchView:
                 lines.append(self._line(task_id, task, awaiting))
             self._shown[task_id] = key
         size = shutil.get_terminal_size()
-        width = size.columns - 1        # a line filling the last column would wrap
+        # A terminal that reports no size (a fresh pty, a serial console) gets the
+        # usual fallback, as shutil itself does from Python 3.11 on.
+        columns, height = size.columns or 80, size.lines or 24
+        width = columns - 1             # a line filling the last column would wrap
         if self._live and (changed or width != self._width):
-            self._draw(lines, self._rows_fitting(tasks, awaiting, width, size.lines), width)
+            self._draw(lines, self._rows_fitting(tasks, awaiting, width, height), width)
         elif lines:
             self._out.write("".join(line + "\n" for line in lines))
             self._out.flush()
