@@ -11284,7 +11284,8 @@ class BenchCommandTests(unittest.TestCase):
                 for key in ("taskstore_ops_per_s", "raw_ops_per_s", "ratio"):
                     self.assertIsInstance(figures[key], number)
                     self.assertGreater(figures[key], 0)
-                if name == "create_many":               # the batch API: no target, a figure
+                if name in ("create_many", "runner_1", "runner_4", "concurrent_lifecycle_2",
+                            "concurrent_lifecycle_4"):  # no target (yet), a figure
                     self.assertEqual((figures["target_ratio"], figures["meets_target"]),
                                      (None, None))
                 else:
@@ -11292,11 +11293,38 @@ class BenchCommandTests(unittest.TestCase):
                     self.assertIsInstance(figures["meets_target"], bool)
         for name in ("reap", "recover"):
             self.assertIsInstance(workloads[name]["longest_transaction_ms"], number)
+        self.assertIsInstance(workloads["runner_1"]["vs_bare_lifecycle"], number)
         memory = workloads["memory"]
         self.assertEqual(memory["tasks"], n * 200)
         self.assertEqual(memory["completed"], n * 200 + 1000)      # plus the warm-up
         self.assertIsInstance(memory["rss_growth_mb"], number)
         self.assertIsInstance(memory["meets_target"], bool)
+
+    def test_runner_and_concurrent_lifecycle_workloads_complete_every_task(self):
+        bench = self.load_bench()
+        n = 30
+        drains = {"runner_1": lambda b, store: b.run_backlog(store, 1),
+                  "runner_4": lambda b, store: b.run_backlog(store, 4),
+                  "concurrent_lifecycle_2": lambda b, store: b.drain_concurrently(store, 2),
+                  "concurrent_lifecycle_4": lambda b, store: b.drain_concurrently(store, 4)}
+        for name, drain in drains.items():
+            with self.subTest(workload=name), tempfile.TemporaryDirectory() as d, \
+                    taskstore.TaskStore(os.path.join(d, "store.db")) as store:
+                b = bench.Bench(n=n)
+                made = b._backlog(store)
+                self.assertEqual(len(made), n)
+                drain(b, store)
+                tasks = [store.get(t.id) for t in made]
+                self.assertEqual([t.status for t in tasks], [taskstore.SUCCEEDED] * n)
+                self.assertEqual([t.result for t in tasks], [{"ok": True}] * n)
+        # And the workload methods themselves, both sides, in one piece.
+        b = bench.Bench(n=n)
+        for name in drains:
+            with self.subTest(method=name):
+                ours, raw = getattr(b, name)()
+                self.assertGreater(ours, 0)
+                self.assertGreater(raw, 0)
+        self.assertEqual(len(b.notes["runner_1_vs_bare_lifecycle"]), 1)
 
     def test_bench_n_below_one_is_a_usage_error(self):
         out = subprocess.run([sys.executable, self.BENCH_PY, "--n", "0"], cwd=HERE,
