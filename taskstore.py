@@ -2541,16 +2541,26 @@ class TaskStore:
                         since_version is not None and task.version != since_version) or (
                         since_version is None and not terminal):
                     return task
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if not self._await_commit(deadline):
                     return task
-                self._changed_waiting += 1
-                try:
-                    self._changed.wait(min(remaining, self.poll_interval))
-                finally:
-                    self._changed_waiting -= 1
-                if self._closed:
-                    raise StoreClosed()
+
+    def _await_commit(self, deadline):
+        """With the lock held: sleep until a commit here, ``poll_interval`` or *deadline*.
+
+        Returns False at once when *deadline* has passed.  Raises StoreClosed
+        when the store was closed while it slept.
+        """
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        self._changed_waiting += 1
+        try:
+            self._changed.wait(min(remaining, self.poll_interval))
+        finally:
+            self._changed_waiting -= 1
+        if self._closed:
+            raise StoreClosed()
+        return True
 
     def wait_any(self, last_seqs, *, timeout):
         """Block until some of the tasks have events the caller has not seen; return them.
@@ -2567,19 +2577,9 @@ class TaskStore:
             StoreClosed: the store was closed while waiting.
         """
         deadline = time.monotonic() + timeout
-
-        def idle():          # nothing moved: wait for a commit (lock held since the read)
-            remaining = deadline - time.monotonic()
-            if remaining > 0:
-                self._changed_waiting += 1
-                try:
-                    self._changed.wait(min(remaining, self.poll_interval))
-                finally:
-                    self._changed_waiting -= 1
-                if self._closed:
-                    raise StoreClosed()
         while True:
-            moved = self._engine.tasks_past(last_seqs, idle)
+            # Nothing moved: wait for a commit, the lock held since the read.
+            moved = self._engine.tasks_past(last_seqs, lambda: self._await_commit(deadline))
             if moved or deadline - time.monotonic() <= 0:
                 return moved
 

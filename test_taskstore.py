@@ -3877,13 +3877,16 @@ class ServerTestCase(unittest.TestCase):
 
     def start_server(self, backend=None, *, workers=4, tokens=None, store_kwargs=None,
                      host="127.0.0.1", **app_kwargs):
+        """Serve this test's file in this process; *workers* 0: no Runner, nothing runs tasks."""
         backend = backend or DemoBackend(delay=0)
         store = TaskStore(self.db, **(store_kwargs or {}))
-        runner = Runner(store, {"response": response_handler(backend)}, workers=workers)
+        runner = Runner(store, {"response": response_handler(backend)},
+                        workers=workers) if workers else None
         app = LMSPApp(store, backend, tokens=tokens, **app_kwargs)
         server = LMSPServer(app, host, 0)
         thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-        runner.start()
+        if runner is not None:
+            runner.start()
         thread.start()
 
         def stop():
@@ -3891,7 +3894,8 @@ class ServerTestCase(unittest.TestCase):
             server.shutdown()
             server.server_close()
             thread.join(TIMEOUT)
-            runner.stop(timeout=TIMEOUT)
+            if runner is not None:
+                runner.stop(timeout=TIMEOUT)
             store.close()
         self.addCleanup(stop)
         self.store, self.app, self.server = store, app, server
@@ -5365,20 +5369,7 @@ class LmspBoardTests(ServerTestCase):
 
     def test_the_change_stream_sees_another_process_s_writes(self):
         # No runner: nothing in the server's process writes, so no listener fires.
-        store = TaskStore(self.db)
-        app = LMSPApp(store, DemoBackend(delay=0))
-        server = LMSPServer(app, "127.0.0.1", 0)
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-        thread.start()
-
-        def stop():
-            app.close()
-            server.shutdown()
-            server.server_close()
-            thread.join(TIMEOUT)
-            store.close()
-        self.addCleanup(stop)
-        client = Client("127.0.0.1", server.server_address[1])
+        client = self.start_server(workers=0)
         with EventReader(client, "/lmsp/v1/tasks/changes") as reader:
             self.assertEqual(reader.status, 200)
             other = TaskStore(self.db)     # another writer on the file: no listener of ours
@@ -5438,6 +5429,15 @@ class WebDriver:
     def js(self, script, *args):
         return self.call("POST", "/execute/sync", {"script": script, "args": list(args)})
 
+    def next_change(self, timeout_ms=1000):
+        """Wait in the page until its DOM changes (at most *timeout_ms*); return whether it did."""
+        return self.call("POST", "/execute/async", {"args": [timeout_ms], "script": (
+            "const [ms, done] = arguments;"
+            "const seen = new MutationObserver(() => { seen.disconnect(); done(true); });"
+            "seen.observe(document, {subtree: true, childList: true, characterData: true,"
+            " attributes: true});"
+            "setTimeout(() => { seen.disconnect(); done(false); }, ms);")})
+
     def find(self, css):
         found = self.call("POST", "/element", {"using": "css selector", "value": css})
         assert isinstance(found, dict) and _ELEMENT in found, (css, found)
@@ -5477,22 +5477,20 @@ class BoardBrowserTests(unittest.TestCase):
         cls.shots = os.environ.get("TASKSTORE_SCREENSHOTS") or tempfile.mkdtemp(
             prefix="taskstore-board-")
         port = free_port()
-        cls.driver_log = open(os.path.join(cls.tmp.name, "chromedriver.log"), "wb")
-        cls.chromedriver = subprocess.Popen([CHROMEDRIVER, f"--port={port}"],
-                                            stdout=cls.driver_log, stderr=subprocess.STDOUT)
+        cls.chromedriver = subprocess.Popen([CHROMEDRIVER, f"--port={port}"], text=True,
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        cls.driver_out = LinePeer(cls.chromedriver.stdout, "chromedriver-stdout")
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
+        printed = []            # it says when it listens: "... started successfully on port N."
+        while not printed or "started successfully" not in printed[-1]:
             try:
-                with urllib.request.urlopen(url + "/status", timeout=2) as resp:
-                    if json.loads(resp.read())["value"]["ready"]:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
+                line = cls.driver_out.get(30)
+            except queue.Empty:
+                line = None
+            if line is None:
                 cls.tearDownClass()
-                raise AssertionError("chromedriver did not start")
-            time.sleep(0.1)
+                raise AssertionError(f"chromedriver did not start: {printed}")
+            printed.append(line)
         args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                 "--no-first-run", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--window-size=1100,1100",
@@ -5512,39 +5510,27 @@ class BoardBrowserTests(unittest.TestCase):
             cls.browser.quit()
         cls.chromedriver.kill()
         cls.chromedriver.wait()
-        cls.driver_log.close()
         cls.tmp.cleanup()
 
     def setUp(self):
         self.dir = temp_dir(self)
         self.db = os.path.join(self.dir, "board.db")
         self.port = free_port()
-        self.server = None
+        self.server, self.logged = None, []
         self.addCleanup(self.stop_server)
 
     def start_server(self, *extra):
-        """Run ``taskstore.py http`` on this test's file and port; wait until it answers."""
-        log = open(os.path.join(self.dir, "server.log"), "ab")
-        self.addCleanup(log.close)
-        self.server = subprocess.Popen(
-            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                          "taskstore.py"),
-             "http", "--db", self.db, "--port", str(self.port), "--demo-delay", "0.1", *extra],
-            stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2):
-                    return
-            except OSError:
-                self.assertIsNone(self.server.poll(), "the server exited")
-                self.assertLess(time.monotonic(), deadline, "the server did not answer")
-                time.sleep(0.05)
+        """Run ``taskstore.py http`` on this test's file and port; return once it listens."""
+        self.server = ServerProcess(self, self.db, "--port", str(self.port),
+                                    "--demo-delay", "0.1", *extra)
+        self.logged.extend(self.server.warnings + self.server.before)
 
     def stop_server(self, sig=signal.SIGTERM):
-        if self.server is not None and self.server.poll() is None:
-            self.server.send_signal(sig)
-            self.server.wait(TIMEOUT)
+        """Signal the server and wait for its end; keep what it logged in ``logged``."""
+        if self.server is not None and self.server.proc.poll() is None:
+            self.server.proc.send_signal(sig)
+            self.server.proc.wait(TIMEOUT)
+            self.logged.extend(self.server.log())
 
     def wait_for(self, what, check, timeout=20):
         """Poll *check()* until it is truthy; return its value, or fail after *timeout* seconds."""
@@ -5557,7 +5543,7 @@ class BoardBrowserTests(unittest.TestCase):
                 self.shot("timeout")
                 self.fail(f"{what}: not seen within {timeout} s (page status: "
                           f"{self.browser.text('#conn')!r}, error: {self.browser.text('#error')!r})")
-            time.sleep(0.1)
+            self.browser.next_change()
 
     def wait_text(self, css, expected, timeout=20):
         return self.wait_for(f"{css} == {expected!r}",
@@ -5680,8 +5666,8 @@ class BoardBrowserTests(unittest.TestCase):
         self.assertEqual(self.browser.js("return localStorage.length"), 0)
         self.shot("token")
         self.stop_server()
-        with open(os.path.join(self.dir, "server.log"), "rb") as log:
-            self.assertNotIn(b"board-secret", log.read())     # the server logs no token
+        self.assertTrue(self.logged)                        # it did log: requests, shutdown
+        self.assertNotIn("board-secret", "".join(self.logged))   # and no token
 
 
 class LmspChunkedBodyTests(ServerTestCase):
