@@ -6501,7 +6501,7 @@ class ChangeStream:
 
     def __iter__(self):
         app, store = self.app, self.app.store
-        sent = {}                      # task id -> version sent
+        sent = self.sent = {}          # task id -> version sent, for the listed tasks only
         idle_since = time.monotonic()
         try:
             yield b"retry: 1000\n\n"
@@ -6509,6 +6509,9 @@ class ChangeStream:
                 self._changed.clear()
                 tasks, _ = store.list(kind="response", principal=self.principal,
                                       limit=self.limit)
+                listed = {task.id for task in tasks}     # forget tasks pushed off the
+                for task_id in [tid for tid in sent if tid not in listed]:   # list: a
+                    del sent[task_id]                     # long-lived stream stays small
                 for task in reversed(tasks):       # oldest first: the newest ends on top
                     if sent.get(task.id) != task.version:
                         sent[task.id] = task.version

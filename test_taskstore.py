@@ -5381,6 +5381,22 @@ class LmspBoardTests(ServerTestCase):
                              ("demo-model", "queued"))
             reader.resp.close()
 
+    def test_a_long_lived_change_stream_remembers_only_the_listed_tasks(self):
+        self.start_server(workers=0)
+        self.assertTrue(self.app._streams.acquire(timeout=TIMEOUT))   # as the route does
+        stream = taskstore.ChangeStream(self.app, None, 2)
+        self.addCleanup(stream.close)
+        chunks = iter(stream)
+        self.assertEqual(next(chunks), b"retry: 1000\n\n")
+        deadline = time.monotonic() + TIMEOUT
+        for n in range(6):
+            task = self.app.store.create("response", create_body(f"t{n}")["input"])
+            while task.id.encode() not in next(chunks):     # keep-alives until it is sent
+                self.assertLess(time.monotonic(), deadline, f"task {n} never sent")
+            # Only the tasks on the list (the newest two) are remembered.
+            self.assertLessEqual(set(stream.sent), {t.id for t in self.app.store.list(
+                kind="response", limit=2)[0]})
+
     def test_task_data_is_never_markup_in_the_page(self):
         # The page is the same bytes whatever the tasks hold: data only arrives as
         # JSON and the script writes it with textContent.
