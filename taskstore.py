@@ -3108,8 +3108,9 @@ class TaskContext:
     Attributes:
         task_id, kind, payload, attempt: of the claimed task (attempt counts
             runs from 1; a retry or resume after a restart raises it).
-        cancelled: a ``threading.Event`` set when the task is cancelled or
-            the runner shuts down; check it often and return when it is set.
+        cancelled: a ``threading.Event`` set when the task is cancelled, the
+            runner shuts down or its lease is lost; check it often and return
+            when it is set.
     """
 
     def __init__(self, runner, task):
@@ -3444,7 +3445,7 @@ class Runner:
             if over:
                 self._complained = False
         if over:
-            logger.warning("the store takes writes again")
+            logger.info("the store takes writes again")
 
     def _gave_up(self, writer):
         if writer in self._refusing:
