@@ -8,14 +8,18 @@ blocking call has a timeout.
 """
 
 import asyncio
+import atexit
 import base64
 import collections
 import contextlib
 import email.utils
+import functools
+import glob
 import hashlib
 import http.client
 import http.server
 import io
+import itertools
 import json
 import logging
 import os
@@ -63,6 +67,8 @@ TASKSTORE_PY = os.path.join(HERE, "taskstore.py")
 #   fuzzing) and TASKSTORE_FAULT_SEED (the MCP server's): replay a seeded fault
 #                                    test; a failure prints the one to set
 #   TASKSTORE_TEST_STATS=1           the fault tests print what they covered
+#   TASKSTORE_PG_REQUIRED=1          the PostgreSQL classes fail, not skip, where
+#                                    psycopg or the server binaries are missing
 SOAK_S = float(os.environ.get("TASKSTORE_SOAK") or 0)
 TORTURE_CYCLES = int(os.environ.get("TASKSTORE_TEST_TORTURE_CYCLES") or 50)
 FUZZ_INPUTS = int(os.environ.get("TASKSTORE_TEST_FUZZ_INPUTS") or 10_000)
@@ -72,6 +78,7 @@ IDEMPOTENT_KEYS = int(os.environ.get("TASKSTORE_TEST_IDEMPOTENT_KEYS") or 200)
 FAULT_SEEDS = {name: os.environ.get(name) for name in
                ("TASKSTORE_TORTURE_SEED", "TASKSTORE_FUZZ_SEED", "TASKSTORE_FAULT_SEED")}
 PRINT_STATS = bool(os.environ.get("TASKSTORE_TEST_STATS"))
+PG_REQUIRED = os.environ.get("TASKSTORE_PG_REQUIRED") == "1"
 
 
 class FakeClock:
@@ -168,13 +175,20 @@ def tearDownModule():
 
 
 class StoreTestCase(unittest.TestCase):
-    """A fresh store on a temporary file and a fake clock for every test."""
+    """A fresh store on a temporary file and a fake clock for every test.
+
+    ``database()`` names the store every ``open_store`` opens: a file here,
+    a fresh PostgreSQL database in the ``Pg`` subclasses (``PostgresStoreMixin``).
+    """
 
     def setUp(self):
         self.dir = temp_dir(self)
-        self.path = os.path.join(self.dir, "tasks.db")
+        self.path = self.database()
         self.clock = FakeClock()
         self.store = self.open_store()
+
+    def database(self):
+        return os.path.join(self.dir, "tasks.db")
 
     def open_store(self, **kwargs):
         kwargs.setdefault("clock", self.clock)
@@ -211,6 +225,160 @@ class StoreTestCase(unittest.TestCase):
                   and e.data["status"] in taskstore.TERMINAL_STATES]
         self.assertEqual(len(finals), 1 if task.terminal else 0)
         return events
+
+
+# ---------------------------------------------------------------------------
+# PostgreSQL: a throwaway server, and the store tests run on it
+# ---------------------------------------------------------------------------
+
+def _pg_bin():
+    """The newest PostgreSQL server binaries' directory on this machine, or None."""
+    versions = [path.split("/")[4] for path in glob.glob("/usr/lib/postgresql/*/bin/initdb")]
+    versions = sorted(v for v in versions if v.isdigit())
+    return f"/usr/lib/postgresql/{max(versions, key=int)}/bin" if versions else None
+
+
+class PostgresServer:
+    """One PostgreSQL server for the whole test run, in a temporary directory.
+
+    Started by the first test class that needs it (``shared()``), stopped and
+    removed when the module's tests end.  As root the server runs as the
+    ``postgres`` user, which owns the directory.  Each test gets a database
+    of its own (``create_database``), dropped when the test ends.
+    """
+
+    _shared = None
+
+    @classmethod
+    def shared(cls):
+        """The run's server, started on first use; SkipTest (or a failure) when impossible."""
+        if cls._shared is None:
+            missing = cls.missing()
+            if missing:
+                if PG_REQUIRED:
+                    raise AssertionError(f"TASKSTORE_PG_REQUIRED=1, but {missing}")
+                raise unittest.SkipTest(missing)
+            cls._shared = cls()
+            unittest.addModuleCleanup(cls._shared.stop)
+            atexit.register(cls._shared.stop)        # when the run ends some other way
+        return cls._shared
+
+    @staticmethod
+    def missing():
+        """Why no PostgreSQL test can run here, or None."""
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            return "psycopg is not installed (pip install 'psycopg[binary]')"
+        if _pg_bin() is None:
+            return "no PostgreSQL server binaries (/usr/lib/postgresql/*/bin/initdb)"
+        return None
+
+    def __init__(self):
+        import psycopg
+        self.psycopg = psycopg
+        self.bin = _pg_bin()
+        self.dir = tempfile.mkdtemp(prefix="taskstore-pg-")
+        self.data = os.path.join(self.dir, "data")
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, "postgres", "postgres")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self._admin = None
+        self._names = itertools.count(1)
+        self._run("initdb", "-A", "trust", "-U", "postgres", "-D", self.data)
+        self._run("pg_ctl", "-D", self.data, "-l", os.path.join(self.dir, "log"), "-w",
+                  "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
+                        "-c fsync=on -c max_connections=200", "start")
+
+    def _run(self, program, *args):
+        command = [os.path.join(self.bin, program), *args]
+        if os.geteuid() == 0:
+            command = ["runuser", "-u", "postgres", "--", *command]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       stdin=subprocess.DEVNULL, timeout=60)
+
+    def url(self, name="postgres"):
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{name}"
+
+    def admin(self, sql):
+        """Run one statement as the superuser on the ``postgres`` database."""
+        if self._admin is not None and not self._admin.closed:
+            try:
+                self._admin.execute(sql)
+                return
+            except self.psycopg.OperationalError:       # the server restarted since
+                self._admin.close()
+        self._admin = self.psycopg.connect(self.url(), autocommit=True, connect_timeout=10)
+        self._admin.execute(sql)
+
+    def create_database(self, test):
+        """A fresh empty database, dropped when *test* ends; return its URL."""
+        name = f"t{next(self._names)}"
+        self.admin(f"CREATE DATABASE {name} TEMPLATE template0")
+        test.addCleanup(self.admin, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        return self.url(name)
+
+    def restart(self, mode="immediate"):
+        """Restart the server (``pg_ctl restart -m`` *mode*): connections drop, data stays."""
+        self._run("pg_ctl", "-D", self.data, "-m", mode, "-w", "restart")
+
+    def stop(self):
+        """Stop the server and remove its directory (once; later calls do nothing)."""
+        if not os.path.isdir(self.dir):
+            return
+        if self._admin is not None:
+            self._admin.close()
+        try:
+            self._run("pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop")
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class PostgresStoreMixin:
+    """Put before a StoreTestCase class: the same tests, each on a fresh PostgreSQL database.
+
+    ``sqlite_only`` maps the names of tests about SQLite itself (statement
+    traces, query plans, the fake clock judging a lease) to the reason
+    they are skipped here.
+    """
+
+    sqlite_only = {}
+
+    @classmethod
+    def setUpClass(cls):
+        cls.pg = PostgresServer.shared()
+        super().setUpClass()
+
+    def setUp(self):
+        reason = self.sqlite_only.get(self._testMethodName)
+        if reason:
+            self.skipTest(f"SQLite only: {reason}")
+        super().setUp()
+
+    def database(self):
+        return self.pg.create_database(self)
+
+    def sql(self, query, args=()):
+        """Run one query on a separate plain connection (``?`` placeholders)."""
+        import psycopg
+        with psycopg.connect(self.path, autocommit=True, connect_timeout=10) as conn:
+            cursor = conn.execute(query.replace("?", "%s"), args)
+            return [tuple(row) for row in cursor] if cursor.description else []
+
+    def dead_owner(self):
+        """A registration whose heartbeat is older than any lease, by the server's clock."""
+        owner = taskstore.new_id("proc", self.clock.ms)
+        with self.store._writing():
+            self.store._engine.conn.execute(
+                "INSERT INTO processes VALUES (?, ?, ?, NULL, 0, 0)",
+                (owner, 1, "elsewhere"))
+        return owner
+
+
+_TRACES = "it traces sqlite3's statements"
+_FAKE_LEASE = "the fake clock ages a lease; PostgreSQL judges it by the server's clock"
 
 
 # ---------------------------------------------------------------------------
@@ -1837,6 +2005,83 @@ class PublicWorkerLoopTests(StoreTestCase):
                             self.assertFalse(node.attr.startswith("_"))
 
 
+# The engine-independent store tests again, each on a fresh PostgreSQL database
+# (skipped where psycopg or a PostgreSQL server is missing, see PostgresServer).
+
+
+class PgStoreTransitionTests(PostgresStoreMixin, StoreTransitionTests):
+    __doc__ = StoreTransitionTests.__doc__
+
+
+class PgLifecycleTests(PostgresStoreMixin, LifecycleTests):
+    __doc__ = LifecycleTests.__doc__
+    sqlite_only = {
+        "test_event_reads_use_the_index": "it reads SQLite's query plan",
+    }
+
+
+class PgRunnerTests(PostgresStoreMixin, RunnerTests):
+    __doc__ = RunnerTests.__doc__
+
+
+class PgCancellationTests(PostgresStoreMixin, CancellationTests):
+    __doc__ = CancellationTests.__doc__
+
+
+class PgIdempotencyTests(PostgresStoreMixin, IdempotencyTests):
+    __doc__ = IdempotencyTests.__doc__
+
+
+class PgClaimTests(PostgresStoreMixin, ClaimTests):
+    __doc__ = ClaimTests.__doc__
+    sqlite_only = {
+        "test_idle_claims_never_take_the_write_lock": _TRACES,
+        "test_a_claim_after_queued_work_skips_the_cheap_read_and_still_finds_it": _TRACES,
+        "test_work_queued_by_another_process_is_found_by_the_cheap_read": _TRACES,
+    }
+
+
+class PgGroupCommitTests(PostgresStoreMixin, GroupCommitTests):
+    __doc__ = GroupCommitTests.__doc__
+    sqlite_only = {
+        "test_a_mixed_batch_commits_together_and_a_failing_member_fails_alone": _TRACES,
+    }
+
+
+class PgBatchCreateTests(PostgresStoreMixin, BatchCreateTests):
+    __doc__ = BatchCreateTests.__doc__
+    sqlite_only = {
+        "test_a_batch_is_committed_in_one_transaction_with_each_first_event": _TRACES,
+    }
+
+
+class PgRetentionTests(PostgresStoreMixin, RetentionTests):
+    __doc__ = RetentionTests.__doc__
+    sqlite_only = {
+        "test_reap_deletes_in_small_batches": _TRACES,
+    }
+
+
+class PgRecoveryTests(PostgresStoreMixin, RecoveryTests):
+    __doc__ = RecoveryTests.__doc__
+    sqlite_only = {
+        "test_release_in_many_small_batches_moves_each_task_once": _TRACES,
+        "test_expired_lease_is_recovered_even_if_the_pid_lives": _FAKE_LEASE,
+    }
+
+
+class PgStoreRaceTests(PostgresStoreMixin, StoreRaceTests):
+    __doc__ = StoreRaceTests.__doc__
+
+
+class PgRestartTableTests(PostgresStoreMixin, RestartTableTests):
+    __doc__ = RestartTableTests.__doc__
+
+
+class PgPublicWorkerLoopTests(PostgresStoreMixin, PublicWorkerLoopTests):
+    __doc__ = PublicWorkerLoopTests.__doc__
+
+
 class EngineSeamTests(unittest.TestCase):
     """The store reaches its engine only through the names the engine banner lists."""
 
@@ -1851,12 +2096,25 @@ class EngineSeamTests(unittest.TestCase):
         cls.store = next(node for node in ast.parse(cls.source).body
                          if isinstance(node, ast.ClassDef) and node.name == "TaskStore")
 
-    def test_the_banner_lists_what_the_sqlite_engine_provides(self):
+    def test_the_banner_lists_what_each_engine_provides(self):
         self.assertGreater(len(self.listed), 20)
-        engine = taskstore.SQLiteEngine
-        for name in self.listed - {"lock", "readonly"}:
+        for engine in (taskstore.SQLiteEngine, taskstore.PostgresEngine):
+            self.assertIsInstance(engine.shared, bool)
+            for name in self.listed - {"lock", "readonly", "shared"}:
+                with self.subTest(engine=engine.__name__, name=name):
+                    self.assertTrue(callable(getattr(engine, name, None)))
+
+    def test_the_postgres_engine_restates_what_it_must(self):
+        # Inherited SQL is only what PostgreSQL runs as written: whatever
+        # locks rows, uses database time, or tells other processes is its own.
+        own = vars(taskstore.PostgresEngine)
+        for name in ("read_task", "task_row_at", "event_head",
+                     "move_tasks", "oldest_queued", "idempotency_get", "idempotency_put",
+                     "register", "heartbeat", "processes", "recovery_view", "owner_dead",
+                     "reap_tasks_once", "_BATCH_LOCK", "on_remote",
+                     "bulk", "checkpoint", "close"):
             with self.subTest(name=name):
-                self.assertTrue(callable(getattr(engine, name, None)))
+                self.assertIn(name, own)
 
     def test_the_store_uses_only_listed_engine_names(self):
         import ast
@@ -1926,6 +2184,10 @@ class SqlParameterTests(StoreTestCase):
 # ---------------------------------------------------------------------------
 # Opening files, bad input, errors
 # ---------------------------------------------------------------------------
+
+class PgSqlParameterTests(PostgresStoreMixin, SqlParameterTests):
+    __doc__ = SqlParameterTests.__doc__
+
 
 class OpenErrorTests(StoreTestCase):
 
@@ -2144,6 +2406,10 @@ class BadInputTests(StoreTestCase):
         task = self.store.create(evil, {"q": evil}, principal=evil, meta={"m": evil})
         self.assertEqual(self.store.get(task.id, principal=evil).kind, evil)
         self.assertEqual(self.store.list(kind=evil, principal=evil)[0][0].id, task.id)
+
+
+class PgBadInputTests(PostgresStoreMixin, BadInputTests):
+    __doc__ = BadInputTests.__doc__
 
 
 class ErrorMappingTests(unittest.TestCase):
@@ -3124,10 +3390,17 @@ class ChildProcess:
 
 
 class MultiProcessTestCase(unittest.TestCase):
-    """A temporary directory with one database file that children share."""
+    """A temporary directory with one database file that children share.
+
+    ``database()`` names it: a fresh PostgreSQL database in the ``Pg``
+    subclasses, as for StoreTestCase.
+    """
 
     def setUp(self):
-        self.path = os.path.join(temp_dir(self), "tasks.db")
+        self.path = self.database()
+
+    def database(self):
+        return os.path.join(temp_dir(self), "tasks.db")
 
     def open_store(self, **kwargs):
         kwargs.setdefault("poll_interval", 0.02)
@@ -3693,6 +3966,275 @@ class CrossProcessIdempotencyTests(MultiProcessTestCase):
             else:
                 self.assertIsInstance(outcome, taskstore.IdempotencyMismatch)
         self.assertEqual(len(self.open_store().list(kind="idem")[0]), 1)
+
+
+# ---------------------------------------------------------------------------
+# PostgreSQL: several processes on one database
+# ---------------------------------------------------------------------------
+
+class PgCrossProcessRaceTests(PostgresStoreMixin, CrossProcessRaceTests):
+    __doc__ = CrossProcessRaceTests.__doc__
+
+
+class PgCrossProcessClaimTests(PostgresStoreMixin, CrossProcessClaimTests):
+    __doc__ = CrossProcessClaimTests.__doc__
+
+
+class PgCrossProcessIdempotencyTests(PostgresStoreMixin, CrossProcessIdempotencyTests):
+    __doc__ = CrossProcessIdempotencyTests.__doc__
+
+
+# Waits for ``go``, then appends ARGS[1] events to task ARGS[0], one per
+# transaction, racing the other writers of the same task.
+EMIT_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, recover_on_open=False)
+say("ready")
+if sys.stdin.readline().strip() != "go":
+    sys.exit("expected go")
+seqs = [store.emit(ARGS[0], "tick", {"pid": os.getpid()}) for _ in range(int(ARGS[1]))]
+say("emitted", json.dumps(seqs))
+store.close()
+"""
+
+# Opens the store with a poll far longer than the test's patience, so only a
+# notification can wake it; prints ``waiting`` and then how its wait ended.
+WAIT_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, recover_on_open=False, poll_interval=60)
+version = store.get(ARGS[0]).version
+say("waiting")
+started = time.monotonic()
+task = store.wait(ARGS[0], since_version=version, timeout=T)
+say("woke", json.dumps({"status": task.status, "after": time.monotonic() - started}))
+store.close()
+"""
+
+# A runner that learns of cancels only by notification (its heartbeat and the
+# store's poll are far longer than the test's patience).
+NOTIFIED_CANCEL_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, recover_on_open=False, poll_interval=60)
+started = queue.Queue()
+
+def watch(ctx, payload):
+    ctx.running()
+    started.put(ctx.task_id)
+    seen = ctx.cancelled.wait(T)
+    say("cancel-seen", json.dumps(seen))
+    ctx.check()
+
+runner = taskstore.Runner(store, {"watch": watch}, workers=1, heartbeat_s=60)
+runner.start()
+say("ready", started.get(timeout=T))
+sys.stdin.readline()
+store.close()             # first: it wakes the idle worker, which polls once a minute
+runner.stop(timeout=T)
+"""
+
+
+# Waits for ``go``, then opens the store (on an empty database, racing the others).
+OPEN_ON_GO_SCRIPT = CHILD_PRELUDE + r"""
+say("ready")
+if sys.stdin.readline().strip() != "go":
+    sys.exit("expected go")
+store = taskstore.TaskStore(DB)
+say("opened", store.create("first", {}).id)
+store.close()
+"""
+
+
+class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
+    """What only PostgreSQL does: the server's clock, notifications, schema races, outages."""
+
+    def spawn_ready(self, script, count, *args):
+        children = [self.spawn(script, *args) for _ in range(count)]
+        for child in children:
+            child.expect("ready")
+        return children
+
+    def test_event_seqs_stay_dense_with_writers_in_two_processes(self):
+        store = self.open_store()
+        task = store.create("k")
+        store._move(task.id, taskstore.START)
+        children = self.spawn_ready(EMIT_SCRIPT, 2, task.id, 300)
+        for child in children:
+            child.send("go")
+        seqs = [seq for child in children for seq in child.expect("emitted", 3 * TIMEOUT)]
+        for child in children:
+            child.finish(self)
+        self.assertEqual(sorted(seqs), list(range(2, 602)))     # 0 created, 1 running
+        store.succeed(task.id)
+        events = store.events(task.id)
+        self.assertEqual([e.seq for e in events], list(range(603)))
+        self.assertEqual(store.get(task.id).last_seq, 602)
+
+    def test_a_write_in_one_process_wakes_a_wait_in_another_at_once(self):
+        store = self.open_store(poll_interval=60)
+        task = store.create("k")
+        child = self.spawn(WAIT_SCRIPT, task.id)
+        child.expect("waiting")
+        store.cancel(task.id)
+        woke = child.expect("woke")
+        child.finish(self)
+        self.assertEqual(woke["status"], CANCELLED)
+        self.assertLess(woke["after"], TIMEOUT / 2)     # woken, not timed out
+
+    def test_a_cancel_in_one_process_reaches_the_handler_in_another_at_once(self):
+        store = self.open_store(poll_interval=60)
+        child = self.spawn(NOTIFIED_CANCEL_SCRIPT)
+        store.create("watch")
+        task_id = child.expect("ready")
+        self.assertEqual(store.cancel(task_id).status, CANCELLING)
+        self.assertIs(child.expect("cancel-seen"), True)
+        self.assertEqual(store.wait(task_id, terminal=True, timeout=TIMEOUT).status, CANCELLED)
+        child.finish(self)
+
+    def test_work_queued_in_one_process_wakes_an_idle_runner_in_another(self):
+        store = self.open_store(poll_interval=60)
+        ran = threading.Event()
+        runner = taskstore.Runner(store, {"k": lambda ctx, payload: ran.set()},
+                                  workers=1).start()
+        self.addCleanup(runner.stop)
+        self.addCleanup(store.close)    # first: it wakes the idle worker (a poll a minute)
+        other = taskstore.TaskStore(self.path, poll_interval=60)
+        self.addCleanup(other.close)
+        task = other.create("k")
+        self.assertTrue(ran.wait(TIMEOUT / 2))
+        self.assertEqual(other.wait(task.id, terminal=True, timeout=TIMEOUT).status, SUCCEEDED)
+
+    def test_a_lease_expired_by_the_servers_clock_is_recovered_and_its_worker_fenced(self):
+        stale = self.open_store(lease_s=60)
+        owner = stale.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        task = stale.create("k", policy="retry")
+        claimed = stale.claim(("k",), owner=owner)
+        # A live runner elsewhere with a short lease recovers it with its heartbeat.
+        live = self.open_store(lease_s=0.5)
+        runner = taskstore.Runner(live, {"other": lambda ctx, payload: None}, workers=1,
+                                  heartbeat_s=0.1).start()
+        self.addCleanup(runner.stop)
+        requeued = live.wait(task.id, since_version=claimed.version, timeout=TIMEOUT)
+        self.assertEqual((requeued.status, requeued.attempt), (QUEUED, 2))
+        with self.assertRaises(taskstore.InvalidTransition):
+            stale.succeed(task.id, {"late": True}, attempt=claimed.attempt)
+        self.assertFalse(stale.heartbeat(owner))          # it learns it was declared dead
+        self.assertEqual(live.get(task.id).status, QUEUED)
+        self.assertContiguous(live, task.id)
+
+    def assertContiguous(self, store, task_id):
+        self.assertEqual([e.seq for e in store.events(task_id)],
+                         list(range(store.get(task_id).last_seq + 1)))
+
+    def test_processes_opening_an_empty_database_at_once_create_it_once(self):
+        children = self.spawn_ready(OPEN_ON_GO_SCRIPT, 3)
+        for child in children:
+            child.send("go")
+        for child in children:
+            child.expect("opened")
+            child.finish(self)
+        self.assertEqual(self.sql("SELECT version FROM taskstore_schema"),
+                         [(taskstore.SCHEMA_VERSION,)])
+        self.assertEqual(self.sql("SELECT count(*) FROM tasks"), [(3,)])
+
+    def test_a_newer_schema_is_refused(self):
+        self.open_store().close()
+        self.sql("UPDATE taskstore_schema SET version = ?", (taskstore.SCHEMA_VERSION + 1,))
+        with self.assertRaisesRegex(taskstore.StoreUnavailable, "newer taskstore"):
+            taskstore.TaskStore(self.path)
+
+    def test_the_password_never_shows_in_an_error(self):
+        url = self.path.replace("postgres@", "postgres:s3cret@").rsplit("/", 1)[0] + "/absent"
+        with self.assertRaises(taskstore.StoreUnavailable) as caught:
+            taskstore.TaskStore(url)
+        self.assertNotIn("s3cret", str(caught.exception))
+
+    def test_the_tasks_commands_take_a_postgresql_url(self):
+        store = self.open_store()
+        task = store.create("report", {"topic": "q3"})
+
+        def run(*args):
+            proc = subprocess.run([sys.executable, TASKSTORE_PY, "tasks", *args, "--db",
+                                   self.path], capture_output=True, text=True, timeout=TIMEOUT)
+            self.assertEqual(proc.returncode, 0, proc.stderr)
+            return proc.stdout
+        self.assertIn(task.id, run("list"))
+        self.assertEqual(json.loads(run("show", task.id, "--json"))["status"], QUEUED)
+        run("cancel", task.id)
+        self.assertEqual(store.get(task.id).status, CANCELLED)
+
+    def test_reapers_in_several_stores_at_once_delete_each_task_once(self):
+        store = self.open_store()
+        ids = [task.id for task in store.create_many("k", [{}] * 600, retention_ms=0)]
+        for task_id in ids:
+            store._move(task_id, taskstore.CANCEL)
+        reapers = [self.open_store() for _ in range(3)]
+        barrier = threading.Barrier(len(reapers), timeout=TIMEOUT)
+        counts = queue.Queue()
+
+        def reap(reaper):
+            barrier.wait()
+            counts.put(reaper.reap(now=int(time.time() * 1000) + 1000, batch_rows=20))
+        threads = [self.start_thread(reap, reaper) for reaper in reapers]
+        for thread in threads:
+            thread.join(3 * TIMEOUT)
+        done = [counts.get(timeout=TIMEOUT) for _ in reapers]
+        self.assertEqual(sum(c["tasks"] for c in done), len(ids))      # none deleted twice
+        self.assertEqual(sum(c["events"] for c in done), 2 * len(ids))
+        self.assertEqual(self.sql("SELECT count(*) FROM tombstones"), [(len(ids),)])
+        self.assertEqual(self.sql("SELECT count(*) FROM tasks"), [(0,)])
+
+    def test_after_a_server_restart_the_listener_reconnects_and_wakes_waiters(self):
+        waiter = self.open_store(poll_interval=60)
+        writer = self.open_store()
+        task = writer.create("k")
+        self.pg.restart()
+        with contextlib.suppress(taskstore.StoreUnavailable):
+            waiter.get(task.id)             # the connection the restart broke
+        version = waiter.get(task.id).version
+        result = queue.Queue()
+        self.start_thread(lambda: result.put(
+            waiter.wait(task.id, since_version=version, timeout=3 * TIMEOUT)))
+        with contextlib.suppress(taskstore.StoreUnavailable):
+            writer.get(task.id)
+        writer.cancel(task.id)
+        # Heard, or missed while the listener reconnected and then woken by its "lost":
+        # either way long before the poll a minute.
+        self.assertEqual(result.get(timeout=TIMEOUT).status, CANCELLED)
+
+    def test_after_a_server_restart_the_store_reconnects_by_itself(self):
+        store = self.open_store()
+        task = store.create("k")
+        self.pg.restart()
+        with contextlib.suppress(taskstore.StoreUnavailable):
+            store.get(task.id)              # the connection the restart broke
+        self.assertEqual(store.get(task.id).id, task.id)
+        self.assertEqual(store.create("k").status, QUEUED)
+
+
+class MissingPsycopgTests(unittest.TestCase):
+    """Without psycopg a PostgreSQL URL says how to install it; SQLite never needs it."""
+
+    SCRIPT = r"""
+import sys
+sys.modules["psycopg"] = None          # import psycopg raises ImportError
+sys.path.insert(0, sys.argv[1])
+import taskstore
+sys.exit(taskstore.main(["tasks", "list", "--db", "postgresql://nobody@127.0.0.1:1/none"]))
+"""
+
+    def test_the_command_exits_2_naming_the_install_command(self):
+        proc = subprocess.run([sys.executable, "-c", self.SCRIPT, TASKSTORE_DIR],
+                              capture_output=True, text=True, timeout=TIMEOUT)
+        self.assertEqual(proc.returncode, 2, proc.stderr)
+        self.assertIn('pip install "taskstore[postgres]"', proc.stderr)
+        self.assertNotIn("Traceback", proc.stderr)
+
+    def test_sqlite_imports_no_psycopg(self):
+        code = ("import sys, tempfile, os; sys.path.insert(0, sys.argv[1]); import taskstore; "
+                "d = tempfile.mkdtemp(); taskstore.TaskStore(os.path.join(d, 't.db')).close(); "
+                "print('psycopg' in sys.modules)")
+        proc = subprocess.run([sys.executable, "-c", code, TASKSTORE_DIR], capture_output=True,
+                              text=True, timeout=TIMEOUT)
+        self.assertEqual(proc.stdout.strip(), "False", proc.stderr)
+
 
 
 # ===========================================================================
