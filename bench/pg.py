@@ -44,35 +44,38 @@ WORKERS_TARGET = 2.5        # workers_4's rate as a multiple of workers_1's
 START_TIMEOUT_S = 120       # a worker process says "ready" within this, or the run fails
 DB_PREFIX = "taskstore_bench_"
 
-# The raw baseline's schema: the store's tasks table (the same columns), its
-# events table (a row per change, keyed by task and sequence number), and the
-# indexes a write to them maintains.
+# The raw baseline's schema: the store's tasks table (the same columns and
+# types as the engine's: 64-bit integers, text in byte order, ``COLLATE "C"``,
+# so that ``ORDER BY id`` is creation order), its events table (a row per
+# change, keyed by task and sequence number), and the same indexes, which a
+# write to them maintains.
+_T = 'TEXT COLLATE "C"'
 RAW_SCHEMA = (
-    """CREATE TABLE tasks (
-        id TEXT PRIMARY KEY,
-        kind TEXT NOT NULL,
-        status TEXT NOT NULL CHECK (status IN ('queued', 'loading', 'running',
+    f"""CREATE TABLE tasks (
+        id {_T} PRIMARY KEY,
+        kind {_T} NOT NULL,
+        status {_T} NOT NULL CHECK (status IN ('queued', 'loading', 'running',
             'input_required', 'cancelling', 'succeeded', 'failed', 'cancelled')),
-        payload TEXT, result TEXT, error TEXT, status_message TEXT,
+        payload {_T}, result {_T}, error {_T}, status_message {_T},
         progress DOUBLE PRECISION, progress_total DOUBLE PRECISION,
-        principal TEXT,
-        policy TEXT NOT NULL CHECK (policy IN ('fail', 'retry', 'resume')),
-        attempt INTEGER NOT NULL DEFAULT 1,
+        principal {_T},
+        policy {_T} NOT NULL CHECK (policy IN ('fail', 'retry', 'resume')),
+        attempt BIGINT NOT NULL DEFAULT 1,
         ttl_ms BIGINT, retention_ms BIGINT,
         created_at BIGINT NOT NULL, updated_at BIGINT NOT NULL,
         finished_at BIGINT, purge_at BIGINT,
-        owner TEXT,
-        last_seq INTEGER NOT NULL DEFAULT 0,
-        first_seq INTEGER NOT NULL DEFAULT 0,
-        version INTEGER NOT NULL DEFAULT 0,
-        meta TEXT, input_request TEXT, input_answer TEXT, snapshot TEXT)""",
+        owner {_T},
+        last_seq BIGINT NOT NULL DEFAULT 0,
+        first_seq BIGINT NOT NULL DEFAULT 0,
+        version BIGINT NOT NULL DEFAULT 0,
+        meta {_T}, input_request {_T}, input_answer {_T}, snapshot {_T})""",
     "CREATE INDEX tasks_queue ON tasks (kind, id) WHERE status = 'queued'",
     "CREATE INDEX tasks_principal ON tasks (principal, id) WHERE principal IS NOT NULL",
     "CREATE INDEX tasks_owner ON tasks (owner) WHERE owner IS NOT NULL",
     "CREATE INDEX tasks_purge ON tasks (purge_at) WHERE purge_at IS NOT NULL",
-    """CREATE TABLE events (
-        task_id TEXT NOT NULL, seq INTEGER NOT NULL, type TEXT NOT NULL,
-        data TEXT NOT NULL, created_at BIGINT NOT NULL,
+    f"""CREATE TABLE events (
+        task_id {_T} NOT NULL, seq BIGINT NOT NULL, type {_T} NOT NULL,
+        data {_T} NOT NULL, created_at BIGINT NOT NULL,
         PRIMARY KEY (task_id, seq))""",
 )
 _RAW_INSERT_TASK = ("INSERT INTO tasks (id, kind, status, payload, policy, created_at, updated_at) "
@@ -198,7 +201,7 @@ def open_store(url):
         store = TaskStore(url)
     except taskstore.TaskStoreError as exc:
         raise RuntimeError(f"taskstore.py could not open {url}: {exc}") from exc
-    if isinstance(getattr(store, "_engine", None), getattr(taskstore, "SQLiteEngine", ())):
+    if type(getattr(store, "_engine", None)) is getattr(taskstore, "SQLiteEngine", None):
         store.close()
         raise RuntimeError("this taskstore.py has no PostgreSQL engine")
     return store
