@@ -432,14 +432,17 @@ class PgBench:
             for proc in procs:
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
-            done, last = 0, start
+            done, last, cpu = 0, start, 0.0
             for proc, log in zip(procs, logs):
-                count, when = expect(proc, log, "drained")
+                count, when, spent = expect(proc, log, "drained")
                 done += int(count)
+                cpu += float(spent)
                 if int(count):
                     last = max(last, float(when))
             if done != self.n:
                 raise RuntimeError(f"{processes} {side} workers finished {done} tasks, not {self.n}")
+            self.notes.setdefault(f"workers_{processes}_{side}_cpu_ms", []).append(
+                cpu * 1000 / self.n)
             return max(last - start, 1e-9)
         finally:
             for proc in procs:
@@ -495,6 +498,11 @@ def run_bench(url, n=5000, repeat=3, only=None):
                              "raw_ops_per_s": round(theirs, 1),
                              "ratio": round(ours / theirs, 3), "target_ratio": target,
                              "meets_target": None if target is None else ours / theirs >= target}
+            for side in ("store", "raw"):
+                cpu = sorted(bench.notes.get(f"{name}_{side}_cpu_ms", []))
+                if cpu:
+                    key = "taskstore" if side == "store" else "raw"
+                    results[name][f"{key}_worker_cpu_ms_per_task"] = round(cpu[len(cpu) // 2], 3)
         if "workers_1" in medians and "workers_4" in medians:
             one, four = medians["workers_1"], medians["workers_4"]
             scaling = four[0] / one[0]
@@ -541,7 +549,8 @@ def _worker_main(side, url):
         if sys.stdin.readline().strip() != "go":
             return 1
         count = drain()
-        print(f"drained {count} {last[0]!r}", flush=True)
+        cpu = time.process_time()    # this process's CPU time, all its threads
+        print(f"drained {count} {last[0]!r} {cpu!r}", flush=True)
     finally:
         closer()
     return 0
