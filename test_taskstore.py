@@ -11330,8 +11330,8 @@ class BenchCommandTests(unittest.TestCase):
             "taskstore_bench_pg", os.path.join(HERE, "bench", "pg.py"))
         pg = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(pg)
-        if pg.server_bindir() is None:
-            self.skipTest("no PostgreSQL server binaries (initdb, pg_ctl)")
+        if pg.cannot_start_server():
+            self.skipTest(pg.cannot_start_server())
         n = 200
         out = subprocess.run([sys.executable, os.path.join("bench", "bench.py"),
                               "--start-postgres", "--n", str(n), "--json"],

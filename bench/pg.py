@@ -42,6 +42,7 @@ FILL_BATCH = 1000           # tasks per create_many (or raw executemany) while f
 RESULT = {"ok": True}       # the small result every task succeeds with
 WORKERS_TARGET = 2.5        # workers_4's rate as a multiple of workers_1's
 START_TIMEOUT_S = 120       # a worker process says "ready" within this, or the run fails
+SLOWEST_RATE = 5            # ... and drains at no fewer tasks a second than this
 DB_PREFIX = "taskstore_bench_"
 
 # The raw baseline's schema: the store's tasks table (the same columns and
@@ -224,6 +225,21 @@ def server_bindir():
     return None
 
 
+def cannot_start_server():
+    """Why ``throwaway_server`` cannot run here (a sentence), or None when it can."""
+    if server_bindir() is None:
+        return "no PostgreSQL server binaries (initdb, pg_ctl) were found"
+    if os.geteuid() == 0:
+        import pwd
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            return "as root, the server must run as the postgres user, which does not exist"
+        if shutil.which("runuser") is None:
+            return "as root, the server is started with runuser, which is not installed"
+    return None
+
+
 def _free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -239,9 +255,10 @@ def throwaway_server(bindir=None):
     settings, but for where it listens: 127.0.0.1 on a free port, and its
     Unix socket in the temporary directory.
     """
+    reason = None if bindir else cannot_start_server()
+    if reason is not None:
+        raise RuntimeError(f"cannot start a PostgreSQL server: {reason}")
     bindir = bindir or server_bindir()
-    if bindir is None:
-        raise RuntimeError("no PostgreSQL server binaries (initdb, pg_ctl) were found")
     as_user = []
     base = tempfile.mkdtemp(prefix="taskstore-bench-pg-")
     try:
@@ -316,7 +333,10 @@ class PgBench:
             yield [_with_database(self.url, name) for name in names]
         finally:
             for name in made:
-                self.admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+                try:
+                    self.admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+                except psycopg.errors.SyntaxError:          # before PostgreSQL 13
+                    self.admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
 
     def _raw_connect(self, url):
         conn = psycopg.connect(url)
@@ -420,7 +440,8 @@ class PgBench:
                                               stderr=log, text=True))
 
             def expect(proc, log, word):
-                line = _readline_within(proc.stdout, START_TIMEOUT_S + self.n / 50)
+                line = _readline_within(proc.stdout, START_TIMEOUT_S if word == "ready"
+                                        else START_TIMEOUT_S + self.n / SLOWEST_RATE)
                 if not line.startswith(word):
                     log.seek(0)
                     raise RuntimeError(f"a {side} worker said {line!r}, not {word!r}: "
