@@ -201,7 +201,9 @@ def open_store(url):
     try:
         store = TaskStore(url)
     except taskstore.TaskStoreError as exc:
-        raise RuntimeError(f"taskstore.py could not open {url}: {exc}") from exc
+        hint = "" if hasattr(taskstore, "PostgresEngine") else \
+            " (this taskstore.py seems to have no PostgreSQL engine)"
+        raise RuntimeError(f"taskstore.py could not open {url}: {exc}{hint}") from exc
     if type(getattr(store, "_engine", None)) is getattr(taskstore, "SQLiteEngine", None):
         store.close()
         raise RuntimeError("this taskstore.py has no PostgreSQL engine")
