@@ -12061,6 +12061,72 @@ class BenchCommandTests(unittest.TestCase):
         self.assertEqual((out.returncode, out.stdout), (2, ""))
         self.assertIn("--n: must be at least 1", out.stderr)
 
+    def test_bench_postgres_json_reports_each_workload_against_raw(self):
+        try:
+            import psycopg   # noqa: F401
+        except ImportError:
+            self.skipTest("psycopg is not installed (pip install 'psycopg[binary]')")
+        if not hasattr(taskstore, "PostgresEngine"):
+            self.skipTest("this taskstore.py has no PostgreSQL engine")
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(
+            "taskstore_bench_pg", os.path.join(HERE, "bench", "pg.py"))
+        pg = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(pg)
+        if pg.cannot_start_server():
+            self.skipTest(pg.cannot_start_server())
+        n = 200
+        out = subprocess.run([sys.executable, os.path.join("bench", "bench.py"),
+                              "--start-postgres", "--n", str(n), "--json"],
+                             cwd=HERE, capture_output=True, text=True, timeout=900)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        report = json.loads(out.stdout)                 # one JSON object, nothing else
+        self.assertEqual((report["n"], report["engine"], report["repeat"]), (n, "postgresql", 3))
+        # The server ran with its durable defaults.
+        self.assertEqual((report["settings"]["fsync"], report["settings"]["synchronous_commit"]),
+                         ("on", "on"))
+        workloads = report["workloads"]
+        self.assertEqual(list(workloads), list(pg.PG_WORKLOADS))
+        number = (int, float)
+        for name, figures in workloads.items():
+            with self.subTest(workload=name):
+                for key in ("taskstore_ops_per_s", "raw_ops_per_s", "ratio"):
+                    self.assertIsInstance(figures[key], number)
+                    self.assertGreater(figures[key], 0)
+        for name, target in (("create", 0.5), ("lifecycle", 0.4)):
+            self.assertEqual(workloads[name]["target_ratio"], target)
+            self.assertEqual(workloads[name]["meets_target"],
+                             workloads[name]["ratio"] >= target)
+        self.assertEqual((workloads["workers_1"]["target_ratio"],
+                          workloads["workers_1"]["meets_target"]), (None, None))
+        four = workloads["workers_4"]
+        self.assertEqual(four["target_vs_workers_1"], 2.5)
+        self.assertIsInstance(four["vs_workers_1"], number)
+        self.assertIsInstance(four["raw_vs_workers_1"], number)
+        self.assertAlmostEqual(four["vs_workers_1"], four["taskstore_ops_per_s"]
+                               / workloads["workers_1"]["taskstore_ops_per_s"], places=2)
+        self.assertEqual(four["meets_target"], four["vs_workers_1"] >= 2.5)
+        # The table shows every workload and whether its target was met.
+        rows = pg.bench_table(report)
+        self.assertEqual([r[0] for r in rows], list(pg.PG_WORKLOADS))
+        self.assertEqual([r[5] for r in rows],
+                         [{None: "-", True: "yes", False: "NO"}[w["meets_target"]]
+                          for w in workloads.values()])
+        self.assertIn("x workers_1 >= 2.50x", rows[3][4])
+
+    def test_bench_postgres_usage_errors(self):
+        # Refused before anything is imported or started: psycopg need not be installed.
+        for argv, message in (
+                (["--db", "store.db"], "--db takes a postgresql:// or postgres:// URL"),
+                (["--start-postgres", "--sync", "full"], "--sync applies to SQLite only"),
+                (["--start-postgres", "--db", "postgresql://u@127.0.0.1:1/d"],
+                 "--db and --start-postgres exclude each other")):
+            with self.subTest(argv=argv):
+                out = subprocess.run([sys.executable, self.BENCH_PY, *argv], cwd=HERE,
+                                     capture_output=True, text=True, timeout=TIMEOUT)
+                self.assertEqual((out.returncode, out.stdout), (2, ""))
+                self.assertIn(message, out.stderr)
+
     def test_taskstore_has_no_bench_command(self):
         with contextlib.redirect_stderr(io.StringIO()) as err, \
                 self.assertRaises(SystemExit) as exit_:
