@@ -2704,6 +2704,18 @@ class AdminCommandTests(OwnedTaskTestCase):
                     self.assertIn("--db PATH", out)
                     self.assertIn("--sync {normal,full}", out)
 
+    def test_the_servers_take_the_lease_options_and_refuse_a_heartbeat_past_the_lease(self):
+        for command in ("mcp", "http"):
+            with self.subTest(command=command):
+                code, out, _ = self.run_main(command, "--help")
+                self.assertIn("--lease S", out)
+                self.assertIn("--heartbeat S", out)
+                code, out, err = self.run_main(command, "--db", self.path, "--lease", "2",
+                                               "--heartbeat", "2")
+                self.assertEqual((code, out), (2, ""))
+                self.assertEqual(err, "taskstore: --heartbeat (2 s) must be below --lease "
+                                      "(2 s)\n")
+
 
 class WatchCommandTests(OwnedTaskTestCase):
     """``tasks watch`` in a child process, on a pipe and on a pseudo-terminal,
