@@ -3461,6 +3461,15 @@ class TaskStore:
                     self._work_waiting -= 1
             return self._work_gen
 
+    def wake_workers(self):
+        """End every ``wait_for_work`` now (a runner stopping): each returns a new generation.
+
+        The generation moves on, so a worker about to wait returns at once too.
+        """
+        with self._lock:
+            self._work_gen += 1
+            self._work.notify_all()
+
     def register_process(self):
         """Register this process as a task owner; return its registration id."""
         now = int(self.clock() * 1000)
@@ -4049,6 +4058,7 @@ class Runner:
             self._stopping.set()
             return
         self._stopping.set()
+        self.store.wake_workers()      # idle workers would otherwise sleep out poll_interval
         with self._lock:
             for ctx in self._active.values():
                 ctx.cancelled.set()

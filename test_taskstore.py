@@ -961,6 +961,22 @@ class RunnerTests(StoreTestCase):
                                  "the task's handler returned a value the store cannot keep")
             self.assertIn("result is nested deeper than 64 levels", "\n".join(logs.output))
 
+    def test_stop_wakes_idle_workers_at_once_whatever_the_poll_interval(self):
+        store = self.open_store(poll_interval=TIMEOUT * 10)
+        idle = threading.Event()
+        wait_for_work = store.wait_for_work
+
+        def watched(seen, timeout):
+            if seen is not None:          # the first call returns at once; this one waits
+                idle.set()
+            return wait_for_work(seen, timeout)
+        store.wait_for_work = watched
+        runner = self.start_runner({"k": lambda ctx, payload: None}, store=store)
+        self.assertTrue(idle.wait(TIMEOUT))
+        started = time.monotonic()
+        runner.stop(timeout=TIMEOUT * 2)
+        self.assertLess(time.monotonic() - started, TIMEOUT)
+
     def test_stop_applies_the_restart_policy_to_running_tasks(self):
         started = threading.Event()
 
