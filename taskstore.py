@@ -2069,9 +2069,22 @@ class SQLiteEngine:
 # - Time that decides ownership is the server's: heartbeats are written with
 #   ``clock_timestamp()`` and a registration's age is computed by the server,
 #   so hosts' clocks do not matter.  There is no pid check across hosts.
-# - Every committed write sends one ``NOTIFY`` per kind of change (ids only),
-#   delivered at commit; a daemon thread listens on a connection of its own
-#   and hands them to the store's ``on_remote`` callback.
+# - Notifications go out after the commit, never inside it: a transaction
+#   that sent one holds PostgreSQL's notify queue lock from its pre-commit
+#   until its commit record is flushed, so such commits cannot share a WAL
+#   flush and concurrent writers commit one flush at a time.  A committed
+#   write hands its ids to the notifier (``_PgNotifier``, a thread with an
+#   autocommit connection of its own), which sends the ids of every commit
+#   since its last send in one statement: a ``NOTIFY`` per kind of change
+#   (more when the ids would not fit a payload).  That transaction writes no
+#   WAL, so it waits for no flush and holds up no data commit.
+# - A daemon thread listens on a connection of its own and hands each burst
+#   of notifications to the store's ``on_remote`` callback, merged: one call
+#   per kind, so a busy database costs a few lock takes per burst, not one
+#   per commit.
+# - A notification can be lost: a crash between a commit and its notify, a
+#   dropped notifier connection.  The store's ``poll_interval`` re-read is the
+#   safety net that bounds how late a waiter then learns of the change.
 # - A psycopg error becomes StoreUnavailable and discards a broken connection;
 #   the next use reconnects.  ``synchronous`` and ``max_bytes`` mean nothing
 #   here: durability is the server's ``synchronous_commit``.
@@ -2176,7 +2189,7 @@ class _PgConnection:
 
 
 class _PgTransaction:
-    """``PostgresEngine.transaction()``: BEGIN; then NOTIFY and COMMIT, or ROLLBACK."""
+    """``PostgresEngine.transaction()``: BEGIN; then COMMIT and hand the notes on, or ROLLBACK."""
 
     __slots__ = ("engine",)
 
@@ -2199,8 +2212,9 @@ class _PgTransaction:
         engine._in_write = False
         try:
             if kind is None:
-                engine._send_notes_locked()
                 engine.conn.execute("COMMIT")
+                if engine._notes:
+                    engine._notifier.add(engine._notes)
             else:
                 engine.conn.execute("ROLLBACK")
         except engine.psycopg.Error as error:
@@ -2240,12 +2254,13 @@ class _PgReads:
 
 
 class _PgListener(threading.Thread):
-    """The engine's ``LISTEN``: a connection of its own; each notification goes to the callback.
+    """The engine's ``LISTEN``: a connection of its own; each burst of notifications, merged, goes to the callback.
 
     A payload is ``token kind id,id,``: a notification this engine sent
     itself (its token) is dropped, the store having woken its own waiters
-    already.  When the connection drops, it reconnects and wakes everybody
-    once (``callback("lost", ())``): they re-read what they wait for.
+    already.  What arrived together is delivered as one call per kind.
+    When the connection drops, it reconnects and wakes everybody once
+    (``callback("lost", ())``): they re-read what they wait for.
     """
 
     def __init__(self, engine, callback):
@@ -2272,10 +2287,11 @@ class _PgListener(threading.Thread):
                     self._callback("lost", ())
                     lost = False
                 while not self._stopping.is_set():
-                    for note in self._conn.notifies(timeout=PG_LISTEN_RETRY_S):
-                        if note.channel != PG_CHANNEL:
-                            break                  # stop()'s wake-up
-                        self._deliver(note.payload)
+                    notes = list(self._conn.notifies(timeout=PG_LISTEN_RETRY_S, stop_after=1))
+                    if notes:                      # and whatever else has arrived meanwhile
+                        notes += self._conn.notifies(timeout=0)
+                    # stop()'s wake-up (its own channel) only ends the wait.
+                    self._deliver([n.payload for n in notes if n.channel == PG_CHANNEL])
             except Exception as exc:             # psycopg's errors, or the closed connection
                 if self._stopping.is_set():
                     return
@@ -2285,10 +2301,15 @@ class _PgListener(threading.Thread):
                 self._stopping.wait(PG_LISTEN_RETRY_S)
         self._close()
 
-    def _deliver(self, payload):
-        token, kind, ids = (payload.split(" ") + ["", ""])[:3]
-        if token != self._engine.token:
-            self._callback(kind, [task_id for task_id in ids.split(",") if task_id])
+    def _deliver(self, payloads):
+        merged = {}
+        for payload in payloads:
+            token, kind, ids = (payload.split(" ") + ["", ""])[:3]
+            if token != self._engine.token:
+                merged.setdefault(kind, set()).update(ids.split(","))
+        for kind, ids in merged.items():
+            ids.discard("")
+            self._callback(kind, sorted(ids))
 
     def _close(self):
         conn, self._conn = self._conn, None
@@ -2300,6 +2321,80 @@ class _PgListener(threading.Thread):
         """End the thread: *wake* (a NOTIFY on ``own_channel``) ends its wait at once."""
         self._stopping.set()
         wake()
+        self.join(timeout)
+
+
+class _PgNotifier(threading.Thread):
+    """Sends the engine's notifications after their commits, coalesced, on a connection of its own.
+
+    ``add`` (after a commit) merges ids into what is pending; the thread
+    sends all that is pending in one autocommit statement, so the commits
+    made while a send is under way go out together in the next one.  When
+    the connection fails the ids stay pending and it reconnects; the poll
+    covers the delay.
+    """
+
+    def __init__(self, engine):
+        super().__init__(name="taskstore-pg-notify", daemon=True)
+        self._engine = engine
+        self._cond = threading.Condition()
+        self._pending = {}            # kind -> ids committed, not sent yet
+        self._stopping = threading.Event()
+        self._conn = None
+
+    def add(self, notes):
+        with self._cond:
+            for kind, ids in notes.items():
+                self._pending.setdefault(kind, set()).update(ids)
+            self._cond.notify()
+
+    def run(self):
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopping.is_set():
+                    self._cond.wait()
+                notes, self._pending = self._pending, {}
+            if not notes:
+                break                               # stopping, everything sent
+            try:
+                self._send(notes)
+            except Exception as exc:              # psycopg's errors, or the closed connection
+                self._close()
+                if self._stopping.is_set():
+                    logger.warning("PostgreSQL notifications not sent at close (%s)", exc)
+                    break
+                logger.warning("PostgreSQL notifier lost (%s); reconnecting", exc)
+                self.add(notes)
+                self._stopping.wait(PG_LISTEN_RETRY_S)      # then all that is pending
+        self._close()
+
+    def _send(self, notes):
+        payloads = []
+        for kind, ids in notes.items():
+            payload = head = f"{self._engine.token} {kind} "   # then ids, each followed by a comma
+            for task_id in sorted(ids):
+                if payload != head and len(payload) + len(task_id) >= PG_NOTIFY_BYTES:
+                    payloads.append(payload)
+                    payload = head
+                payload += task_id + ","
+            payloads.append(payload)
+        if self._conn is None:
+            self._conn = self._engine._connect(autocommit=True)
+        # One statement, one transaction: every notification is delivered at its end.
+        self._conn.execute("SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p",
+                           (PG_CHANNEL, payloads))
+
+    def _close(self):
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def stop(self, timeout=5.0):
+        """Send what is pending, then end the thread."""
+        with self._cond:
+            self._stopping.set()
+            self._cond.notify()
         self.join(timeout)
 
 
@@ -2349,7 +2444,8 @@ class PostgresEngine(SQLiteEngine):
         self._reads = _PgReads(self)
         self._empty_gen = 0
         self._in_write = False        # inside transaction(): task rows read are locked
-        self._notes = {}              # kind -> ids to NOTIFY at commit
+        self._notes = {}              # kind -> ids this transaction changed, for the notifier
+        self._notifier = _PgNotifier(self)
         self._listener = None
         self.conn = None
         with self.lock:
@@ -2364,6 +2460,7 @@ class PostgresEngine(SQLiteEngine):
                 if isinstance(exc, psycopg.Error):
                     raise self._unavailable(exc) from None
                 raise
+        self._notifier.start()
 
     # -- connecting ------------------------------------------------------------
 
@@ -2448,18 +2545,6 @@ class PostgresEngine(SQLiteEngine):
     def _note(self, kind, ids):
         self._notes.setdefault(kind, set()).update(ids)
 
-    def _send_notes_locked(self):
-        """NOTIFY the notes of this transaction (delivered at its commit), in short payloads."""
-        notify = "SELECT pg_notify(?, ?)"
-        for kind, ids in self._notes.items():
-            payload = head = f"{self.token} {kind} "       # then ids, each followed by a comma
-            for task_id in sorted(ids):
-                if payload != head and len(payload) + len(task_id) >= PG_NOTIFY_BYTES:
-                    self.conn.execute(notify, (PG_CHANNEL, payload))
-                    payload = head
-                payload += task_id + ","
-            self.conn.execute(notify, (PG_CHANNEL, payload))
-
     @contextlib.contextmanager
     def bulk(self):
         """A plain context: PostgreSQL has no log to checkpoint after a long job."""
@@ -2479,10 +2564,11 @@ class PostgresEngine(SQLiteEngine):
                     self.conn.execute(f"NOTIFY {channel}")
 
     def close(self):
-        """Stop the listener and close the connection (the caller stopped all writers)."""
+        """Send the last notifications, stop the listener, close the connection (writers stopped)."""
         with self.lock:
             self.closed = True
             listener, self._listener = self._listener, None
+        self._notifier.stop()
         if listener is not None:
             listener.stop(lambda: self._wake_listener(listener.own_channel))
         with self.lock:
