@@ -2615,7 +2615,23 @@ class PostgresEngine(SQLiteEngine):
         self._note("queued", [row[0] for row in rows])
 
     def move_task(self, task_id, status, values, event_json, now):
-        moved = super().move_task(task_id, status, values, event_json, now)
+        """Section 6's compare-and-set and its event row in one statement: one round trip.
+
+        The event is inserted from the updated row (``WITH ... RETURNING``),
+        so it is written exactly when the compare-and-set took; the row
+        lock the ``UPDATE`` takes keeps the seq dense as before.
+        """
+        names = tuple(values)
+        sql = self._move_sql.get(names)
+        if sql is None:          # a few combinations of columns, each built once
+            assert _WRITABLE_COLUMNS.issuperset(names), names    # names are ours, never input
+            sql = self._move_sql[names] = (
+                f"WITH moved AS (UPDATE tasks SET {', '.join(f'{name} = ?' for name in names)}, "
+                "version = version + 1 WHERE id = ? AND status = ? RETURNING last_seq) "
+                "INSERT INTO events (task_id, seq, type, data, created_at) "
+                "SELECT ?, last_seq, 'status', ?, ? FROM moved")
+        moved = self.conn.execute(
+            sql, (*values.values(), task_id, status, task_id, event_json, now)).rowcount == 1
         if moved:
             new = values["status"]
             self._note("queued" if new == QUEUED else "changed", (task_id,))
