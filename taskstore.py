@@ -2254,7 +2254,7 @@ class _PgReads:
 
 
 class _PgListener(threading.Thread):
-    """The engine's ``LISTEN``: a connection of its own; each burst of notifications, merged, goes to the callback.
+    """The engine's ``LISTEN``: a connection of its own; each burst goes to the callback, merged.
 
     A payload is ``token kind id,id,``: a notification this engine sent
     itself (its token) is dropped, the store having woken its own waiters
