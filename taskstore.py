@@ -6276,6 +6276,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 30.0
 DEFAULT_MAX_STREAMS = 256
 DEFAULT_MAX_CONNECTIONS = 512   # each is a thread and a file descriptor (1024 is a common limit)
 DEFAULT_KEEPALIVE_S = 15.0
+RETRY_AFTER_S = 1           # a 503's Retry-After: outages and full servers pass quickly
 DEFAULT_DEMO_DELAY_S = 0.02
 DEFAULT_BACKEND_URL = "http://127.0.0.1:11434/v1"   # Ollama's OpenAI-compatible API
 _STREAM_WAKE_S = 0.5        # how soon an idle event stream notices a server shutdown
@@ -7113,6 +7114,8 @@ class LMSPApp:
             headers.append(("WWW-Authenticate", 'Bearer realm="lmsp"'))
         if isinstance(exc, MethodNotAllowed):
             headers.append(("Allow", ", ".join(exc.allow)))
+        if status == 503:       # the store or the server is busy or down: come back soon
+            headers.append(("Retry-After", str(RETRY_AFTER_S)))
         return Reply(status, problem, headers, content_type="application/problem+json")
 
     def authenticate(self, headers):
@@ -8117,6 +8120,7 @@ class LMSPServer(http.server.ThreadingHTTPServer):
                 f"Server: {LMSPRequestHandler.server_version}\r\n"
                 f"Date: {email.utils.formatdate(usegmt=True)}\r\n"
                 f"Content-Type: application/problem+json\r\n"
+                f"Retry-After: {RETRY_AFTER_S}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
         with contextlib.suppress(OSError):
             sock.setblocking(False)

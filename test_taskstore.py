@@ -4473,6 +4473,8 @@ class ServerTestCase(unittest.TestCase):
         self.assertIsInstance(body["detail"], str)
         if param is not None:
             self.assertEqual(body.get("param"), param)
+        if status == 503:
+            self.assertEqual(resp.getheader("Retry-After"), "1")
         return body
 
 
@@ -9515,6 +9517,7 @@ class LmspResourceLimitTests(ServerTestCase):
             status, headers, body = conn.read_response()
             self.assertEqual((status, json.loads(body)["code"]), (503, "service_unavailable"))
             self.assertEqual(headers["connection"], ["close"])
+            self.assertEqual(headers["retry-after"], ["1"])
             self.assertIn(str(cap), json.loads(body)["detail"])
             self.assertIsNone(conn.read_response())       # and closed
         if threads_at_start is not None:
@@ -9698,9 +9701,10 @@ class LmspResourceLimitTests(ServerTestCase):
         acked, answer = [], None
         for i in range(300):
             text = f"fill{i} " + "x" * 6000
-            status, _, obj = client.request("POST", "/lmsp/v1/tasks", create_body(text))
+            status, resp, obj = client.request("POST", "/lmsp/v1/tasks", create_body(text))
             if status != 202:
                 answer = (status, obj)
+                self.assertEqual(resp.getheader("Retry-After"), "1")
                 break
             acked.append(obj["id"])
         self.assertIsNotNone(answer, "the cap was never reached")
