@@ -2080,6 +2080,12 @@ def _status_data(status, new, message, error):
     return data
 
 
+@functools.lru_cache(maxsize=64)
+def _plain_status_json(status, new):
+    """A ``status`` event's data with no message and no error, as stored: serialised once."""
+    return dumps(_status_data(status, new, None, None))
+
+
 class _NewTask(typing.NamedTuple):
     """A validated ``create`` waiting for its batch (see ``_insert_tasks_locked``)."""
 
@@ -2166,6 +2172,67 @@ class _IdSequence:
         return task_id
 
 
+class _Writing:
+    """``TaskStore._writing()``: the lock, one engine transaction, then the listeners.
+
+    A class rather than a generator context (it runs on every write; see
+    ``_Transaction``), one per store, reused: the lock it takes makes that
+    safe, and what outlives the lock (the listeners' calls) is copied out
+    before it is released.  A notice that carries the Task as written is
+    handed to the listeners as it is, unless a later notice of the batch
+    names the same task: then, as for a notice without one, the committed
+    row is read (the listeners see the task as it is after the commit).
+    """
+
+    __slots__ = ("store", "notices", "transaction")
+
+    def __init__(self, store):
+        self.store = store
+        self.notices = None
+        self.transaction = None
+
+    def __enter__(self):
+        store = self.store
+        store._lock.acquire()
+        try:
+            transaction = store._engine.transaction()
+            transaction.__enter__()          # raises StoreClosed once closed
+        except BaseException:
+            store._lock.release()
+            raise
+        self.transaction = transaction
+        self.notices = notices = []
+        return notices
+
+    def __exit__(self, kind, exc, tb):
+        store = self.store
+        notices, transaction = self.notices, self.transaction
+        self.notices = self.transaction = None
+        try:
+            transaction.__exit__(kind, exc, tb)
+            if kind is not None:
+                return False
+            if store._changed_waiting:
+                store._changed.notify_all()
+            if not notices or not store._listeners:
+                return False
+            last = {notice[0]: i for i, notice in enumerate(notices)}
+            read = store._engine.read_task
+            tasks = [(notice[2] if len(notice) > 2 and last[notice[0]] == i
+                      else read(notice[0]), notice[1]) for i, notice in enumerate(notices)]
+        finally:
+            store._lock.release()
+        for task, change in tasks:
+            if task is None:
+                continue
+            for listener in list(store._listeners):
+                try:
+                    listener(task, change)
+                except Exception:
+                    logger.exception("task listener %r failed", listener)
+        return False
+
+
 class TaskStore:
     """A durable task store on one SQLite file.
 
@@ -2237,36 +2304,22 @@ class TaskStore:
         self._cancel_events = {}
         self._reaper = None
         self._ids = _IdSequence()
+        self._writing_cm = _Writing(self)
         if recover_on_open and not self.readonly:
             self.recover()
 
     # -- plumbing --------------------------------------------------------------
 
-    @contextlib.contextmanager
     def _writing(self):
-        """Hold the lock for one engine transaction; yield a notice list.
+        """Hold the lock for one engine transaction; give the body a notice list.
 
-        Notices ``(task_id, change)`` appended by the body go to the listeners
-        once the transaction has committed.
+        ``with self._writing() as notices``.  Notices ``(task_id, change)``
+        appended by the body go to the listeners once the transaction has
+        committed; a notice may carry the Task as written, ``(task_id,
+        change, task)``, which then spares the listeners a read of the row
+        (see ``_Writing``).
         """
-        notices = []
-        with self._lock:
-            with self._engine.transaction():      # raises StoreClosed once closed
-                yield notices
-            if self._changed_waiting:
-                self._changed.notify_all()
-            if notices and self._listeners:
-                tasks = [(self._engine.read_task(tid), change) for tid, change in notices]
-            else:
-                tasks = ()
-        for task, change in tasks:
-            if task is None:
-                continue
-            for listener in list(self._listeners):
-                try:
-                    listener(task, change)
-                except Exception:
-                    logger.exception("task listener %r failed", listener)
+        return self._writing_cm
 
     def _get_locked(self, task_id, principal=None, decode=True):
         """The task as *principal* may see it, else the right error; *decode* False: its row."""
@@ -2318,17 +2371,19 @@ class TaskStore:
             values.update(finished_at=now, input_request=None, purge_at=purge_at)
             changes.update(finished_at=now, input_request=None, purge_at=purge_at)
         # The compare-and-set: cannot fail inside the transaction; the guard is the rule.
-        if not self._engine.move_task(task_id, status, values,
-                                      dumps(_status_data(status, new, message, error)), now):
+        event_json = _plain_status_json(status, new) if message is None and error is None \
+            else dumps(_status_data(status, new, message, error))
+        if not self._engine.move_task(task_id, status, values, event_json, now):
             raise InvalidTransition(task_id, status, event)
-        notices.append((task_id, "status"))
+        task = task._replace(**changes)
+        notices.append((task_id, "status", task))
         if new in TERMINAL_STATES:
             self._cancel_events.pop(task_id, None)
         elif new == QUEUED:
             self._work_gen += 1
             if self._work_waiting:
                 self._work.notify_all()
-        return task._replace(**changes)
+        return task
 
     def _move(self, task_id, event, *, principal=None, **kwargs):
         """Run one transition, committed (group commit) before it returns; return the new Task."""
@@ -2449,12 +2504,13 @@ class TaskStore:
             rows.append((task_id, kind, QUEUED, payload_json, status_message, principal, policy,
                          ttl_ms, retention_ms, now, now, meta_json, owner))
             events.append((task_id, _created_data(kind), now))
-            notices.append((task_id, "created"))
             # Built here rather than read back: the row is exactly this.
-            tasks.append(Task(task_id, kind, QUEUED, payload, None, None, status_message,
-                              None, None, principal, policy, 1, ttl_ms, retention_ms, now, now,
-                              None, None, owner, 0, 0, 0,
-                              {} if meta is None else _loads(meta_json), None, None))
+            task = Task(task_id, kind, QUEUED, payload, None, None, status_message,
+                        None, None, principal, policy, 1, ttl_ms, retention_ms, now, now,
+                        None, None, owner, 0, 0, 0,
+                        {} if meta is None else _loads(meta_json), None, None)
+            notices.append((task_id, "created", task))
+            tasks.append(task)
         self._engine.insert_tasks(rows, events)
         self._work_gen += 1
         if self._work_waiting:
