@@ -1182,12 +1182,16 @@ class _GroupCommit:
 
     The first writer to arrive becomes the leader and runs every body queued
     by then in one transaction (``_run_batch``: each body gets its own result
-    or error); the others wait until that transaction has committed.  Bodies
-    queued while the leader commits (the commit releases the GIL, so they do
-    arrive) go in the leader's next transaction, up to ``GROUP_ROUNDS``
-    transactions, instead of waiting for a new leader to wake up.  A lone
-    writer is the leader of a batch of one and pays nothing more.  Nobody
-    returns before its change is committed.
+    or error); the others wait until that transaction has committed.  Under
+    contention, writers that queue while the leader runs the bodies join the
+    open transaction before its commit (``_join_late``): the writers the last
+    commit released come back one at a time, and their way back overlaps
+    the leader's work instead of preceding it.  Bodies queued while the
+    leader commits (the commit releases the GIL, so they do arrive) go in
+    the leader's next transaction, up to ``GROUP_ROUNDS`` transactions,
+    instead of waiting for a new leader to wake up.  A lone writer is the
+    leader of a batch of one and pays nothing more.  Nobody returns before
+    its change is committed.
     """
 
     def __init__(self, changes):
@@ -1233,12 +1237,11 @@ class _GroupCommit:
         """As the leader: commit what is queued, batch after batch; then hand the lead on."""
         group = self._group
         with group:
-            self._gather_locked()
             batch, self._group_queue = self._group_queue, []
         rounds = 0
         try:
             while batch:
-                self._run_batch(batch, writing, insert)
+                self._run_batch(batch, writing, insert, self._join_late)
                 rounds += 1
                 with group:
                     self._group_last = len(batch)
@@ -1258,8 +1261,12 @@ class _GroupCommit:
                     self._hand_over_locked()
                 self._wake(batch)
 
-    def _run_batch(self, batch, writing, insert):
+    def _run_batch(self, batch, writing, insert, more=None):
         """Run *batch* in one ``writing()`` transaction; store each body's result or error.
+
+        *more* (the leader's ``_join_late``), once the bodies have run, gives
+        the writers that queued meanwhile: they join the batch (the list
+        grows in place) and the same transaction, until it returns none.
 
         *writing* is the store's context: the lock, one ``transaction()``,
         the store's notices (``with writing() as notices``).  A body is
@@ -1277,19 +1284,26 @@ class _GroupCommit:
             with writing() as notices:
                 changes = self._changes
                 records = []
-                for op in batch:
-                    body = op.body
-                    if not callable(body):
-                        records.append(op)
-                        continue
-                    before, mark = changes(), len(notices)
-                    try:
-                        op.result = body(notices)
-                    except TaskStoreError as exc:
-                        if len(batch) == 1 or changes() != before:
-                            raise
-                        del notices[mark:]
-                        op.error = exc
+                ran = 0
+                while True:
+                    for op in batch[ran:]:
+                        body = op.body
+                        if not callable(body):
+                            records.append(op)
+                            continue
+                        before, mark = changes(), len(notices)
+                        try:
+                            op.result = body(notices)
+                        except TaskStoreError as exc:
+                            if len(batch) == 1 or changes() != before:
+                                raise
+                            del notices[mark:]
+                            op.error = exc
+                    ran = len(batch)
+                    late = None if more is None else more(ran)
+                    if not late:
+                        break
+                    batch.extend(late)
                 if records:
                     for op, result in zip(records, insert(notices, [op.body for op in records])):
                         op.result = result
@@ -1325,30 +1339,44 @@ class _GroupCommit:
         if sleepers:
             sleepers[0].wake.release()
 
-    def _gather_locked(self):
-        """Under contention, give the writers just released a moment to queue again.
+    def _join_late(self, size):
+        """Under contention, the writers that join the leader's open batch of *size*; [] for none.
 
         PostgreSQL's ``commit_delay``/``commit_siblings`` idea: when the last
-        batch had company, the new leader waits (at most ``GROUP_DELAY_S``)
-        until as many writers have queued, so the next commit serves them all
-        instead of one.  A lone writer (last batch of one) never waits.
+        batch had company, the writers its commit released are coming back,
+        and the next commit should serve them all instead of one.  The
+        leader does not wait for them before it starts: it runs the bodies
+        queued so far (inside SQLite, which releases the GIL, so the others
+        come back meanwhile), then takes whoever queued since, and waits
+        for the rest (at most ``GROUP_DELAY_S``) only if they are not all
+        there yet.  A lone writer (last batch of one) never waits.
         """
-        want = self._group_last
-        if want <= 1 or len(self._group_queue) >= want:
-            return
-        deadline = time.monotonic() + GROUP_DELAY_S
-        # Woken once, when the last of them queues: a wake-up per arrival
-        # would cost as much as the wait saves.
-        self._group_gathering = want
-        try:
-            while len(self._group_queue) < want:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._group_last = len(self._group_queue)   # fewer writers now
-                    break
-                self._gather.wait(remaining)
-        finally:
-            self._group_gathering = 0
+        if size >= self._group_last and not self._group_queue:
+            return None             # alone, or all there: nothing to take (a lone writer's case)
+        with self._group:
+            want = self._group_last
+            if size >= want:
+                return self._take_locked()
+            missing = want - size
+            if len(self._group_queue) < missing:
+                deadline = time.monotonic() + GROUP_DELAY_S
+                # Woken once, when the last of them queues: a wake-up per
+                # arrival would cost as much as the wait saves.
+                self._group_gathering = missing
+                try:
+                    while len(self._group_queue) < missing:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            self._group_last = size + len(self._group_queue)  # fewer writers now
+                            break
+                        self._gather.wait(remaining)
+                finally:
+                    self._group_gathering = 0
+            return self._take_locked()
+
+    def _take_locked(self):
+        batch, self._group_queue = self._group_queue, []
+        return batch
 
 
 class _Transaction:
@@ -2773,8 +2801,15 @@ class TaskStore:
 
     def cancel_event(self, task_id):
         """Return the ``threading.Event`` set when this task is cancelled (in this process)."""
-        with self._lock:
-            return self._cancel_events.setdefault(task_id, threading.Event())
+        # Without the store's lock: dict.get and setdefault are atomic, and the
+        # lock would order nothing more (a cancel committed before the event
+        # exists is noticed by the runner's maintenance either way).  A runner
+        # asks for it between its claim and its write, and must not wait for a
+        # group-commit leader that holds the lock while it waits for that write.
+        event = self._cancel_events.get(task_id)
+        if event is None:
+            event = self._cancel_events.setdefault(task_id, threading.Event())
+        return event
 
     def add_listener(self, listener):
         """Call ``listener(task, change)`` after every committed change.
@@ -3441,6 +3476,15 @@ class Runner:
             return
         ctx.flush()
         try:
+            if outcome[0] == "succeed" and not ctx._loading:
+                # The common case, checked by succeed itself: it serialises
+                # the result before any write, so a value the store refuses
+                # leaves the task as it was, and fails it below.
+                try:
+                    store.succeed(task_id, outcome[1], attempt=attempt)
+                    return
+                except InvalidParams:
+                    pass
             if outcome[0] != "cancelled":
                 # The store's own check (JSON, storable, MAX_JSON_DEPTH) before
                 # any move: a value it refuses fails the task instead of
