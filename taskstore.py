@@ -2244,10 +2244,14 @@ class _Writing:
                 store._changed.notify_all()
             if not notices or not store._listeners:
                 return False
-            last = {notice[0]: i for i, notice in enumerate(notices)}
             read = store._engine.read_task
-            tasks = [(notice[2] if len(notice) > 2 and last[notice[0]] == i
-                      else read(notice[0]), notice[1]) for i, notice in enumerate(notices)]
+            if len(notices) == 1:               # most writes: one change of one task
+                notice = notices[0]
+                tasks = ((notice[2] if len(notice) > 2 else read(notice[0]), notice[1]),)
+            else:
+                last = {notice[0]: i for i, notice in enumerate(notices)}
+                tasks = [(notice[2] if len(notice) > 2 and last[notice[0]] == i
+                          else read(notice[0]), notice[1]) for i, notice in enumerate(notices)]
         finally:
             store._lock.release()
         for task, change in tasks:
