@@ -12489,7 +12489,7 @@ class PgFaultCrossReplicaStreamTests(PgFaultCase):
         text = " ".join(f"s{j}" for j in range(words))
         task = a.client.create(create_body(text, on_restart="retry"))
         poll_until("the task running on A",
-                   lambda: a.client.task(task["id"])["status"] == "in_progress", 3 * TIMEOUT)
+                   lambda: a.client.task(task["id"])["status"] == "running", 3 * TIMEOUT)
         self.assertEqual({pid for _, pid in self.owners().values()}, {a.proc.pid})
         b = ServerProcess(self, self.url, "--demo-delay", "0.1", "--workers", "1",
                           *PGFAULT_LEASE_ARGS)
@@ -12503,7 +12503,7 @@ class PgFaultCrossReplicaStreamTests(PgFaultCase):
                 first.append(event)
                 if event["event"] == "response.output_text.delta":
                     # Live: the task is still running when the event reaches B.
-                    if b.client.task(task["id"])["status"] == "in_progress":
+                    if b.client.task(task["id"])["status"] == "running":
                         live += 1
         last = int(first[-1]["id"])
         self.assertEqual([int(e["id"]) for e in first], list(range(last + 1)))
