@@ -72,7 +72,7 @@ __all__ = [
     "fingerprint", "new_id", "is_task_id", "iso_time",
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
     "FAILED", "CANCELLED",
-    # MCP server (section 9)
+    # MCP server (section 10)
     "McpServer", "McpDispatcher", "McpWork", "McpTool", "ToolContext", "McpError",
     "ParseError", "InvalidRequest", "MethodNotFound", "ServerBusy", "add_demo_tools",
     "text_result", "mcp_task_to_wire", "check_arguments",
@@ -81,7 +81,7 @@ __all__ = [
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
     "ElicitationMismatch", "elicitation_problems",
     "MCP_CANCELLED_MESSAGE",
-    # LMSP HTTP server (section 10)
+    # LMSP HTTP server (section 11)
     "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
     "response_object", "lmsp_event", "task_error_problem", "parse_idempotency_key",
@@ -183,7 +183,7 @@ RELEASE_BATCH = 2000               # tasks one recovery transaction may move, at
 # change is legal (TRANSITIONS; a missing cell means "illegal"), which event
 # recovery fires (RESTART), what a repeat cancel does (CANCELLED_STATES) and
 # what becomes of an outcome reported late (LATE_OUTCOME).  The store
-# (section 7) and the runner (section 8) apply them; the store enforces each
+# (section 8) and the runner (section 9) apply them; the store enforces each
 # move with a compare-and-set in the same transaction as the event row.  The
 # README shows each table as the functions at the end of this section render it.
 
@@ -490,6 +490,10 @@ class StoreUnavailable(TaskStoreError):
 
     code = "service_unavailable"
     http_status = 503
+
+
+class MissingDependency(StoreUnavailable):
+    """The database needs a package that is not installed (the message says how to add it)."""
 
 
 class TaskFailed(Exception):
@@ -897,7 +901,7 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 # - Everything that is SQLite's lives here: the connection and its lock, the
 #   schema and its migrations, ``BEGIN IMMEDIATE`` transactions, group
 #   commit, WAL checkpoints, bulk jobs, every SQL statement, and whether a
-#   process on this host is alive.  The store (section 7) decides; the engine
+#   process on this host is alive.  The store (section 8) decides; the engine
 #   reads and writes what it is told, and decides nothing about the lifecycle.
 # - The store calls an engine only through the names listed below; a second
 #   engine (PostgreSQL, say) is written against this list without touching a
@@ -909,6 +913,7 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #   of tasks; the store passes it back unread.
 # - An engine is built with ``(path, synchronous=, busy_timeout=, max_bytes=,
 #   readonly=)`` and raises StoreUnavailable when the database cannot serve.
+#   ``open_engine`` (section 7) picks the engine for a path or URL.
 #
 # What an engine provides:
 #   lock                  the lock that guards the engine; conditions may share it
@@ -923,6 +928,11 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #   bulk()                context: a long job of many transactions (reap, recovery)
 #   checkpoint()          copy the log into the database file now; (log, copied)
 #   close()               stop the engine's threads and close the connection
+#   shared                whether other hosts share the database (then live processes
+#                         recover dead ones' tasks with every heartbeat)
+#   on_remote(callback)   call callback(kind, ids) for other processes' commits
+#                         (kinds: changed, queued, cancelling, lost); SQLite has no such
+#                         news and calls it never: its waiters poll
 #   read_task(task_id)    the Task, or None
 #   task_row_at(task_id, now)  the task's row with an "expired" flag last, or None
 #   tombstoned(task_id)   whether the id names a task that was purged
@@ -1435,6 +1445,8 @@ class SQLiteEngine:
             by a newer version, is read-only, or cannot be opened.
     """
 
+    shared = False
+
     def __init__(self, path, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
                  max_bytes=None, readonly=False):
         self.path = os.fspath(path)
@@ -1586,6 +1598,9 @@ class SQLiteEngine:
     def group_write(self, body, writing, insert):
         """Run *body* in a batch with other threads' writes (``_GroupCommit.write``)."""
         return self._group.write(body, writing, insert)   # replaced per instance, see __init__
+
+    def on_remote(self, callback):
+        """Never call *callback*: SQLite tells nobody of a commit, so waiters poll the file."""
 
     def changes(self):
         """Rows written on this connection so far (a body that wrote moved it)."""
@@ -2033,13 +2048,611 @@ class SQLiteEngine:
 
 
 # =============================================================================
-# 7. The store
+# 7. PostgreSQL engine
+# =============================================================================
+# Rules:
+# - The second engine, for several processes on several hosts sharing one
+#   database: the same names with the same meanings as section 6's list
+#   (``on_remote`` and ``shared`` included), so the store (section 8) runs
+#   on it unchanged.  psycopg 3 is imported only here, when a
+#   ``postgresql://`` URL is given.
+# - It inherits SQLiteEngine's statements that are standard SQL; the
+#   connection (``_PgConnection``) turns their ``?`` into psycopg's ``%s``.
+#   What PostgreSQL does differently is overridden here: rows read inside a
+#   write transaction are locked (``FOR UPDATE``), so a concurrent writer in
+#   another process waits instead of reusing an event seq; claims and
+#   retention batches skip rows another process holds (``SKIP LOCKED``);
+#   an idempotency key is decided under a transaction-scoped advisory lock.
+# - Time that decides ownership is the server's: heartbeats are written with
+#   ``clock_timestamp()`` and a registration's age is computed by the server,
+#   so hosts' clocks do not matter.  There is no pid check across hosts.
+# - Every committed write sends one ``NOTIFY`` per kind of change (ids only),
+#   delivered at commit; a daemon thread listens on a connection of its own
+#   and hands them to the store's ``on_remote`` callback.
+# - A psycopg error becomes StoreUnavailable and discards a broken connection;
+#   the next use reconnects.  ``synchronous`` and ``max_bytes`` mean nothing
+#   here: durability is the server's ``synchronous_commit``.
+
+PG_URL_SCHEMES = ("postgresql://", "postgres://")
+PG_INSTALL = 'pip install "taskstore[postgres]"'
+PG_CHANNEL = "taskstore"               # the NOTIFY channel of every store on a database
+PG_NOTIFY_BYTES = 7000                 # under NOTIFY's 8,000-byte payload limit
+PG_LISTEN_RETRY_S = 1.0                # between attempts to reconnect the listener
+_PG_SCHEMA_LOCK = 0x7461736b           # advisory lock key of schema creation ("task")
+# The server's clock in epoch milliseconds: ownership is judged in database time.
+_PG_NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
+
+
+def _pg_ddl(ddl):
+    """SQLite's DDL (section 6) as PostgreSQL's: 64-bit integers, byte-order text, no rowid clause.
+
+    ``COLLATE "C"`` makes ``ORDER BY id`` the byte order SQLite uses, so
+    ids sort by creation time whatever the database's locale.
+    """
+    ddl = ddl.replace(" WITHOUT ROWID", "").replace(" REAL", " DOUBLE PRECISION")
+    ddl = re.sub(r"\bINTEGER\b", "BIGINT", ddl)
+    return re.sub(r"\bTEXT\b", 'TEXT COLLATE "C"', ddl)
+
+
+_PG_PURGE_AT = f"""CREATE FUNCTION taskstore_purge_at(now BIGINT, created_at BIGINT,
+        ttl_ms BIGINT, retention_ms BIGINT) RETURNS BIGINT IMMUTABLE LANGUAGE SQL AS $$
+    SELECT CASE WHEN ttl_ms IS NOT NULL THEN
+               CASE WHEN now < created_at + ttl_ms THEN created_at + ttl_ms
+                    ELSE now + {LATE_FINISH_GRACE_MS} END
+           WHEN retention_ms IS NOT NULL THEN now + retention_ms END $$"""
+
+# PG_MIGRATIONS[n] takes a database from version n-1 to n, like MIGRATIONS.
+PG_MIGRATIONS = {1: ("CREATE TABLE taskstore_schema (version BIGINT NOT NULL)",
+                     "INSERT INTO taskstore_schema VALUES (0)",
+                     *(_pg_ddl(ddl) for ddl in _SCHEMA_V1), _PG_PURGE_AT)}
+
+
+def is_postgres_url(path):
+    """Whether *path* names a PostgreSQL database rather than a SQLite file."""
+    return isinstance(path, str) and path.startswith(PG_URL_SCHEMES)
+
+
+def _redact_url(url):
+    """*url* without its password, for messages."""
+    return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
+
+
+class _PgConnection:
+    """A psycopg connection that speaks the ``execute`` of sqlite3's connections.
+
+    Statements are written with ``?`` (the inherited ones are SQLite's);
+    each is translated once.  ``total_changes`` counts rows written, as
+    sqlite3's does, for the engine's ``changes()``.
+    """
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.total_changes = 0
+        self._sql = {}
+
+    def execute(self, sql, params=()):
+        text = self._sql.get(sql)
+        if text is None:
+            text = self._sql[sql] = sql.replace("%", "%%").replace("?", "%s")
+        cursor = self.raw.execute(text, params)
+        if cursor.rowcount > 0 and not text.lstrip().startswith("SELECT"):
+            self.total_changes += cursor.rowcount
+        return cursor
+
+    def executemany(self, sql, rows):
+        rows = list(rows)
+        with self.raw.cursor() as cursor:
+            cursor.executemany(sql.replace("?", "%s"), rows)
+        self.total_changes += len(rows)
+
+    @property
+    def broken(self):
+        return self.raw.closed or self.raw.broken
+
+
+class _PgTransaction:
+    """``PostgresEngine.transaction()``: BEGIN, then the notices' NOTIFYs and COMMIT, or ROLLBACK."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __enter__(self):
+        engine = self.engine
+        if engine.closed:
+            raise StoreClosed()
+        try:
+            engine._usable_locked().execute("BEGIN")
+        except engine.psycopg.Error as exc:
+            raise engine._unavailable(exc) from None
+        engine._in_write = True
+        engine._notes.clear()
+
+    def __exit__(self, kind, exc, tb):
+        engine = self.engine
+        engine._in_write = False
+        try:
+            if kind is None:
+                engine._send_notes_locked()
+                engine.conn.execute("COMMIT")
+            else:
+                engine.conn.execute("ROLLBACK")
+        except engine.psycopg.Error as error:
+            raise engine._unavailable(error) from None
+        finally:
+            engine._notes.clear()
+        if kind is not None and issubclass(kind, engine.psycopg.Error):
+            raise engine._unavailable(exc) from None
+        return False
+
+
+class _PgReads:
+    """``PostgresEngine.reading()``: the lock, a live connection; StoreUnavailable for errors."""
+
+    __slots__ = ("engine", "lock")
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.lock = engine.lock
+
+    def __enter__(self):
+        self.lock.acquire()
+        try:
+            if self.engine.closed:
+                raise StoreClosed()
+            self.engine._usable_locked()
+        except BaseException:
+            self.lock.release()
+            raise
+        return self.engine
+
+    def __exit__(self, kind, exc, tb):
+        self.lock.release()
+        if kind is not None and issubclass(kind, self.engine.psycopg.Error):
+            raise self.engine._unavailable(exc) from None
+        return False
+
+
+class _PgListener(threading.Thread):
+    """The engine's ``LISTEN``: a connection of its own; each notification goes to the callback.
+
+    A payload is ``token kind id,id,...``: a notification this engine sent
+    itself (its token) is dropped, the store having woken its own waiters
+    already.  When the connection drops, it reconnects and wakes everybody
+    once (``callback("lost", ())``): they re-read what they wait for.
+    """
+
+    def __init__(self, engine, callback):
+        super().__init__(name="taskstore-pg-listen", daemon=True)
+        self._engine = engine
+        self._callback = callback
+        self._stopping = threading.Event()
+        self._conn = None
+
+    def run(self):
+        lost = False
+        while not self._stopping.is_set():
+            try:
+                self._conn = self._engine._connect(autocommit=True)
+                self._conn.execute(f"LISTEN {PG_CHANNEL}")
+                if lost:
+                    self._callback("lost", ())
+                while not self._stopping.is_set():
+                    for note in self._conn.notifies(timeout=PG_LISTEN_RETRY_S):
+                        self._deliver(note.payload)
+            except Exception as exc:             # psycopg's errors, or the closed connection
+                if self._stopping.is_set():
+                    return
+                logger.warning("PostgreSQL listener lost (%s); reconnecting", exc)
+                lost = True
+                self._close()
+                self._stopping.wait(PG_LISTEN_RETRY_S)
+        self._close()
+
+    def _deliver(self, payload):
+        token, kind, ids = (payload.split(" ") + ["", ""])[:3]
+        if token != self._engine.token:
+            self._callback(kind, ids.split(",") if ids else ())
+
+    def _close(self):
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def stop(self, timeout=5.0):
+        self._stopping.set()
+        self.join(timeout)
+
+
+class PostgresEngine(SQLiteEngine):
+    """The engine for several hosts: one PostgreSQL database, one connection per engine.
+
+    Args:
+        url: ``postgresql://user:password@host:port/database`` (or ``postgres://``).
+        synchronous: accepted for the store's sake and ignored: a commit's
+            durability is the server's ``synchronous_commit``.
+        busy_timeout: seconds for connecting and the longest any statement
+            or lock wait may take (``statement_timeout``, ``lock_timeout``).
+        max_bytes: refused: a PostgreSQL database has no size cap of ours.
+        readonly: every transaction is read-only; a write raises StoreUnavailable.
+
+    Raises:
+        StoreUnavailable: psycopg is not installed (the message says how to
+            install it), the server cannot be reached, or the database holds
+            a newer schema.
+    """
+
+    shared = True
+
+    def __init__(self, url, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
+                 max_bytes=None, readonly=False):
+        try:
+            import psycopg
+        except ImportError:
+            raise MissingDependency(
+                f"PostgreSQL needs psycopg, which is not installed: {PG_INSTALL}") from None
+        if max_bytes is not None:
+            raise InvalidParams("max_bytes applies to SQLite only", param="max_bytes")
+        self.psycopg = psycopg
+        self.path = _redact_url(url)
+        self._url = url
+        self.synchronous = synchronous
+        self.readonly = bool(readonly)
+        self._busy_timeout = float(busy_timeout)
+        self.lock = threading.Lock()
+        self.closed = False
+        self.token = secrets.token_hex(6)      # names this engine's own notifications
+        self._group = _GroupCommit(self.changes)
+        self.group_write = self._group.write
+        self._move_sql = {}
+        self._transaction = _PgTransaction(self)
+        self._reads = _PgReads(self)
+        self._empty_gen = 0
+        self._in_write = False        # inside transaction(): task rows read are locked
+        self._notes = {}              # kind -> ids to NOTIFY at commit
+        self._listener = None
+        self.conn = None
+        with self.lock:
+            try:
+                self._usable_locked()
+                if not self.readonly:
+                    self._migrate_locked()
+                self._check_version_locked()
+            except psycopg.Error as exc:
+                raise self._unavailable(exc) from None
+
+    # -- connecting ------------------------------------------------------------
+
+    def _connect(self, autocommit=True):
+        """A new psycopg connection with the engine's timeouts (raises psycopg errors)."""
+        ms = max(1, int(self._busy_timeout * 1000))
+        options = f"-c statement_timeout={ms} -c lock_timeout={ms}"
+        if self.readonly:
+            options += " -c default_transaction_read_only=on"
+        return self.psycopg.connect(self._url, autocommit=autocommit, options=options,
+                                    connect_timeout=max(1, math.ceil(self._busy_timeout)))
+
+    def _usable_locked(self):
+        """The connection, made anew when there is none or the last one broke."""
+        if self.conn is None or self.conn.broken:
+            if self.conn is not None:
+                with contextlib.suppress(Exception):
+                    self.conn.raw.close()
+                self.conn = None
+            try:
+                self.conn = _PgConnection(self._connect())
+            except self.psycopg.Error as exc:
+                raise self._unavailable(exc) from None
+        return self.conn
+
+    def _unavailable(self, exc):
+        """Turn a psycopg error into a StoreUnavailable naming the database (never SQL)."""
+        text = str(exc).strip().splitlines()
+        return StoreUnavailable(f"{self.path}: database error: {exc.__class__.__name__}: "
+                                f"{text[0] if text else ''}")
+
+    def _migrate_locked(self):
+        # Several processes opening an empty database at once: the advisory
+        # lock lets one create the schema; the others then find it current.
+        conn = self.conn
+        conn.execute("BEGIN")
+        try:
+            conn.execute("SELECT pg_advisory_xact_lock(?)", (_PG_SCHEMA_LOCK,))
+            version = self._version_locked()
+            if version < SCHEMA_VERSION:
+                for step in range(version + 1, SCHEMA_VERSION + 1):
+                    for ddl in PG_MIGRATIONS[step]:
+                        conn.execute(ddl)
+                conn.execute("UPDATE taskstore_schema SET version = ?", (SCHEMA_VERSION,))
+            conn.execute("COMMIT")
+        except BaseException:
+            if not conn.broken:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _version_locked(self):
+        if self.conn.execute("SELECT to_regclass('taskstore_schema')").fetchone()[0] is None:
+            return 0
+        return self.conn.execute("SELECT max(version) FROM taskstore_schema").fetchone()[0]
+
+    def _check_version_locked(self):
+        version = self._version_locked()
+        if version > SCHEMA_VERSION:
+            raise StoreUnavailable(
+                f"{self.path} was written by a newer taskstore (schema {version}; "
+                f"this version reads up to {SCHEMA_VERSION})")
+        if version < SCHEMA_VERSION:
+            raise StoreUnavailable(f"{self.path}: read-only, and not at schema {SCHEMA_VERSION}")
+
+    # -- transactions, notifications -------------------------------------------
+
+    def on_remote(self, callback):
+        """Call ``callback(kind, ids)`` for other processes' commits; starts the listener.
+
+        *kind* is ``changed`` (ids changed), ``queued`` (ids became queued),
+        ``cancelling`` (ids became cancelling) or ``lost`` (notifications
+        may have been missed: re-read everything).
+        """
+        self._listener = _PgListener(self, callback)
+        self._listener.start()
+
+    def _note(self, kind, ids):
+        self._notes.setdefault(kind, set()).update(ids)
+
+    def _send_notes_locked(self):
+        """NOTIFY the notes of this transaction (delivered at its commit), in short payloads."""
+        head = f"{self.token} "
+        for kind, ids in self._notes.items():
+            chunk = []
+            size = len(head) + len(kind) + 1
+            for task_id in sorted(ids):
+                if chunk and size + len(task_id) + 1 > PG_NOTIFY_BYTES:
+                    self.conn.execute("SELECT pg_notify(?, ?)",
+                                      (PG_CHANNEL, f"{head}{kind} {','.join(chunk)}"))
+                    chunk, size = [], len(head) + len(kind) + 1
+                chunk.append(task_id)
+                size += len(task_id) + 1
+            self.conn.execute("SELECT pg_notify(?, ?)",
+                              (PG_CHANNEL, f"{head}{kind} {','.join(chunk)}"))
+
+    @contextlib.contextmanager
+    def bulk(self):
+        """A plain context: PostgreSQL has no log to checkpoint after a long job."""
+        if self.closed:
+            raise StoreClosed()
+        yield
+
+    def checkpoint(self):
+        """Nothing to copy: the server checkpoints by itself; ``(0, 0)``."""
+        return 0, 0
+
+    def close(self):
+        """Stop the listener and close the connection (the caller stopped all writers)."""
+        with self.lock:
+            self.closed = True
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.stop()
+        with self.lock:
+            if self.conn is not None:
+                self.conn.raw.close()
+
+    # -- tasks -----------------------------------------------------------------
+
+    def _locking(self, sql):
+        # Inside a write transaction the row read is the row about to be
+        # written: lock it, so another process's writer waits for our commit
+        # and then reads our seq instead of reusing it.
+        return sql + " FOR UPDATE" if self._in_write else sql
+
+    def read_task(self, task_id):
+        row = self.conn.execute(self._locking(_SELECT_TASK_BY_ID), (task_id,)).fetchone()
+        return None if row is None else _task_from_row(row)
+
+    def task_row_at(self, task_id, now):
+        return self.conn.execute(self._locking(_SELECT_TASK_AT), (now, task_id)).fetchone()
+
+    def event_head(self, task_id):
+        return self.conn.execute(
+            self._locking("SELECT status, last_seq, attempt FROM tasks WHERE id = ?"),
+            (task_id,)).fetchone()
+
+    def insert_tasks(self, rows, events):
+        super().insert_tasks(rows, events)
+        self._note("queued", [row[0] for row in rows])
+
+    def move_task(self, task_id, status, values, event_json, now):
+        moved = super().move_task(task_id, status, values, event_json, now)
+        if moved:
+            new = values["status"]
+            self._note("queued" if new == QUEUED else "changed", (task_id,))
+            if new == CANCELLING:
+                self._note("cancelling", (task_id,))
+        return moved
+
+    def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
+                   bump_attempt=False, finish=False):
+        """Section 6's ``move_tasks``, the rows locked first (two recoverers of one owner wait)."""
+        where, args = selector
+        guard, args = f"({where}) AND status = ?", (*args, status)
+        if policy is not None:
+            guard, args = guard + " AND policy = ?", (*args, policy)
+        locked = [r[0] for r in self.conn.execute(
+            f"SELECT id FROM tasks WHERE {guard} ORDER BY id FOR UPDATE", args)]
+        done, moved_ids = super().move_tasks(selector, status, values, event_json, now,
+                                             ids=ids, policy=policy,
+                                             bump_attempt=bump_attempt, finish=finish)
+        self._note("queued" if values.get("status") == QUEUED else "changed", locked)
+        return done, moved_ids
+
+    def set_progress(self, task_id, values, statuses, attempt, now):
+        changed = super().set_progress(task_id, values, statuses, attempt, now)
+        if changed:
+            self._note("changed", (task_id,))
+        return changed
+
+    def append_event(self, task_id, seq, etype, data_json, snapshot_json, now):
+        super().append_event(task_id, seq, etype, data_json, snapshot_json, now)
+        self._note("changed", (task_id,))
+
+    def read_events(self, task_id, start, limit):
+        return self.conn.execute(
+            "SELECT seq, type, data, created_at FROM events WHERE task_id = ? AND seq >= ? "
+            "ORDER BY seq LIMIT ?", (task_id, start, limit)).fetchall()
+
+    def oldest_queued(self, kinds, gen):
+        """The oldest queued Task of *kinds* no other process is claiming, or None (locked)."""
+        row = self.conn.execute(
+            f"{_SELECT_TASK} WHERE status = '{QUEUED}' AND kind = ANY(?) "
+            "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED", (list(kinds),)).fetchone()
+        if row is None:
+            self._empty_gen = gen
+            return None
+        return _task_from_row(row)
+
+    def idempotency_get(self, scope, key):
+        # Two processes creating with one key: the second waits here for the
+        # first's commit, then reads its row (the unique key stays the backstop).
+        if self._in_write:
+            self.conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(? || ' ' || ?, 0))",
+                              (scope, key))
+        return super().idempotency_get(scope, key)
+
+    def idempotency_put(self, scope, key, fprint, task_id, now, expires_at):
+        self.conn.execute(
+            "INSERT INTO idempotency (scope, key, fingerprint, task_id, created_at, expires_at) "
+            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (scope, key) DO UPDATE SET "
+            "fingerprint = EXCLUDED.fingerprint, task_id = EXCLUDED.task_id, "
+            "created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at",
+            (scope, key, fprint, task_id, now, expires_at))
+
+    # -- processes -------------------------------------------------------------
+
+    def register(self, proc_id, now):
+        self.conn.execute(
+            "INSERT INTO processes (id, pid, host, proc_start, started_at, heartbeat_at) "
+            f"VALUES (?, ?, ?, NULL, {_PG_NOW_MS}, {_PG_NOW_MS})", (proc_id, os.getpid(), _HOST()))
+
+    def heartbeat(self, proc_id, now):
+        return self.conn.execute(f"UPDATE processes SET heartbeat_at = {_PG_NOW_MS} WHERE id = ?",
+                                 (proc_id,)).rowcount == 1
+
+    def processes(self):
+        """``{proc_id: (proc_id, pid, host, heartbeat_at, age_ms)}``, the age by the server's clock."""
+        return {r[0]: r for r in self.conn.execute(
+            f"SELECT id, pid, host, heartbeat_at, {_PG_NOW_MS} - heartbeat_at FROM processes")}
+
+    def recovery_view(self, statuses):
+        """Section 6's, in one REPEATABLE READ snapshot (PostgreSQL's plain BEGIN is not one)."""
+        conn = self.conn
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        try:
+            procs = self.processes()
+            present = {}
+            for owner, status, policy in conn.execute(
+                    "SELECT DISTINCT owner, status, policy FROM tasks WHERE owner IS NOT NULL "
+                    "AND status = ANY(?)", (list(statuses),)):
+                present.setdefault(owner, []).append((status, policy))
+        finally:
+            conn.execute("COMMIT")
+        return procs, present
+
+    @staticmethod
+    def owner_dead(proc, now, lease_ms):
+        """Is *proc* (a ``processes()`` value, or None) dead: unregistered, or its lease expired?
+
+        The lease is judged by the age the server computed, never by *now*
+        (this host's clock).  A registration of this very process is alive
+        only while a runner holds it, as on SQLite.
+        """
+        if proc is None:
+            return True
+        proc_id, pid, host, _, age_ms = proc
+        if age_ms > lease_ms:
+            return True
+        if host == _HOST() and pid == os.getpid():
+            return proc_id not in _LIVE_PROCESS_IDS
+        return False
+
+    # -- retention -------------------------------------------------------------
+
+    def reap_tasks_once(self, now, budget, counts, tombstone_ms):
+        """Delete one batch of expired tasks with their events; ``(more, deleted ids)``.
+
+        As section 6's, except that the batch is the rows this transaction
+        locked (``SKIP LOCKED``): reapers in several processes take
+        different batches instead of deleting the same rows twice.
+        """
+        rows = self.conn.execute(
+            f"SELECT id, first_seq, last_seq - first_seq + 1 FROM tasks WHERE {_EXPIRED} "
+            "ORDER BY purge_at, id LIMIT ? FOR UPDATE SKIP LOCKED", (now, budget)).fetchall()
+        take, events = 0, 0
+        for _, _, count in rows:
+            if events + count > 10 * budget:
+                break
+            take += 1
+            events += count
+        if not take and rows:
+            task_id, first, _ = rows[0]      # a very long log goes in slices
+            cut = first + 10 * budget
+            counts["events"] += self.conn.execute(
+                "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
+            self.conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
+            return True, ()
+        ids = [row[0] for row in rows[:take]]
+        if ids:
+            counts["events"] += self.conn.execute(
+                "DELETE FROM events WHERE task_id = ANY(?)", (ids,)).rowcount
+            self.conn.execute(
+                "INSERT INTO tombstones (id, deleted_at, expires_at) "
+                "SELECT unnest(?::text[]), ?, ? ON CONFLICT (id) DO UPDATE SET "
+                "deleted_at = EXCLUDED.deleted_at, expires_at = EXCLUDED.expires_at",
+                (ids, now, now + tombstone_ms))
+            counts["tasks"] += self.conn.execute(
+                "DELETE FROM tasks WHERE id = ANY(?)", (ids,)).rowcount
+        return len(rows) == budget or take < len(rows), ids
+
+    def prune_events_once(self, finished_before, budget, counts):
+        """Prune one batch of finished tasks' events (rows locked, others skipped); more?"""
+        rows = self.conn.execute(
+            "SELECT id, first_seq, last_seq FROM tasks WHERE finished_at IS NOT NULL "
+            "AND first_seq <= last_seq AND finished_at <= ? LIMIT ? FOR UPDATE SKIP LOCKED",
+            (finished_before, budget)).fetchall()
+        spent = 0
+        for task_id, first_seq, last_seq in rows:
+            cut = min(last_seq + 1, first_seq + max(1, 10 * budget - spent))
+            counts["events"] += self.conn.execute(
+                "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
+            self.conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
+            spent += cut - first_seq
+            if spent >= 10 * budget:
+                return True
+        return len(rows) == budget
+
+    def delete_expired(self, table, now, limit):
+        column = {"idempotency": "scope, key", "tombstones": "id"}[table]
+        return self.conn.execute(
+            f"DELETE FROM {table} WHERE ({column}) IN (SELECT {column} FROM {table} "
+            "WHERE expires_at <= ? LIMIT ? FOR UPDATE SKIP LOCKED)", (now, limit)).rowcount
+
+
+def open_engine(path, **options):
+    """The engine for *path*: PostgresEngine for a ``postgresql://`` URL, else SQLiteEngine."""
+    if is_postgres_url(path):
+        return PostgresEngine(path, **options)
+    return SQLiteEngine(path, **options)
+
+
+# =============================================================================
+# 8. The store
 # =============================================================================
 # Rules:
 # - The verbs and the rules, written once: transitions, the event log,
 #   idempotency, retention, recovery decisions, waiting.  Everything that is
-#   SQLite's is the engine's (section 6), reached only through the names its
-#   banner lists; no SQL text lives here.
+#   SQLite's or PostgreSQL's is the engine's (sections 6 and 7), reached only
+#   through the names section 6's banner lists; no SQL text lives here.
 # - One lock (the engine's, ``_lock``).  Public methods take it: reads through
 #   the engine's ``reading()``, writes through ``_writing``; helpers whose
 #   names end in ``_locked`` expect it held.  It is not re-entrant.
@@ -2049,7 +2662,8 @@ class SQLiteEngine:
 #   ``_restart_locked``'s set-based moves), which asks the lifecycle tables
 #   (section 3) and appends the event row.
 #   After the commit, ``_changed`` wakes this process's waiters; other
-#   processes see the change on their next poll.
+#   processes see the change on their next poll, or at once when the engine
+#   tells of other processes' commits (``on_remote``: PostgreSQL does).
 # - Listeners, cancel events and anything else that calls out run after the
 #   commit and outside the lock.
 # - ``now`` arguments are epoch milliseconds; the clock is a ``time.time``-like
@@ -2216,9 +2830,9 @@ class TaskStore:
         self.event_retention_ms = _check_int(event_retention_ms, "event_retention_ms")
         self.tombstone_ms = _check_int(tombstone_ms, "tombstone_ms", allow_none=False)
         self.lease_ms = int(lease_s * 1000)
-        self._engine = engine = SQLiteEngine(path, synchronous=synchronous,
-                                             busy_timeout=busy_timeout, max_bytes=max_bytes,
-                                             readonly=readonly)
+        self._engine = engine = open_engine(path, synchronous=synchronous,
+                                            busy_timeout=busy_timeout, max_bytes=max_bytes,
+                                            readonly=readonly)
         self.readonly = engine.readonly
         self._lock = engine.lock
         # _changed: notified after every commit (waiters re-read the database).
@@ -2237,6 +2851,7 @@ class TaskStore:
         self._cancel_events = {}
         self._reaper = None
         self._ids = _IdSequence()
+        engine.on_remote(self._on_remote)
         if recover_on_open and not self.readonly:
             self.recover()
 
@@ -2267,6 +2882,24 @@ class TaskStore:
                     listener(task, change)
                 except Exception:
                     logger.exception("task listener %r failed", listener)
+
+    def _on_remote(self, kind, ids):
+        """Another process committed (the engine's ``on_remote``): wake who waits here.
+
+        Waiters re-read (``_changed``); idle runners look for work when
+        something became queued; work this process runs learns of its
+        cancel at once.  ``lost``: news may have been missed, so all of it.
+        """
+        with self._lock:
+            if kind in (QUEUED, "lost"):
+                self._work_gen += 1
+                self._work.notify_all()
+            self._changed.notify_all()
+            events = [self._cancel_events.get(task_id) for task_id in ids
+                      ] if kind == CANCELLING else ()
+        for event in events:
+            if event is not None:
+                event.set()
 
     def _get_locked(self, task_id, principal=None, decode=True):
         """The task as *principal* may see it, else the right error; *decode* False: its row."""
@@ -2795,9 +3428,17 @@ class TaskStore:
         return proc_id
 
     def heartbeat(self, proc_id):
-        """Renew the lease of a registration; False when it was declared dead meanwhile."""
+        """Renew the lease of a registration; False when it was declared dead meanwhile.
+
+        On a database other hosts share (PostgreSQL), a live heartbeat also
+        runs ``recover()``: a dead process's tasks are recovered within the
+        lease plus one heartbeat, not at the reaper's next pass.
+        """
         with self._writing():
-            return self._engine.heartbeat(proc_id, int(self.clock() * 1000))
+            alive = self._engine.heartbeat(proc_id, int(self.clock() * 1000))
+        if alive and self._engine.shared:
+            self.recover()
+        return alive
 
     def cancelling_owned(self, owner):
         """Return the ids of the tasks *owner* holds that are ``cancelling``.
@@ -3071,7 +3712,7 @@ class Reaper(threading.Thread):
 
 
 # =============================================================================
-# 8. Runner and handler context
+# 9. Runner and handler context
 # =============================================================================
 # Rules:
 # - A runner registers its process, claims queued tasks of the kinds it has
@@ -3481,7 +4122,7 @@ class Runner:
 
 
 # =============================================================================
-# 9. MCP server (stdio JSON-RPC)
+# 10. MCP server (stdio JSON-RPC)
 # =============================================================================
 # The MCP adapter, for both eras of MCP tasks over one store:
 #   2025-11-25 ("legacy"): the initialize handshake and the core tasks methods;
@@ -3496,7 +4137,7 @@ class Runner:
 # One lifecycle, two wire projections: mcp_task_to_wire (legacy Task) and
 # mcp_task_to_modern_wire (modern CreateTaskResult / DetailedTask) are the only
 # producers of a task's wire shape.
-# Two layers, as for LMSP in section 10: McpDispatcher decides (one decoded
+# Two layers, as for LMSP in section 11: McpDispatcher decides (one decoded
 # message in, the messages to send and the blocking work to run out; no
 # streams, no threads), McpServer moves lines (a reader thread, two bounded
 # pools that run the dispatcher's work, past which a request is refused, and
@@ -5399,7 +6040,7 @@ def run_mcp(args):
 
 
 # =============================================================================
-# 10. LMSP HTTP server
+# 11. LMSP HTTP server
 # =============================================================================
 # The LMSP 1.0 task routes under /lmsp/v1 (create, list, get, cancel and a
 # resumable event stream; the README lists them) over the standard library's
@@ -7420,7 +8061,7 @@ def _load_backend_key(key_file=None, environ=None, warn=None):
     return key
 
 
-# -- command line: the http command (section 11 adds it to the parser) --------
+# -- command line: the http command (section 12 adds it to the parser) --------
 
 def _origin_arg(value):
     """argparse type of ``--allow-origin``: an origin pattern, lower-cased."""
@@ -7576,13 +8217,14 @@ def cmd_http(args):
 
 
 # =============================================================================
-# 11. Command line
+# 12. Command line
 # =============================================================================
 # ``main(argv) -> int``: 0 on success, 1 on a store error (one line on
-# stderr), 2 on a usage error (argparse).  Every command names its own function
-# with ``set_defaults(func=...)`` and main() calls it, so no command is special:
-# mcp and http keep their parser and runner beside their server (sections 9 and
-# 10), the ``tasks`` verbs live here.  Every command that opens a store takes
+# stderr), 2 on a usage error (argparse) or a missing package (PostgreSQL's).
+# Every command names its own function with ``set_defaults(func=...)`` and
+# main() calls it, so no command is special:
+# mcp and http keep their parser and runner beside their server (sections 10 and
+# 11), the ``tasks`` verbs live here.  Every command that opens a store takes
 # --db and --sync from one helper, so they mean the same everywhere.  Options
 # refine, never enable: every command works with no options on ./taskstore.db.
 # Only command-line code prints (here and the http command); the library logs.
@@ -7590,7 +8232,8 @@ def cmd_http(args):
 def _add_db_option(parser):
     """Add the two options of every command that opens a store file: ``--db``, ``--sync``."""
     parser.add_argument("--db", default=DEFAULT_DB, metavar="PATH",
-                        help="the store file (default: %(default)s in the current folder)")
+                        help="the store file, or a postgresql:// URL (default: %(default)s in "
+                             "the current folder)")
     parser.add_argument("--sync", choices=("normal", "full"), default="normal",
                         help="SQLite synchronous mode: normal survives process crashes, full "
                              "also power loss (default: %(default)s)")
@@ -7603,8 +8246,8 @@ def build_parser():
     parser.add_argument("--version", action="version", version=f"taskstore {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
-    add_mcp_parser(commands)            # section 9
-    add_http_parser(commands)           # section 10
+    add_mcp_parser(commands)            # section 10
+    add_http_parser(commands)           # section 11
     _add_tasks_parser(commands)
     return parser
 
@@ -7728,7 +8371,7 @@ def _admin_store(args, writes=False):
     store) and never recovers on open: only ``tasks recover`` moves tasks of
     dead owners, so that looking at a store never changes it.
     """
-    if not os.path.exists(args.db):
+    if not is_postgres_url(args.db) and not os.path.exists(args.db):
         raise StoreUnavailable(f"{args.db}: no such store file")
     return TaskStore(args.db, synchronous=args.sync, recover_on_open=False, readonly=not writes)
 
@@ -8056,6 +8699,9 @@ def main(argv=None):
                             format="taskstore: %(levelname)s %(message)s")
     try:
         return args.func(args)              # every command sets its own (set_defaults)
+    except MissingDependency as exc:
+        print(f"taskstore: error: {exc}", file=sys.stderr)
+        return 2
     except TaskStoreError as exc:
         print(f"taskstore: error: {exc}", file=sys.stderr)
         return 1

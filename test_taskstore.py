@@ -1851,12 +1851,25 @@ class EngineSeamTests(unittest.TestCase):
         cls.store = next(node for node in ast.parse(cls.source).body
                          if isinstance(node, ast.ClassDef) and node.name == "TaskStore")
 
-    def test_the_banner_lists_what_the_sqlite_engine_provides(self):
+    def test_the_banner_lists_what_each_engine_provides(self):
         self.assertGreater(len(self.listed), 20)
-        engine = taskstore.SQLiteEngine
-        for name in self.listed - {"lock", "readonly"}:
+        for engine in (taskstore.SQLiteEngine, taskstore.PostgresEngine):
+            self.assertIsInstance(engine.shared, bool)
+            for name in self.listed - {"lock", "readonly", "shared"}:
+                with self.subTest(engine=engine.__name__, name=name):
+                    self.assertTrue(callable(getattr(engine, name, None)))
+
+    def test_the_postgres_engine_restates_what_it_must(self):
+        # Inherited SQL is only what PostgreSQL runs as written: whatever
+        # locks rows, uses database time, or tells other processes is its own.
+        own = vars(taskstore.PostgresEngine)
+        for name in ("read_task", "task_row_at", "event_head",
+                     "move_tasks", "oldest_queued", "idempotency_get", "idempotency_put",
+                     "register", "heartbeat", "processes", "recovery_view", "owner_dead",
+                     "reap_tasks_once", "prune_events_once", "delete_expired", "on_remote",
+                     "bulk", "checkpoint", "close"):
             with self.subTest(name=name):
-                self.assertTrue(callable(getattr(engine, name, None)))
+                self.assertIn(name, own)
 
     def test_the_store_uses_only_listed_engine_names(self):
         import ast
