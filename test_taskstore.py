@@ -11920,10 +11920,14 @@ class PgFaultCase(unittest.TestCase):
 
     # -- processes -------------------------------------------------------
 
-    def replicas(self, n, *args):
-        """Start *n* replicas of the http command on the URL, each on a port of its own."""
+    def replicas(self, n, *args, short_lease=False):
+        """Start *n* replicas of the http command on the URL, each on a port of its own.
+
+        *short_lease*: with PGFAULT_LEASE_ARGS (the default lease otherwise).
+        """
+        lease = PGFAULT_LEASE_ARGS if short_lease else ()
         return [ServerProcess(self, self.url, "--demo-delay", PGFAULT_DEMO_DELAY,
-                              "--workers", "2", *PGFAULT_LEASE_ARGS, *args) for _ in range(n)]
+                              "--workers", "2", *lease, *args) for _ in range(n)]
 
     def spawn(self, script, *args):
         return ChildProcess(self, script, self.url, *args)
@@ -12189,7 +12193,7 @@ class PgFaultReplicaKillTests(PgFaultCase):
     """kill -9 of one of three replicas under load: the other two recover its tasks."""
 
     def test_a_killed_replicas_tasks_are_recovered_by_the_others_after_the_lease(self):
-        servers = self.replicas(3)
+        servers = self.replicas(3, short_lease=True)
         clients = [server.client for server in servers]
         load = LoadGenerator(self, clients, threads=3, pace=0.3).start()
         pids = {server.proc.pid for server in servers}
@@ -12258,7 +12262,7 @@ class PgFaultServerRestartTests(PgFaultCase):
     def test_an_immediate_restart_under_load_loses_nothing_acknowledged(self):
         servers = self.replicas(3)
         clients = [server.client for server in servers]
-        load = LoadGenerator(self, clients, threads=4, pace=0.05).start()
+        load = LoadGenerator(self, clients, threads=4, pace=0.2).start()
         # Readers too, so that the outage is seen on every kind of route.
         reads = collections.Counter()
         stopping = threading.Event()
@@ -12497,15 +12501,13 @@ class PgFaultCrossReplicaStreamTests(PgFaultCase):
 
     def test_a_stream_on_b_follows_a_task_run_on_a_and_resumes_there(self):
         words = 40
-        a = ServerProcess(self, self.url, "--demo-delay", "0.1", "--workers", "1",
-                          *PGFAULT_LEASE_ARGS)
+        a = ServerProcess(self, self.url, "--demo-delay", "0.1", "--workers", "1")
         text = " ".join(f"s{j}" for j in range(words))
         task = a.client.create(create_body(text, on_restart="retry"))
         poll_until("the task running on A",
                    lambda: a.client.task(task["id"])["status"] == "running", 3 * TIMEOUT)
         self.assertEqual({pid for _, pid in self.owners().values()}, {a.proc.pid})
-        b = ServerProcess(self, self.url, "--demo-delay", "0.1", "--workers", "1",
-                          *PGFAULT_LEASE_ARGS)
+        b = ServerProcess(self, self.url, "--demo-delay", "0.1", "--workers", "1")
         live = 0
         with b.client.stream(task["id"]) as reader:
             self.assertEqual(reader.status, 200)
