@@ -12269,7 +12269,8 @@ class PgFaultServerRestartTests(PgFaultCase):
 
         def read(n):
             while not stopping.is_set():
-                ids = list(load.acked)
+                with load.lock:
+                    ids = list(load.acked)
                 path = f"/lmsp/v1/tasks/{ids[-1]}" if ids else "/lmsp/v1/tasks?limit=5"
                 status, resp, obj = wire_request(clients[n % 3], "GET", path)
                 n += 1
