@@ -2117,6 +2117,19 @@ def _redact_url(url):
     return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
+def _refuse_nul(params):
+    # PostgreSQL's text cannot hold NUL, which SQLite's can: refuse the input
+    # (JSON columns never have one, dumps() escapes it).
+    for value in params:
+        if isinstance(value, str) and "\x00" in value:
+            raise InvalidParams("text with a NUL character cannot be stored on PostgreSQL")
+
+
+def _nul_free(text):
+    """*text* with NUL written ``\\0`` (and ``\\`` doubled): a lookup key PostgreSQL can hold."""
+    return text.replace("\\", "\\\\").replace("\x00", "\\0")
+
+
 class _PgConnection:
     """A psycopg connection that speaks the ``execute`` of sqlite3's connections.
 
@@ -2134,6 +2147,7 @@ class _PgConnection:
         text = self._sql.get(sql)
         if text is None:
             text = self._sql[sql] = sql.replace("%", "%%").replace("?", "%s")
+        _refuse_nul(params)
         cursor = self.raw.execute(text, params)
         if cursor.rowcount > 0 and not text.lstrip().startswith("SELECT"):
             self.total_changes += cursor.rowcount
@@ -2141,6 +2155,8 @@ class _PgConnection:
 
     def executemany(self, sql, rows):
         rows = list(rows)
+        for row in rows:
+            _refuse_nul(row)
         with self.raw.cursor() as cursor:
             cursor.executemany(sql.replace("?", "%s"), rows)
         self.total_changes += len(rows)
@@ -2515,6 +2531,7 @@ class PostgresEngine(SQLiteEngine):
     def idempotency_get(self, scope, key):
         # Two processes creating with one key: the second waits here for the
         # first's commit, then reads its row (the unique key stays the backstop).
+        scope, key = _nul_free(scope), _nul_free(key)
         if self._in_write:
             self.conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(? || ' ' || ?, 0))",
                               (scope, key))
@@ -2526,7 +2543,7 @@ class PostgresEngine(SQLiteEngine):
             "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (scope, key) DO UPDATE SET "
             "fingerprint = EXCLUDED.fingerprint, task_id = EXCLUDED.task_id, "
             "created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at",
-            (scope, key, fprint, task_id, now, expires_at))
+            (_nul_free(scope), _nul_free(key), fprint, task_id, now, expires_at))
 
     # -- processes -------------------------------------------------------------
 

@@ -12,10 +12,13 @@ import base64
 import collections
 import contextlib
 import email.utils
+import functools
+import glob
 import hashlib
 import http.client
 import http.server
 import io
+import itertools
 import json
 import logging
 import os
@@ -63,6 +66,8 @@ TASKSTORE_PY = os.path.join(HERE, "taskstore.py")
 #   fuzzing) and TASKSTORE_FAULT_SEED (the MCP server's): replay a seeded fault
 #                                    test; a failure prints the one to set
 #   TASKSTORE_TEST_STATS=1           the fault tests print what they covered
+#   TASKSTORE_PG_REQUIRED=1          the PostgreSQL classes fail, not skip, where
+#                                    psycopg or the server binaries are missing
 SOAK_S = float(os.environ.get("TASKSTORE_SOAK") or 0)
 TORTURE_CYCLES = int(os.environ.get("TASKSTORE_TEST_TORTURE_CYCLES") or 50)
 FUZZ_INPUTS = int(os.environ.get("TASKSTORE_TEST_FUZZ_INPUTS") or 10_000)
@@ -72,6 +77,7 @@ IDEMPOTENT_KEYS = int(os.environ.get("TASKSTORE_TEST_IDEMPOTENT_KEYS") or 200)
 FAULT_SEEDS = {name: os.environ.get(name) for name in
                ("TASKSTORE_TORTURE_SEED", "TASKSTORE_FUZZ_SEED", "TASKSTORE_FAULT_SEED")}
 PRINT_STATS = bool(os.environ.get("TASKSTORE_TEST_STATS"))
+PG_REQUIRED = os.environ.get("TASKSTORE_PG_REQUIRED") == "1"
 
 
 class FakeClock:
@@ -168,13 +174,20 @@ def tearDownModule():
 
 
 class StoreTestCase(unittest.TestCase):
-    """A fresh store on a temporary file and a fake clock for every test."""
+    """A fresh store on a temporary file and a fake clock for every test.
+
+    ``database()`` names the store every ``open_store`` opens: a file here,
+    a fresh PostgreSQL database in the ``Pg`` subclasses (``PostgresStoreMixin``).
+    """
 
     def setUp(self):
         self.dir = temp_dir(self)
-        self.path = os.path.join(self.dir, "tasks.db")
+        self.path = self.database()
         self.clock = FakeClock()
         self.store = self.open_store()
+
+    def database(self):
+        return os.path.join(self.dir, "tasks.db")
 
     def open_store(self, **kwargs):
         kwargs.setdefault("clock", self.clock)
@@ -211,6 +224,145 @@ class StoreTestCase(unittest.TestCase):
                   and e.data["status"] in taskstore.TERMINAL_STATES]
         self.assertEqual(len(finals), 1 if task.terminal else 0)
         return events
+
+
+# ---------------------------------------------------------------------------
+# PostgreSQL: a throwaway server, and the store tests run on it
+# ---------------------------------------------------------------------------
+
+def _pg_bin():
+    """The newest PostgreSQL server binaries' directory on this machine, or None."""
+    versions = [path.split("/")[4] for path in glob.glob("/usr/lib/postgresql/*/bin/initdb")]
+    versions = sorted(v for v in versions if v.isdigit())
+    return f"/usr/lib/postgresql/{max(versions, key=int)}/bin" if versions else None
+
+
+class PostgresServer:
+    """One PostgreSQL server for the whole test run, in a temporary directory.
+
+    Started by the first test class that needs it (``shared()``), stopped and
+    removed when the module's tests end.  As root the server runs as the
+    ``postgres`` user, which owns the directory.  Each test gets a database
+    of its own (``create_database``), dropped when the test ends.
+    """
+
+    _shared = None
+
+    @classmethod
+    def shared(cls):
+        """The run's server, started now if it is not yet; SkipTest (or a failure) when impossible."""
+        if cls._shared is None:
+            missing = cls.missing()
+            if missing:
+                if PG_REQUIRED:
+                    raise AssertionError(f"TASKSTORE_PG_REQUIRED=1, but {missing}")
+                raise unittest.SkipTest(missing)
+            cls._shared = cls()
+            unittest.addModuleCleanup(cls._shared.stop)
+        return cls._shared
+
+    @staticmethod
+    def missing():
+        """Why no PostgreSQL test can run here, or None."""
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            return "psycopg is not installed (pip install 'psycopg[binary]')"
+        if _pg_bin() is None:
+            return "no PostgreSQL server binaries (/usr/lib/postgresql/*/bin/initdb)"
+        return None
+
+    def __init__(self):
+        import psycopg
+        self.psycopg = psycopg
+        self.bin = _pg_bin()
+        self.dir = tempfile.mkdtemp(prefix="taskstore-pg-")
+        self.data = os.path.join(self.dir, "data")
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, "postgres", "postgres")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self._admin = None
+        self._names = itertools.count(1)
+        self._run("initdb", "-A", "trust", "-U", "postgres", "-D", self.data)
+        self._run("pg_ctl", "-D", self.data, "-l", os.path.join(self.dir, "log"), "-w",
+                  "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
+                        "-c fsync=on -c max_connections=200", "start")
+
+    def _run(self, program, *args):
+        command = [os.path.join(self.bin, program), *args]
+        if os.geteuid() == 0:
+            command = ["runuser", "-u", "postgres", "--", *command]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       stdin=subprocess.DEVNULL, timeout=60)
+
+    def url(self, name="postgres"):
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{name}"
+
+    def admin(self, sql):
+        """Run one statement as the superuser on the ``postgres`` database."""
+        if self._admin is None or self._admin.closed or self._admin.broken:
+            self._admin = self.psycopg.connect(self.url(), autocommit=True, connect_timeout=10)
+        self._admin.execute(sql)
+
+    def create_database(self, test):
+        """A fresh empty database, dropped when *test* ends; return its URL."""
+        name = f"t{next(self._names)}"
+        self.admin(f"CREATE DATABASE {name} TEMPLATE template0")
+        test.addCleanup(self.admin, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        return self.url(name)
+
+    def restart(self, mode="immediate"):
+        """Restart the server (``pg_ctl restart -m`` *mode*): connections drop, data stays."""
+        self._run("pg_ctl", "-D", self.data, "-m", mode, "-w", "restart")
+
+    def stop(self):
+        """Stop the server and remove its directory."""
+        if self._admin is not None:
+            self._admin.close()
+        try:
+            self._run("pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop")
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class PostgresStoreMixin:
+    """Put before a StoreTestCase class: the same tests, each on a fresh PostgreSQL database.
+
+    ``sqlite_only`` maps the names of tests about SQLite itself (statement
+    traces, query plans, the fake clock judging a lease) to the reason
+    they are skipped here.
+    """
+
+    sqlite_only = {}
+
+    @classmethod
+    def setUpClass(cls):
+        cls.pg = PostgresServer.shared()
+        super().setUpClass()
+
+    def setUp(self):
+        reason = self.sqlite_only.get(self._testMethodName)
+        if reason:
+            self.skipTest(f"SQLite only: {reason}")
+        super().setUp()
+
+    def database(self):
+        return self.pg.create_database(self)
+
+    def dead_owner(self):
+        """A registration whose heartbeat is older than any lease, by the server's clock."""
+        owner = taskstore.new_id("proc", self.clock.ms)
+        with self.store._writing():
+            self.store._engine.conn.execute(
+                "INSERT INTO processes VALUES (?, ?, ?, NULL, 0, 0)",
+                (owner, 1, "elsewhere"))
+        return owner
+
+
+_TRACES = "it traces sqlite3's statements"
+_FAKE_LEASE = "the fake clock ages a lease; PostgreSQL judges it by the server's clock"
 
 
 # ---------------------------------------------------------------------------
@@ -1835,6 +1987,83 @@ class PublicWorkerLoopTests(StoreTestCase):
                                 and node.value.attr in ("store", "_store")):
                         with self.subTest(cls=cls.name, name=node.attr):
                             self.assertFalse(node.attr.startswith("_"))
+
+
+# The engine-independent store tests again, each on a fresh PostgreSQL database
+# (skipped where psycopg or a PostgreSQL server is missing, see PostgresServer).
+
+
+class PgStoreTransitionTests(PostgresStoreMixin, StoreTransitionTests):
+    __doc__ = StoreTransitionTests.__doc__
+
+
+class PgLifecycleTests(PostgresStoreMixin, LifecycleTests):
+    __doc__ = LifecycleTests.__doc__
+    sqlite_only = {
+        "test_event_reads_use_the_index": "it reads SQLite's query plan",
+    }
+
+
+class PgRunnerTests(PostgresStoreMixin, RunnerTests):
+    __doc__ = RunnerTests.__doc__
+
+
+class PgCancellationTests(PostgresStoreMixin, CancellationTests):
+    __doc__ = CancellationTests.__doc__
+
+
+class PgIdempotencyTests(PostgresStoreMixin, IdempotencyTests):
+    __doc__ = IdempotencyTests.__doc__
+
+
+class PgClaimTests(PostgresStoreMixin, ClaimTests):
+    __doc__ = ClaimTests.__doc__
+    sqlite_only = {
+        "test_idle_claims_never_take_the_write_lock": _TRACES,
+        "test_a_claim_after_queued_work_skips_the_cheap_read_and_still_finds_it": _TRACES,
+        "test_work_queued_by_another_process_is_found_by_the_cheap_read": _TRACES,
+    }
+
+
+class PgGroupCommitTests(PostgresStoreMixin, GroupCommitTests):
+    __doc__ = GroupCommitTests.__doc__
+    sqlite_only = {
+        "test_a_mixed_batch_commits_together_and_a_failing_member_fails_alone": _TRACES,
+    }
+
+
+class PgBatchCreateTests(PostgresStoreMixin, BatchCreateTests):
+    __doc__ = BatchCreateTests.__doc__
+    sqlite_only = {
+        "test_a_batch_is_committed_in_one_transaction_with_each_first_event": _TRACES,
+    }
+
+
+class PgRetentionTests(PostgresStoreMixin, RetentionTests):
+    __doc__ = RetentionTests.__doc__
+    sqlite_only = {
+        "test_reap_deletes_in_small_batches": _TRACES,
+    }
+
+
+class PgRecoveryTests(PostgresStoreMixin, RecoveryTests):
+    __doc__ = RecoveryTests.__doc__
+    sqlite_only = {
+        "test_release_in_many_small_batches_moves_each_task_once": _TRACES,
+        "test_expired_lease_is_recovered_even_if_the_pid_lives": _FAKE_LEASE,
+    }
+
+
+class PgStoreRaceTests(PostgresStoreMixin, StoreRaceTests):
+    __doc__ = StoreRaceTests.__doc__
+
+
+class PgRestartTableTests(PostgresStoreMixin, RestartTableTests):
+    __doc__ = RestartTableTests.__doc__
+
+
+class PgPublicWorkerLoopTests(PostgresStoreMixin, PublicWorkerLoopTests):
+    __doc__ = PublicWorkerLoopTests.__doc__
 
 
 class EngineSeamTests(unittest.TestCase):
