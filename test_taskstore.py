@@ -12136,16 +12136,20 @@ class LoadGenerator:
 
 
 class PgFaultCase(unittest.TestCase):
-    """One throwaway PostgreSQL server per class, a fresh database per test."""
+    """The run's throwaway PostgreSQL server (PostgresServer), a fresh database per test.
+
+    Skipped like the other PostgreSQL classes where psycopg or the server
+    binaries are missing (a failure with TASKSTORE_PG_REQUIRED=1).
+    """
 
     @classmethod
     def setUpClass(cls):
+        cls.pg = PostgresServer.shared()
         super().setUpClass()
-        cls.pg = pgfault_server(cls)
 
     def setUp(self):
         self.started = time.monotonic()
-        self.url = self.pg.fresh_database(self.id().rsplit(".", 1)[-1])
+        self.url = self.pg.create_database(self)
 
     # -- processes -------------------------------------------------------
 
@@ -12265,79 +12269,6 @@ class PgFaultCase(unittest.TestCase):
             lines = server.log()
             bad = [line for line in lines if "Traceback" in line]
             self.assertEqual(bad, [], "".join(lines[-40:]))
-PG_REQUIRED = os.environ.get("TASKSTORE_PG_REQUIRED") == "1"
-
-
-PG_BIN_DIR = "/usr/lib/postgresql/15/bin"
-
-
-def _psycopg_missing():
-    try:
-        import psycopg  # noqa: F401
-    except ImportError:
-        return True
-    return False
-
-
-def pgfault_skip_reason():
-    if not os.path.exists(os.path.join(PG_BIN_DIR, "initdb")):
-        return "no PostgreSQL server binaries"
-    if _psycopg_missing():
-        return "psycopg is not installed"
-    return None
-
-
-class _FaultPostgres:
-    """A throwaway PostgreSQL 15 server in a temp dir, run as the postgres user."""
-
-    def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="pgfault-")
-        os.chmod(self.dir, 0o755)
-        self.data = os.path.join(self.dir, "data")
-        self.as_user = {"user": "postgres", "group": "postgres", "extra_groups": []} \
-            if os.geteuid() == 0 else {}
-        if self.as_user:
-            shutil.chown(self.dir, "postgres", "postgres")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.run("initdb", "-D", self.data, "-A", "trust", "-U", "postgres", "--no-sync")
-        self.run("pg_ctl", "-D", self.data, "-l", os.path.join(self.dir, "log"), "-w", "-t", "60",
-                 "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
-                       "-c max_connections=200 -c fsync=off", "start")
-        self.databases = 0
-
-    def run(self, tool, *args):
-        return subprocess.run([os.path.join(PG_BIN_DIR, tool), *args], cwd=self.dir,
-                              capture_output=True, text=True, check=True, timeout=120,
-                              env=dict(os.environ, LC_ALL="C"), **self.as_user)
-
-    def url(self, db="postgres"):
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{db}"
-
-    def fresh_database(self, hint="t"):
-        import psycopg
-        self.databases += 1
-        name = f"pgfault_{self.databases}"
-        with psycopg.connect(self.url(), autocommit=True) as conn:
-            conn.execute(f"CREATE DATABASE {name}")
-        return self.url(name)
-
-    def restart(self, mode="immediate"):
-        self.run("pg_ctl", "-D", self.data, "-m", mode, "-w", "-t", "60", "restart")
-
-    def stop(self):
-        with contextlib.suppress(subprocess.SubprocessError, OSError):
-            self.run("pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop")
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def pgfault_server(test_class):
-    server = _FaultPostgres()
-    test_class.addClassCleanup(server.stop)
-    return server
-
-
 # A worker process for the SIGSTOP test: a Runner with a short lease.  Its
 # handler holds a first attempt until the parent has paused the process past
 # its lease and continued it; then it says whether its cancel signal came
@@ -12417,7 +12348,6 @@ store.close()
 """
 
 
-@unittest.skipIf(pgfault_skip_reason() and not PG_REQUIRED, pgfault_skip_reason() or "")
 class PgFaultReplicaKillTests(PgFaultCase):
     """kill -9 of one of three replicas under load: the other two recover its tasks."""
 
@@ -12484,7 +12414,6 @@ class PgFaultReplicaKillTests(PgFaultCase):
                         wall_s=round(time.monotonic() - self.started, 1))
 
 
-@unittest.skipIf(pgfault_skip_reason() and not PG_REQUIRED, pgfault_skip_reason() or "")
 class PgFaultServerRestartTests(PgFaultCase):
     """pg_ctl restart -m immediate under load: 503s, then everything recovers by itself."""
 
@@ -12561,7 +12490,6 @@ class PgFaultServerRestartTests(PgFaultCase):
         self.assertNoServerErrors(servers)
 
 
-@unittest.skipIf(pgfault_skip_reason() and not PG_REQUIRED, pgfault_skip_reason() or "")
 class PgFaultClaimTests(PgFaultCase):
     """Exactly-once claiming: 3 processes, each its own store, CLAIM_TASKS tasks."""
 
@@ -12616,7 +12544,6 @@ class PgFaultClaimTests(PgFaultCase):
         self.assertEqual(dense, [], "logs not dense from 0 with one final event")
 
 
-@unittest.skipIf(pgfault_skip_reason() and not PG_REQUIRED, pgfault_skip_reason() or "")
 class PgFaultIdempotencyTests(PgFaultCase):
     """One Idempotency-Key raced from three replicas gives one task."""
 
@@ -12662,7 +12589,6 @@ class PgFaultIdempotencyTests(PgFaultCase):
             self.check_log(clients[rnd % 3], task_id, obj, f"raced key {rnd}")
 
 
-@unittest.skipIf(pgfault_skip_reason() and not PG_REQUIRED, pgfault_skip_reason() or "")
 class PgFaultPausedWorkerTests(PgFaultCase):
     """A worker SIGSTOPped past its lease cannot complete the task recovered meanwhile."""
 
@@ -12725,7 +12651,6 @@ class PgFaultPausedWorkerTests(PgFaultCase):
                         double_completions=0, wall_s=round(time.monotonic() - self.started, 1))
 
 
-@unittest.skipIf(pgfault_skip_reason() and not PG_REQUIRED, pgfault_skip_reason() or "")
 class PgFaultCrossReplicaStreamTests(PgFaultCase):
     """A stream on replica B follows live a task replica A runs, and resumes on B."""
 
