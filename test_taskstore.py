@@ -315,6 +315,8 @@ class PostgresServer:
 
     def restart(self, mode="immediate"):
         """Restart the server (``pg_ctl restart -m`` *mode*): connections drop, data stays."""
+        if self._admin is not None:       # it would drop too, unnoticed until its next use
+            self._admin.close()
         self._run("pg_ctl", "-D", self.data, "-m", mode, "-w", "restart")
 
     def stop(self):
