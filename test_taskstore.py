@@ -11997,8 +11997,24 @@ PGFAULT_LEASE_S = 3.0         # the short lease the replicas and workers run wit
 PGFAULT_HEARTBEAT_S = 0.5     # and their heartbeat interval
 PGFAULT_DEMO_DELAY = "0.05"   # seconds per demo chunk: a 12-word task runs ~0.6 s
 PGFAULT_WORDS = 12
-# How a replica is given the short lease (the http command's options).
-PGFAULT_LEASE_ARGS = ("--lease", str(PGFAULT_LEASE_S), "--heartbeat", str(PGFAULT_HEARTBEAT_S))
+
+
+def pgfault_lease_args():
+    """How a replica is given the short lease: the http command's lease and heartbeat options.
+
+    The contract has them ("documented options with sensible defaults"),
+    in seconds; they are found in ``http --help`` by name, so that their
+    absence fails the test that needs them with that reason.
+    """
+    out = subprocess.run(http_command("--help"), capture_output=True, text=True,
+                         timeout=TIMEOUT).stdout
+    lease = re.findall(r"(--[a-z-]*lease[a-z-]*)", out)
+    beat = re.findall(r"(--[a-z-]*heartbeat[a-z-]*)", out)
+    if not lease or not beat:
+        raise AssertionError("the http command has no lease and heartbeat options (the "
+                             f"contract's documented options); its options: "
+                             f"{sorted(set(re.findall(r'--[a-z-]+', out)))}")
+    return (lease[0], str(PGFAULT_LEASE_S), beat[0], str(PGFAULT_HEARTBEAT_S))
 
 
 def pgfault_figures(name, **figures):
@@ -12158,9 +12174,9 @@ class PgFaultCase(unittest.TestCase):
     def replicas(self, n, *args, short_lease=False):
         """Start *n* replicas of the http command on the URL, each on a port of its own.
 
-        *short_lease*: with PGFAULT_LEASE_ARGS (the default lease otherwise).
+        *short_lease*: with pgfault_lease_args() (the default lease otherwise).
         """
-        lease = PGFAULT_LEASE_ARGS if short_lease else ()
+        lease = pgfault_lease_args() if short_lease else ()
         return [ServerProcess(self, self.url, "--demo-delay", PGFAULT_DEMO_DELAY,
                               "--workers", "2", *lease, *args) for _ in range(n)]
 
