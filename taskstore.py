@@ -2245,17 +2245,27 @@ class _PgListener(threading.Thread):
         self._callback = callback
         self._stopping = threading.Event()
         self._conn = None
+        self.own_channel = f"{PG_CHANNEL}_{engine.token}"     # stop() wakes it here
+
+    def listen(self):
+        """Connect and ``LISTEN`` now (raises psycopg's errors): news from here on is heard."""
+        self._conn = self._engine._connect(autocommit=True)
+        self._conn.execute(f"LISTEN {PG_CHANNEL}")
+        self._conn.execute(f"LISTEN {self.own_channel}")
 
     def run(self):
         lost = False
         while not self._stopping.is_set():
             try:
-                self._conn = self._engine._connect(autocommit=True)
-                self._conn.execute(f"LISTEN {PG_CHANNEL}")
+                if self._conn is None:
+                    self.listen()
                 if lost:
                     self._callback("lost", ())
+                    lost = False
                 while not self._stopping.is_set():
                     for note in self._conn.notifies(timeout=PG_LISTEN_RETRY_S):
+                        if note.channel != PG_CHANNEL:
+                            break                  # stop()'s wake-up
                         self._deliver(note.payload)
             except Exception as exc:             # psycopg's errors, or the closed connection
                 if self._stopping.is_set():
@@ -2277,8 +2287,10 @@ class _PgListener(threading.Thread):
             with contextlib.suppress(Exception):
                 conn.close()
 
-    def stop(self, timeout=5.0):
+    def stop(self, wake, timeout=5.0):
+        """End the thread: *wake* (a NOTIFY on ``own_channel``) ends its wait at once."""
         self._stopping.set()
+        wake()
         self.join(timeout)
 
 
@@ -2412,6 +2424,10 @@ class PostgresEngine(SQLiteEngine):
         may have been missed: re-read everything).
         """
         self._listener = _PgListener(self, callback)
+        try:
+            self._listener.listen()      # before the store's first read: no news is missed
+        except self.psycopg.Error as exc:
+            logger.warning("PostgreSQL listener not connected yet (%s); retrying", exc)
         self._listener.start()
 
     def _note(self, kind, ids):
@@ -2444,13 +2460,20 @@ class PostgresEngine(SQLiteEngine):
         """Nothing to copy: the server checkpoints by itself; ``(0, 0)``."""
         return 0, 0
 
+    def _wake_listener(self, channel):
+        # Without a connection the listener sees the stop within a second anyway.
+        with self.lock:
+            if self.conn is not None and not self.conn.broken:
+                with contextlib.suppress(self.psycopg.Error):
+                    self.conn.execute(f"NOTIFY {channel}")
+
     def close(self):
         """Stop the listener and close the connection (the caller stopped all writers)."""
         with self.lock:
             self.closed = True
             listener, self._listener = self._listener, None
         if listener is not None:
-            listener.stop()
+            listener.stop(lambda: self._wake_listener(listener.own_channel))
         with self.lock:
             if self.conn is not None:
                 self.conn.raw.close()

@@ -302,8 +302,13 @@ class PostgresServer:
 
     def admin(self, sql):
         """Run one statement as the superuser on the ``postgres`` database."""
-        if self._admin is None or self._admin.closed or self._admin.broken:
-            self._admin = self.psycopg.connect(self.url(), autocommit=True, connect_timeout=10)
+        if self._admin is not None and not self._admin.closed:
+            try:
+                self._admin.execute(sql)
+                return
+            except self.psycopg.OperationalError:       # the server restarted since
+                self._admin.close()
+        self._admin = self.psycopg.connect(self.url(), autocommit=True, connect_timeout=10)
         self._admin.execute(sql)
 
     def create_database(self, test):
@@ -352,6 +357,13 @@ class PostgresStoreMixin:
 
     def database(self):
         return self.pg.create_database(self)
+
+    def sql(self, query, args=()):
+        """Run one query on a separate plain connection (``?`` placeholders)."""
+        import psycopg
+        with psycopg.connect(self.path, autocommit=True, connect_timeout=10) as conn:
+            cursor = conn.execute(query.replace("?", "%s"), args)
+            return [tuple(row) for row in cursor] if cursor.description else []
 
     def dead_owner(self):
         """A registration whose heartbeat is older than any lease, by the server's clock."""
@@ -3368,10 +3380,17 @@ class ChildProcess:
 
 
 class MultiProcessTestCase(unittest.TestCase):
-    """A temporary directory with one database file that children share."""
+    """A temporary directory with one database file that children share.
+
+    ``database()`` names it: a fresh PostgreSQL database in the ``Pg``
+    subclasses, as for StoreTestCase.
+    """
 
     def setUp(self):
-        self.path = os.path.join(temp_dir(self), "tasks.db")
+        self.path = self.database()
+
+    def database(self):
+        return os.path.join(temp_dir(self), "tasks.db")
 
     def open_store(self, **kwargs):
         kwargs.setdefault("poll_interval", 0.02)
@@ -3937,6 +3956,236 @@ class CrossProcessIdempotencyTests(MultiProcessTestCase):
             else:
                 self.assertIsInstance(outcome, taskstore.IdempotencyMismatch)
         self.assertEqual(len(self.open_store().list(kind="idem")[0]), 1)
+
+
+# ---------------------------------------------------------------------------
+# PostgreSQL: several processes on one database
+# ---------------------------------------------------------------------------
+
+class PgCrossProcessRaceTests(PostgresStoreMixin, CrossProcessRaceTests):
+    __doc__ = CrossProcessRaceTests.__doc__
+
+
+class PgCrossProcessClaimTests(PostgresStoreMixin, CrossProcessClaimTests):
+    __doc__ = CrossProcessClaimTests.__doc__
+
+
+class PgCrossProcessIdempotencyTests(PostgresStoreMixin, CrossProcessIdempotencyTests):
+    __doc__ = CrossProcessIdempotencyTests.__doc__
+
+
+# Waits for ``go``, then appends ARGS[1] events to task ARGS[0], one per
+# transaction, racing the other writers of the same task.
+EMIT_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, recover_on_open=False)
+say("ready")
+if sys.stdin.readline().strip() != "go":
+    sys.exit("expected go")
+seqs = [store.emit(ARGS[0], "tick", {"pid": os.getpid()}) for _ in range(int(ARGS[1]))]
+say("emitted", json.dumps(seqs))
+store.close()
+"""
+
+# Opens the store with a poll far longer than the test's patience, so only a
+# notification can wake it; prints ``waiting`` and then how its wait ended.
+WAIT_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, recover_on_open=False, poll_interval=60)
+version = store.get(ARGS[0]).version
+say("waiting")
+started = time.monotonic()
+task = store.wait(ARGS[0], since_version=version, timeout=T)
+say("woke", json.dumps({"status": task.status, "after": time.monotonic() - started}))
+store.close()
+"""
+
+# A runner that learns of cancels only by notification (its heartbeat and the
+# store's poll are far longer than the test's patience).
+NOTIFIED_CANCEL_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, recover_on_open=False, poll_interval=60)
+started = queue.Queue()
+
+def watch(ctx, payload):
+    ctx.running()
+    started.put(ctx.task_id)
+    seen = ctx.cancelled.wait(T)
+    say("cancel-seen", json.dumps(seen))
+    ctx.check()
+
+runner = taskstore.Runner(store, {"watch": watch}, workers=1, heartbeat_s=60)
+runner.start()
+say("ready", started.get(timeout=T))
+sys.stdin.readline()
+store.close()             # first: it wakes the idle worker, which polls once a minute
+runner.stop(timeout=T)
+"""
+
+
+# Waits for ``go``, then opens the store (on an empty database, racing the others).
+OPEN_ON_GO_SCRIPT = CHILD_PRELUDE + r"""
+say("ready")
+if sys.stdin.readline().strip() != "go":
+    sys.exit("expected go")
+store = taskstore.TaskStore(DB)
+say("opened", store.create("first", {}).id)
+store.close()
+"""
+
+
+class PostgresEngineTests(PostgresStoreMixin, MultiProcessTestCase):
+    """What only PostgreSQL does: the server's clock, notifications, schema races, outages."""
+
+    def spawn_ready(self, script, count, *args):
+        children = [self.spawn(script, *args) for _ in range(count)]
+        for child in children:
+            child.expect("ready")
+        return children
+
+    def test_event_seqs_stay_dense_with_writers_in_two_processes(self):
+        store = self.open_store()
+        task = store.create("k")
+        store._move(task.id, taskstore.START)
+        children = self.spawn_ready(EMIT_SCRIPT, 2, task.id, 300)
+        for child in children:
+            child.send("go")
+        seqs = [seq for child in children for seq in child.expect("emitted", 3 * TIMEOUT)]
+        for child in children:
+            child.finish(self)
+        self.assertEqual(sorted(seqs), list(range(2, 602)))     # 0 created, 1 running
+        store.succeed(task.id)
+        events = store.events(task.id)
+        self.assertEqual([e.seq for e in events], list(range(603)))
+        self.assertEqual(store.get(task.id).last_seq, 602)
+
+    def test_a_write_in_one_process_wakes_a_wait_in_another_at_once(self):
+        store = self.open_store(poll_interval=60)
+        task = store.create("k")
+        child = self.spawn(WAIT_SCRIPT, task.id)
+        child.expect("waiting")
+        store.cancel(task.id)
+        woke = child.expect("woke")
+        child.finish(self)
+        self.assertEqual(woke["status"], CANCELLED)
+        self.assertLess(woke["after"], TIMEOUT / 2)     # woken, not timed out
+
+    def test_a_cancel_in_one_process_reaches_the_handler_in_another_at_once(self):
+        store = self.open_store(poll_interval=60)
+        child = self.spawn(NOTIFIED_CANCEL_SCRIPT)
+        store.create("watch")
+        task_id = child.expect("ready")
+        self.assertEqual(store.cancel(task_id).status, CANCELLING)
+        self.assertIs(child.expect("cancel-seen"), True)
+        self.assertEqual(store.wait(task_id, terminal=True, timeout=TIMEOUT).status, CANCELLED)
+        child.finish(self)
+
+    def test_work_queued_in_one_process_wakes_an_idle_runner_in_another(self):
+        store = self.open_store(poll_interval=60)
+        ran = threading.Event()
+        runner = taskstore.Runner(store, {"k": lambda ctx, payload: ran.set()},
+                                  workers=1).start()
+        self.addCleanup(runner.stop)
+        self.addCleanup(store.close)    # first: it wakes the idle worker (a poll a minute)
+        other = taskstore.TaskStore(self.path, poll_interval=60)
+        self.addCleanup(other.close)
+        task = other.create("k")
+        self.assertTrue(ran.wait(TIMEOUT / 2))
+        self.assertEqual(other.wait(task.id, terminal=True, timeout=TIMEOUT).status, SUCCEEDED)
+
+    def test_a_lease_expired_by_the_servers_clock_is_recovered_and_its_worker_fenced(self):
+        stale = self.open_store(lease_s=60)
+        owner = stale.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        task = stale.create("k", policy="retry")
+        claimed = stale.claim(("k",), owner=owner)
+        # A live runner elsewhere with a short lease recovers it with its heartbeat.
+        live = self.open_store(lease_s=0.5)
+        runner = taskstore.Runner(live, {"other": lambda ctx, payload: None}, workers=1,
+                                  heartbeat_s=0.1).start()
+        self.addCleanup(runner.stop)
+        requeued = live.wait(task.id, since_version=claimed.version, timeout=TIMEOUT)
+        self.assertEqual((requeued.status, requeued.attempt), (QUEUED, 2))
+        with self.assertRaises(taskstore.InvalidTransition):
+            stale.succeed(task.id, {"late": True}, attempt=claimed.attempt)
+        self.assertFalse(stale.heartbeat(owner))          # it learns it was declared dead
+        self.assertEqual(live.get(task.id).status, QUEUED)
+        self.assertContiguous(live, task.id)
+
+    def assertContiguous(self, store, task_id):
+        self.assertEqual([e.seq for e in store.events(task_id)],
+                         list(range(store.get(task_id).last_seq + 1)))
+
+    def test_processes_opening_an_empty_database_at_once_create_it_once(self):
+        children = self.spawn_ready(OPEN_ON_GO_SCRIPT, 3)
+        for child in children:
+            child.send("go")
+        for child in children:
+            child.expect("opened")
+            child.finish(self)
+        self.assertEqual(self.sql("SELECT version FROM taskstore_schema"),
+                         [(taskstore.SCHEMA_VERSION,)])
+        self.assertEqual(self.sql("SELECT count(*) FROM tasks"), [(3,)])
+
+    def test_a_newer_schema_is_refused(self):
+        self.open_store().close()
+        self.sql("UPDATE taskstore_schema SET version = ?", (taskstore.SCHEMA_VERSION + 1,))
+        with self.assertRaisesRegex(taskstore.StoreUnavailable, "newer taskstore"):
+            taskstore.TaskStore(self.path)
+
+    def test_the_password_never_shows_in_an_error(self):
+        url = self.path.replace("postgres@", "postgres:s3cret@").rsplit("/", 1)[0] + "/absent"
+        with self.assertRaises(taskstore.StoreUnavailable) as caught:
+            taskstore.TaskStore(url)
+        self.assertNotIn("s3cret", str(caught.exception))
+
+    def test_the_tasks_commands_take_a_postgresql_url(self):
+        store = self.open_store()
+        task = store.create("report", {"topic": "q3"})
+
+        def run(*args):
+            proc = subprocess.run([sys.executable, TASKSTORE_PY, "tasks", *args, "--db",
+                                   self.path], capture_output=True, text=True, timeout=TIMEOUT)
+            self.assertEqual(proc.returncode, 0, proc.stderr)
+            return proc.stdout
+        self.assertIn(task.id, run("list"))
+        self.assertEqual(json.loads(run("show", task.id, "--json"))["status"], QUEUED)
+        run("cancel", task.id)
+        self.assertEqual(store.get(task.id).status, CANCELLED)
+
+    def test_after_a_server_restart_the_store_reconnects_by_itself(self):
+        store = self.open_store()
+        task = store.create("k")
+        self.pg.restart()
+        with contextlib.suppress(taskstore.StoreUnavailable):
+            store.get(task.id)              # the connection the restart broke
+        self.assertEqual(store.get(task.id).id, task.id)
+        self.assertEqual(store.create("k").status, QUEUED)
+
+
+class MissingPsycopgTests(unittest.TestCase):
+    """Without psycopg a PostgreSQL URL says how to install it; SQLite never needs it."""
+
+    SCRIPT = r"""
+import sys
+sys.modules["psycopg"] = None          # import psycopg raises ImportError
+sys.path.insert(0, sys.argv[1])
+import taskstore
+sys.exit(taskstore.main(["tasks", "list", "--db", "postgresql://nobody@127.0.0.1:1/none"]))
+"""
+
+    def test_the_command_exits_2_naming_the_install_command(self):
+        proc = subprocess.run([sys.executable, "-c", self.SCRIPT, TASKSTORE_DIR],
+                              capture_output=True, text=True, timeout=TIMEOUT)
+        self.assertEqual(proc.returncode, 2, proc.stderr)
+        self.assertIn('pip install "taskstore[postgres]"', proc.stderr)
+        self.assertNotIn("Traceback", proc.stderr)
+
+    def test_sqlite_imports_no_psycopg(self):
+        code = ("import sys, tempfile, os; sys.path.insert(0, sys.argv[1]); import taskstore; "
+                "d = tempfile.mkdtemp(); taskstore.TaskStore(os.path.join(d, 't.db')).close(); "
+                "print('psycopg' in sys.modules)")
+        proc = subprocess.run([sys.executable, "-c", code, TASKSTORE_DIR], capture_output=True,
+                              text=True, timeout=TIMEOUT)
+        self.assertEqual(proc.stdout.strip(), "False", proc.stderr)
+
 
 
 # ===========================================================================
