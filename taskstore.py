@@ -1446,6 +1446,9 @@ class SQLiteEngine:
     """
 
     shared = False
+    # Appended to the select of a retention batch: a writer here has the file
+    # to itself; PostgreSQL's reapers skip each other's rows (section 7).
+    _BATCH_LOCK = ""
 
     def __init__(self, path, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
                  max_bytes=None, readonly=False):
@@ -2027,7 +2030,7 @@ class SQLiteEngine:
         # minute.
         rows = self.conn.execute(
             "SELECT id, first_seq, last_seq FROM tasks WHERE finished_at IS NOT NULL "
-            "AND first_seq <= last_seq AND finished_at <= ? LIMIT ?",
+            "AND first_seq <= last_seq AND finished_at <= ? LIMIT ?" + self._BATCH_LOCK,
             (finished_before, budget)).fetchall()
         spent = 0
         for task_id, first_seq, last_seq in rows:
@@ -2044,7 +2047,7 @@ class SQLiteEngine:
         column = {"idempotency": "scope, key", "tombstones": "id"}[table]
         return self.conn.execute(
             f"DELETE FROM {table} WHERE ({column}) IN (SELECT {column} FROM "
-            f"{table} WHERE expires_at <= ? LIMIT ?)", (now, limit)).rowcount
+            f"{table} WHERE expires_at <= ? LIMIT ?{self._BATCH_LOCK})", (now, limit)).rowcount
 
 
 # =============================================================================
@@ -2143,10 +2146,14 @@ class _PgConnection:
         self.total_changes = 0
         self._sql = {}
 
-    def execute(self, sql, params=()):
+    def _text(self, sql):
         text = self._sql.get(sql)
         if text is None:
             text = self._sql[sql] = sql.replace("%", "%%").replace("?", "%s")
+        return text
+
+    def execute(self, sql, params=()):
+        text = self._text(sql)
         _refuse_nul(params)
         cursor = self.raw.execute(text, params)
         if cursor.rowcount > 0 and not text.lstrip().startswith("SELECT"):
@@ -2158,7 +2165,7 @@ class _PgConnection:
         for row in rows:
             _refuse_nul(row)
         with self.raw.cursor() as cursor:
-            cursor.executemany(sql.replace("?", "%s"), rows)
+            cursor.executemany(self._text(sql), rows)
         self.total_changes += len(rows)
 
     @property
@@ -2167,7 +2174,7 @@ class _PgConnection:
 
 
 class _PgTransaction:
-    """``PostgresEngine.transaction()``: BEGIN, then the notices' NOTIFYs and COMMIT, or ROLLBACK."""
+    """``PostgresEngine.transaction()``: BEGIN; then NOTIFY and COMMIT, or ROLLBACK."""
 
     __slots__ = ("engine",)
 
@@ -2313,6 +2320,7 @@ class PostgresEngine(SQLiteEngine):
     """
 
     shared = True
+    _BATCH_LOCK = " FOR UPDATE SKIP LOCKED"      # reapers on several hosts take other rows
 
     def __init__(self, url, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
                  max_bytes=None, readonly=False):
@@ -2348,8 +2356,12 @@ class PostgresEngine(SQLiteEngine):
                 if not self.readonly:
                     self._migrate_locked()
                 self._check_version_locked()
-            except psycopg.Error as exc:
-                raise self._unavailable(exc) from None
+            except BaseException as exc:
+                if self.conn is not None:
+                    self.conn.raw.close()
+                if isinstance(exc, psycopg.Error):
+                    raise self._unavailable(exc) from None
+                raise
 
     # -- connecting ------------------------------------------------------------
 
@@ -2580,7 +2592,7 @@ class PostgresEngine(SQLiteEngine):
                                  (proc_id,)).rowcount == 1
 
     def processes(self):
-        """``{proc_id: (proc_id, pid, host, heartbeat_at, age_ms)}``, the age by the server's clock."""
+        """``{proc_id: (proc_id, pid, host, heartbeat_at, age_ms)}``; the age by the server."""
         return {r[0]: r for r in self.conn.execute(
             f"SELECT id, pid, host, heartbeat_at, {_PG_NOW_MS} - heartbeat_at FROM processes")}
 
@@ -2653,29 +2665,6 @@ class PostgresEngine(SQLiteEngine):
             counts["tasks"] += self.conn.execute(
                 "DELETE FROM tasks WHERE id = ANY(?)", (ids,)).rowcount
         return len(rows) == budget or take < len(rows), ids
-
-    def prune_events_once(self, finished_before, budget, counts):
-        """Prune one batch of finished tasks' events (rows locked, others skipped); more?"""
-        rows = self.conn.execute(
-            "SELECT id, first_seq, last_seq FROM tasks WHERE finished_at IS NOT NULL "
-            "AND first_seq <= last_seq AND finished_at <= ? LIMIT ? FOR UPDATE SKIP LOCKED",
-            (finished_before, budget)).fetchall()
-        spent = 0
-        for task_id, first_seq, last_seq in rows:
-            cut = min(last_seq + 1, first_seq + max(1, 10 * budget - spent))
-            counts["events"] += self.conn.execute(
-                "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
-            self.conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
-            spent += cut - first_seq
-            if spent >= 10 * budget:
-                return True
-        return len(rows) == budget
-
-    def delete_expired(self, table, now, limit):
-        column = {"idempotency": "scope, key", "tombstones": "id"}[table]
-        return self.conn.execute(
-            f"DELETE FROM {table} WHERE ({column}) IN (SELECT {column} FROM {table} "
-            "WHERE expires_at <= ? LIMIT ? FOR UPDATE SKIP LOCKED)", (now, limit)).rowcount
 
 
 def open_engine(path, **options):

@@ -250,7 +250,7 @@ class PostgresServer:
 
     @classmethod
     def shared(cls):
-        """The run's server, started now if it is not yet; SkipTest (or a failure) when impossible."""
+        """The run's server, started on first use; SkipTest (or a failure) when impossible."""
         if cls._shared is None:
             missing = cls.missing()
             if missing:
@@ -2109,7 +2109,7 @@ class EngineSeamTests(unittest.TestCase):
         for name in ("read_task", "task_row_at", "event_head",
                      "move_tasks", "oldest_queued", "idempotency_get", "idempotency_put",
                      "register", "heartbeat", "processes", "recovery_view", "owner_dead",
-                     "reap_tasks_once", "prune_events_once", "delete_expired", "on_remote",
+                     "reap_tasks_once", "_BATCH_LOCK", "on_remote",
                      "bulk", "checkpoint", "close"):
             with self.subTest(name=name):
                 self.assertIn(name, own)
@@ -4031,7 +4031,7 @@ store.close()
 """
 
 
-class PostgresEngineTests(PostgresStoreMixin, MultiProcessTestCase):
+class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
     """What only PostgreSQL does: the server's clock, notifications, schema races, outages."""
 
     def spawn_ready(self, script, count, *args):
