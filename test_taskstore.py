@@ -12512,6 +12512,9 @@ class PgFaultCase(unittest.TestCase):
         figures = collections.Counter()
         for n, (task_id, info) in enumerate(sorted(acked.items())):
             obj = objs[task_id]
+            figures[obj["status"]] += 1
+            if obj["status"] == "failed":
+                figures[f"failed {obj['error']['code']}"] += 1
             summary = self.check_log(clients[n % len(clients)], task_id, obj, info["text"])
             figures["events"] += summary["events"]
             with self.subTest(task=task_id, policy=info["policy"]):
@@ -12521,7 +12524,6 @@ class PgFaultCase(unittest.TestCase):
                     figures["failed by policy"] += 1
                 else:
                     self.assertEqual(obj["status"], "succeeded", (obj, summary["names"]))
-                    figures["succeeded"] += 1
                 if task_id in recovered and info["policy"] != "fail":
                     self.assertEqual(summary["requeues"], 1, summary["names"])
                     figures["requeued"] += 1
@@ -12722,8 +12724,8 @@ class PgFaultServerRestartTests(PgFaultCase):
             thread.start()
         self.addCleanup(stopping.set)
 
-        poll_until("tasks running before the restart", lambda: len(self.owners()) >= 3,
-                   6 * TIMEOUT)
+        poll_until("tasks running before the restart",
+                   lambda: len(self.owners()) >= 3 and load.acked_count() >= 10, 6 * TIMEOUT)
         before = load.acked_count()
         errors_before = load.counts["503"] + load.counts["connection errors"]
         restart_started = time.monotonic()
@@ -12753,7 +12755,9 @@ class PgFaultServerRestartTests(PgFaultCase):
                         other_read_statuses={k: v for k, v in reads.items()
                                              if k.startswith("status")},
                         duplicates=load.counts["acked twice"], events=figures["events"],
-                        succeeded=figures["succeeded"],
+                        succeeded=figures["succeeded"], failed=figures["failed"],
+                        failed_internal_error=figures["failed internal_error"],
+                        failed_server_restarted=figures["failed server_restarted"],
                         wall_s=round(time.monotonic() - self.started, 1))
         self.assertGreater(outage, 0, "no client saw the outage")
         self.assertEqual(load.counts["503 without Retry-After"] + reads["503 without Retry-After"],
