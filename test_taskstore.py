@@ -12242,7 +12242,7 @@ for _name in (sorted(os.listdir(LABS_DIR)) if os.path.isdir(LABS_DIR) else []):
 # answer, the API polled against a deadline).  Each test prints one line of
 # figures on stderr ("pgfault: ...") for the record.
 
-PGFAULT_LEASE_S = 3.0         # the short lease the replicas and workers run with
+PGFAULT_LEASE_S = 5.0         # the short lease the replicas and workers run with
 PGFAULT_HEARTBEAT_S = 0.5     # and their heartbeat interval
 PGFAULT_DEMO_DELAY = "0.05"   # seconds per demo chunk: a 12-word task runs ~0.6 s
 PGFAULT_WORDS = 12
