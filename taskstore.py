@@ -2498,14 +2498,29 @@ class PostgresEngine(SQLiteEngine):
         # and then reads our seq instead of reusing it.
         return sql + " FOR UPDATE" if self._in_write else sql
 
+    # An id from outside may hold a NUL, which no stored id does (and which
+    # PostgreSQL refuses as a parameter): such a lookup finds nothing.
+
     def read_task(self, task_id):
+        if "\x00" in task_id:
+            return None
         row = self.conn.execute(self._locking(_SELECT_TASK_BY_ID), (task_id,)).fetchone()
         return None if row is None else _task_from_row(row)
 
     def task_row_at(self, task_id, now):
+        if "\x00" in task_id:
+            return None
         return self.conn.execute(self._locking(_SELECT_TASK_AT), (now, task_id)).fetchone()
 
+    def tombstoned(self, task_id):
+        return "\x00" not in task_id and super().tombstoned(task_id)
+
+    def event_bounds(self, task_id, now):
+        return None if "\x00" in task_id else super().event_bounds(task_id, now)
+
     def event_head(self, task_id):
+        if "\x00" in task_id:
+            return None
         return self.conn.execute(
             self._locking("SELECT status, last_seq, attempt FROM tasks WHERE id = ?"),
             (task_id,)).fetchone()

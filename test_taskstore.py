@@ -2183,6 +2183,10 @@ class SqlParameterTests(StoreTestCase):
 # Opening files, bad input, errors
 # ---------------------------------------------------------------------------
 
+class PgSqlParameterTests(PostgresStoreMixin, SqlParameterTests):
+    __doc__ = SqlParameterTests.__doc__
+
+
 class OpenErrorTests(StoreTestCase):
 
     def test_a_file_that_is_not_sqlite_is_refused_unchanged(self):
@@ -2400,6 +2404,10 @@ class BadInputTests(StoreTestCase):
         task = self.store.create(evil, {"q": evil}, principal=evil, meta={"m": evil})
         self.assertEqual(self.store.get(task.id, principal=evil).kind, evil)
         self.assertEqual(self.store.list(kind=evil, principal=evil)[0][0].id, task.id)
+
+
+class PgBadInputTests(PostgresStoreMixin, BadInputTests):
+    __doc__ = BadInputTests.__doc__
 
 
 class ErrorMappingTests(unittest.TestCase):
@@ -4149,6 +4157,45 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         self.assertEqual(json.loads(run("show", task.id, "--json"))["status"], QUEUED)
         run("cancel", task.id)
         self.assertEqual(store.get(task.id).status, CANCELLED)
+
+    def test_reapers_in_several_stores_at_once_delete_each_task_once(self):
+        store = self.open_store()
+        ids = [task.id for task in store.create_many("k", [{}] * 600, retention_ms=0)]
+        for task_id in ids:
+            store._move(task_id, taskstore.CANCEL)
+        reapers = [self.open_store() for _ in range(3)]
+        barrier = threading.Barrier(len(reapers), timeout=TIMEOUT)
+        counts = queue.Queue()
+
+        def reap(reaper):
+            barrier.wait()
+            counts.put(reaper.reap(now=int(time.time() * 1000) + 1000, batch_rows=20))
+        threads = [self.start_thread(reap, reaper) for reaper in reapers]
+        for thread in threads:
+            thread.join(3 * TIMEOUT)
+        done = [counts.get(timeout=TIMEOUT) for _ in reapers]
+        self.assertEqual(sum(c["tasks"] for c in done), len(ids))      # none deleted twice
+        self.assertEqual(sum(c["events"] for c in done), 2 * len(ids))
+        self.assertEqual(self.sql("SELECT count(*) FROM tombstones"), [(len(ids),)])
+        self.assertEqual(self.sql("SELECT count(*) FROM tasks"), [(0,)])
+
+    def test_after_a_server_restart_the_listener_reconnects_and_wakes_waiters(self):
+        waiter = self.open_store(poll_interval=60)
+        writer = self.open_store()
+        task = writer.create("k")
+        self.pg.restart()
+        with contextlib.suppress(taskstore.StoreUnavailable):
+            waiter.get(task.id)             # the connection the restart broke
+        version = waiter.get(task.id).version
+        result = queue.Queue()
+        self.start_thread(lambda: result.put(
+            waiter.wait(task.id, since_version=version, timeout=3 * TIMEOUT)))
+        with contextlib.suppress(taskstore.StoreUnavailable):
+            writer.get(task.id)
+        writer.cancel(task.id)
+        # Heard, or missed while the listener reconnected and then woken by its "lost":
+        # either way long before the poll a minute.
+        self.assertEqual(result.get(timeout=TIMEOUT).status, CANCELLED)
 
     def test_after_a_server_restart_the_store_reconnects_by_itself(self):
         store = self.open_store()
