@@ -2087,7 +2087,7 @@ _PG_NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
 
 
 def _pg_ddl(ddl):
-    """SQLite's DDL (section 6) as PostgreSQL's: 64-bit integers, byte-order text, no rowid clause.
+    """SQLite's DDL (section 6) for PostgreSQL: 64-bit integers, byte-order text, no rowid.
 
     ``COLLATE "C"`` makes ``ORDER BY id`` the byte order SQLite uses, so
     ids sort by creation time whatever the database's locale.
@@ -2097,7 +2097,9 @@ def _pg_ddl(ddl):
     return re.sub(r"\bTEXT\b", 'TEXT COLLATE "C"', ddl)
 
 
-_PG_PURGE_AT = f"""CREATE FUNCTION taskstore_purge_at(now BIGINT, created_at BIGINT,
+# _purge_at (section 5) in SQL, for the set-based moves section 6 writes.  Made
+# anew at every open, so the formula is always this version's constants.
+_PG_PURGE_AT = f"""CREATE OR REPLACE FUNCTION taskstore_purge_at(now BIGINT, created_at BIGINT,
         ttl_ms BIGINT, retention_ms BIGINT) RETURNS BIGINT IMMUTABLE LANGUAGE SQL AS $$
     SELECT CASE WHEN ttl_ms IS NOT NULL THEN
                CASE WHEN now < created_at + ttl_ms THEN created_at + ttl_ms
@@ -2107,7 +2109,7 @@ _PG_PURGE_AT = f"""CREATE FUNCTION taskstore_purge_at(now BIGINT, created_at BIG
 # PG_MIGRATIONS[n] takes a database from version n-1 to n, like MIGRATIONS.
 PG_MIGRATIONS = {1: ("CREATE TABLE taskstore_schema (version BIGINT NOT NULL)",
                      "INSERT INTO taskstore_schema VALUES (0)",
-                     *(_pg_ddl(ddl) for ddl in _SCHEMA_V1), _PG_PURGE_AT)}
+                     *(_pg_ddl(ddl) for ddl in _SCHEMA_V1))}
 
 
 def is_postgres_url(path):
@@ -2240,7 +2242,7 @@ class _PgReads:
 class _PgListener(threading.Thread):
     """The engine's ``LISTEN``: a connection of its own; each notification goes to the callback.
 
-    A payload is ``token kind id,id,...``: a notification this engine sent
+    A payload is ``token kind id,id,``: a notification this engine sent
     itself (its token) is dropped, the store having woken its own waiters
     already.  When the connection drops, it reconnects and wakes everybody
     once (``callback("lost", ())``): they re-read what they wait for.
@@ -2286,7 +2288,7 @@ class _PgListener(threading.Thread):
     def _deliver(self, payload):
         token, kind, ids = (payload.split(" ") + ["", ""])[:3]
         if token != self._engine.token:
-            self._callback(kind, ids.split(",") if ids else ())
+            self._callback(kind, [task_id for task_id in ids.split(",") if task_id])
 
     def _close(self):
         conn, self._conn = self._conn, None
@@ -2401,11 +2403,12 @@ class PostgresEngine(SQLiteEngine):
         try:
             conn.execute("SELECT pg_advisory_xact_lock(?)", (_PG_SCHEMA_LOCK,))
             version = self._version_locked()
-            if version < SCHEMA_VERSION:
+            if version <= SCHEMA_VERSION:      # a newer one is refused, untouched
                 for step in range(version + 1, SCHEMA_VERSION + 1):
                     for ddl in PG_MIGRATIONS[step]:
                         conn.execute(ddl)
                 conn.execute("UPDATE taskstore_schema SET version = ?", (SCHEMA_VERSION,))
+                conn.execute(_PG_PURGE_AT)
             conn.execute("COMMIT")
         except BaseException:
             if not conn.broken:
@@ -2447,19 +2450,15 @@ class PostgresEngine(SQLiteEngine):
 
     def _send_notes_locked(self):
         """NOTIFY the notes of this transaction (delivered at its commit), in short payloads."""
-        head = f"{self.token} "
+        notify = "SELECT pg_notify(?, ?)"
         for kind, ids in self._notes.items():
-            chunk = []
-            size = len(head) + len(kind) + 1
+            payload = head = f"{self.token} {kind} "       # then ids, each followed by a comma
             for task_id in sorted(ids):
-                if chunk and size + len(task_id) + 1 > PG_NOTIFY_BYTES:
-                    self.conn.execute("SELECT pg_notify(?, ?)",
-                                      (PG_CHANNEL, f"{head}{kind} {','.join(chunk)}"))
-                    chunk, size = [], len(head) + len(kind) + 1
-                chunk.append(task_id)
-                size += len(task_id) + 1
-            self.conn.execute("SELECT pg_notify(?, ?)",
-                              (PG_CHANNEL, f"{head}{kind} {','.join(chunk)}"))
+                if payload != head and len(payload) + len(task_id) >= PG_NOTIFY_BYTES:
+                    self.conn.execute(notify, (PG_CHANNEL, payload))
+                    payload = head
+                payload += task_id + ","
+            self.conn.execute(notify, (PG_CHANNEL, payload))
 
     @contextlib.contextmanager
     def bulk(self):

@@ -8,6 +8,7 @@ blocking call has a timeout.
 """
 
 import asyncio
+import atexit
 import base64
 import collections
 import contextlib
@@ -259,6 +260,7 @@ class PostgresServer:
                 raise unittest.SkipTest(missing)
             cls._shared = cls()
             unittest.addModuleCleanup(cls._shared.stop)
+            atexit.register(cls._shared.stop)        # when the run ends some other way
         return cls._shared
 
     @staticmethod
@@ -325,7 +327,9 @@ class PostgresServer:
         self._run("pg_ctl", "-D", self.data, "-m", mode, "-w", "restart")
 
     def stop(self):
-        """Stop the server and remove its directory."""
+        """Stop the server and remove its directory (once; later calls do nothing)."""
+        if not os.path.isdir(self.dir):
+            return
         if self._admin is not None:
             self._admin.close()
         try:
