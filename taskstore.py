@@ -3480,7 +3480,10 @@ class TaskStore:
         with self._writing():
             alive = self._engine.heartbeat(proc_id, int(self.clock() * 1000))
         if alive and self._engine.shared:
-            self.recover()
+            # The lease was renewed whatever happens here: an outage now is
+            # the next heartbeat's to meet, and its recover() tries again.
+            with contextlib.suppress(StoreUnavailable):
+                self.recover()
         return alive
 
     def cancelling_owned(self, owner):
