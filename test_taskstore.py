@@ -12679,7 +12679,7 @@ class PgFaultReplicaKillTests(PgFaultCase):
     """kill -9 of one of three replicas under load: the other two recover its tasks."""
 
     def test_a_killed_replicas_tasks_are_recovered_by_the_others_after_the_lease(self):
-        servers = self.replicas(3, short_lease=True)
+        servers = self.replicas(3, "--workers", "3", short_lease=True)
         clients = [server.client for server in servers]
         load = LoadGenerator(self, clients, threads=3, pace=0.3).start()
         pids = {server.proc.pid for server in servers}
@@ -12688,7 +12688,7 @@ class PgFaultReplicaKillTests(PgFaultCase):
         def busy():
             owned = self.owners()
             per_pid = collections.Counter(pid for _, pid in owned.values())
-            return owned if set(per_pid) >= pids and min(per_pid.values()) >= 2 else None
+            return owned if set(per_pid) >= pids and min(per_pid.values()) >= 3 else None
         poll_until("tasks running on each replica", busy, 6 * TIMEOUT)
         victim = servers[1]
         victim.kill()
