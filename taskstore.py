@@ -3577,10 +3577,12 @@ class TaskStore:
             if done < 0 or count not in (None, done):
                 raise InvalidTransition("(several)", status, event)
             notices.extend((task_id, "status") for task_id in ids or ())
-            if new in TERMINAL_STATES:
+            if new in TERMINAL_STATES or requeue:
+                # Terminal: no cancel to signal.  Requeued: the next attempt
+                # must not inherit the cancel (or stop) of the one before.
                 for task_id in ids or ():
                     self._cancel_events.pop(task_id, None)
-            elif requeue and done:
+            if requeue and done:
                 self._work_gen += 1
                 if self._work_waiting:
                     self._work.notify_all()
@@ -3768,18 +3770,34 @@ class Reaper(threading.Thread):
 #   whose task was recovered and requeued meanwhile cannot touch it.
 # - One maintenance thread per runner heartbeats the lease, writes coalesced
 #   progress, and notices cancels made by other processes.
+# - Every write for a running task goes through ``Runner._hold``: a short
+#   outage of the store (StoreUnavailable: a full disk, a lock held past the
+#   busy timeout) is ridden out, not turned into a failed task, for as long
+#   as the runner's lease lives.
 # - A handler's return value is the result; ``TaskFailed`` fails the task
 #   with the handler's error; any other exception fails it with a generic
 #   error (the traceback goes to the log only).
 
+_HOLD_FIRST_S = 0.05    # the wait before a write the store refused is tried again,
+_HOLD_MAX_S = 1.0       # doubling up to this
+
+
 class TaskContext:
     """What a handler gets: its task, the cancel signal, and ways to report.
+
+    While the store refuses writes for a moment (StoreUnavailable), ``emit``,
+    ``save_snapshot``, ``ask`` and ``running`` wait and retry until it takes
+    them again; ``progress`` and ``status`` never wait: the newest value is
+    kept and written once the store is back.  A report that can never be
+    written (the runner stops, or its lease ran out during the outage)
+    raises ``Cancelled``, and ``cancelled`` is set.
 
     Attributes:
         task_id, kind, payload, attempt: of the claimed task (attempt counts
             runs from 1; a retry or resume after a restart raises it).
-        cancelled: a ``threading.Event`` set when the task is cancelled or
-            the runner shuts down; check it often and return when it is set.
+        cancelled: a ``threading.Event`` set when the task is cancelled, the
+            runner shuts down or its lease is lost; check it often and return
+            when it is set.
     """
 
     def __init__(self, runner, task):
@@ -3795,6 +3813,8 @@ class TaskContext:
         self._lock = threading.Lock()
         self._pending = {}          # coalesced progress/status not yet written
         self._last_flush = 0.0
+        self._flushing = threading.Lock()   # one progress write at a time: newest wins
+        self._abandoned = False     # the runner's lease is gone: write nothing more
 
     def is_cancelled(self):
         """True once the task was cancelled (or the runner is stopping)."""
@@ -3815,14 +3835,15 @@ class TaskContext:
             # Cancelled (or requeued) while loading: the next report or the
             # runner's finish will notice; starting is no longer ours to do.
             with contextlib.suppress(InvalidTransition):
-                self._store.start(self.task_id, attempt=self.attempt)
+                self._runner._hold(self, self._store.start, self.task_id, attempt=self.attempt)
 
     def progress(self, progress, total=None, message=_MISSING):
         """Report progress (and optionally a status message); coalesced.
 
         Writes at most one transaction per ``progress_interval_s``; the
         runner writes the last value within one interval, and always before
-        the task's final status.
+        the task's final status.  Never waits for the store: while it
+        refuses writes only the newest value is kept.
         """
         self.running()
         with self._lock:
@@ -3841,28 +3862,51 @@ class TaskContext:
 
     def _maybe_flush(self):
         if time.monotonic() - self._last_flush >= self._runner.progress_interval_s:
-            self.flush()
+            self._flush(hold=False)
 
     def flush(self):
-        """Write pending progress now (the runner calls it; handlers rarely need to)."""
-        with self._lock:
-            pending, self._pending = self._pending, {}
-            self._last_flush = time.monotonic()
-        if pending:
-            self._store.set_progress(self.task_id, progress=pending.get("progress"),
-                                     total=pending.get("total"),
-                                     message=pending.get("message", _MISSING),
-                                     attempt=self.attempt)
+        """Write pending progress now, waiting out a store outage (the runner calls it)."""
+        self._flush(hold=True)
+
+    def _flush(self, hold):
+        """Write the pending progress; *hold* False: while the store refuses writes, keep it pending."""
+        if not hold and self._runner._refusing:
+            return                  # an outage: the newest value waits in _pending
+        if not self._flushing.acquire(blocking=hold):
+            return                  # another thread is writing it
+        try:
+            with self._lock:
+                pending, self._pending = self._pending, {}
+                self._last_flush = time.monotonic()
+            if not pending:
+                return
+            write = functools.partial(
+                self._store.set_progress, self.task_id, progress=pending.get("progress"),
+                total=pending.get("total"), message=pending.get("message", _MISSING),
+                attempt=self.attempt)
+            if hold:
+                self._runner._hold(self, write)
+                return
+            try:
+                write()
+            except StoreUnavailable:
+                with self._lock:    # put it back under anything newer
+                    pending.update(self._pending)
+                    self._pending = pending
+        finally:
+            self._flushing.release()
 
     def emit(self, etype, data=None, *, snapshot=_MISSING):
         """Append an event to the task's log (with an optional snapshot, atomically); return its seq."""
         self.running()
-        return self._store.emit(self.task_id, etype, data, snapshot=snapshot, attempt=self.attempt)
+        return self._runner._hold(self, self._store.emit, self.task_id, etype, data,
+                                  snapshot=snapshot, attempt=self.attempt)
 
     def save_snapshot(self, snapshot):
         """Save a JSON snapshot to resume from after a restart (policy ``resume``)."""
         self.running()
-        self._store.save_snapshot(self.task_id, snapshot, attempt=self.attempt)
+        self._runner._hold(self, self._store.save_snapshot, self.task_id, snapshot,
+                           attempt=self.attempt)
 
     def load_snapshot(self):
         """Return the last saved snapshot (after a resume), or None."""
@@ -3881,7 +3925,8 @@ class TaskContext:
         """
         self.running()
         self.flush()
-        self._store.require_input(self.task_id, request, attempt=self.attempt)
+        self._runner._hold(self, self._store.require_input, self.task_id, request,
+                           attempt=self.attempt)
         deadline = None if timeout is None else time.monotonic() + timeout
         version = None
         while True:
@@ -3919,6 +3964,24 @@ class Runner:
     True``: its tasks are ``loading`` until it calls ``ctx.running()`` (or
     reports anything).
 
+    Running work rides out a short outage of the store.  While the store
+    refuses writes (``StoreUnavailable``: a full disk, a lock held past the
+    busy timeout), the runner holds each running task's writes (events,
+    snapshots, the final status, an input request) and retries them, 50 ms
+    doubling to 1 s apart, in their order; progress keeps only its newest
+    value; the heartbeat keeps trying, and one WARNING says the store
+    refuses writes.  A held write gives up, writing nothing, only when the
+    runner stops (``stop`` applies the restart policy, if the store lets it)
+    or when the runner's lease is gone: the outage outlasted ``lease_s``
+    since the last heartbeat, or the heartbeat found the registration
+    declared dead.  Then every running handler's ``cancelled`` is set, its
+    reports raise ``Cancelled``, and recovery applies each task's restart
+    policy (the runner releases the old registration itself once the store
+    takes writes, and goes on under a new one): a task never ends twice.
+    Refusals of another kind are not waited out: a result the store cannot
+    keep fails the task, a task cancelled or recovered meanwhile keeps what
+    happened to it (``LATE_OUTCOME``), and ``StoreClosed`` ends the runner.
+
     Args:
         handlers: ``{kind: handler(ctx, payload) -> result}``.
         workers: how many tasks run at once.
@@ -3939,8 +4002,10 @@ class Runner:
         self.process_id = None
         self._lock = threading.Lock()
         self._active = {}            # task id -> TaskContext
-        self._unwritten = []         # (ctx, outcome) the store could not take yet (disk full)
-        self._complained = False     # a store outage is logged once, not every poll
+        self._refusing = set()       # writers (contexts, "heartbeat") the store refuses now
+        self._complained = False     # a store outage is logged once, not every try
+        self._lease_at = 0           # store-clock ms of the last heartbeat that went through
+        self._lost = False           # the lease is gone: register anew before claiming
         self._threads = []
         self._stopping = threading.Event()
         self._stopped = threading.Event()
@@ -3953,6 +4018,7 @@ class Runner:
         """Register the process and start the threads; return self."""
         if self._threads:
             raise InvalidParams("runner already started", param="runner")
+        self._lease_at = self._now_ms()
         self.process_id = self.store.register_process()
         for i in range(self.workers):
             self._threads.append(threading.Thread(
@@ -3972,7 +4038,8 @@ class Runner:
         """Stop claiming, signal running handlers, and release what is left.
 
         Handlers get ``timeout`` seconds to return after their ``cancelled``
-        event is set.  Then every task this runner still owns (and every one
+        event is set; writes held during a store outage give up at once.
+        Then every task this runner still owns (and every one
         whose handler was interrupted by the stop) gets its restart policy at
         once, exactly as after a crash: ``fail`` tasks are ``failed`` with a
         ``CRASH_RECOVERY`` message, ``retry``/``resume`` tasks are queued
@@ -4005,11 +4072,125 @@ class Runner:
     def __exit__(self, *exc):
         self.stop()
 
+    # -- riding out an outage ---------------------------------------------------
+
+    def _now_ms(self):
+        return int(self.store.clock() * 1000)
+
+    def _hold(self, ctx, write, *args, **kwargs):
+        """Perform one store write for *ctx*'s running task; ride out an outage.
+
+        On StoreUnavailable the write is tried again, ``_HOLD_FIRST_S``
+        doubling to ``_HOLD_MAX_S`` apart, until it goes through.  Raises
+        ``Cancelled``, having written nothing, once the runner stops or its
+        lease is gone (recovery owns the task then).  Every other error
+        (InvalidTransition, InvalidParams, StoreClosed) is the caller's.
+        """
+        delay = _HOLD_FIRST_S
+        try:
+            while True:
+                if ctx._abandoned or self._stopping.is_set():
+                    raise Cancelled(ctx.task_id)
+                try:
+                    written = write(*args, **kwargs)
+                except StoreUnavailable as exc:
+                    self._refused(ctx, exc)
+                else:
+                    self._accepted(ctx)
+                    return written
+                if self._stopping.wait(delay):
+                    raise Cancelled(ctx.task_id)
+                delay = min(delay * 2, _HOLD_MAX_S)
+                if self._lease_gone():
+                    self._lose_lease("the store refused writes for longer than the lease")
+        finally:
+            self._gave_up(ctx)
+
+    def _lease_gone(self):
+        """Has the lease run out since the last heartbeat that went through?"""
+        return self._now_ms() > self._lease_at + self.store.lease_ms
+
+    def _complain(self, exc):
+        with self._lock:
+            first, self._complained = not self._complained, True
+        if first:
+            logger.warning("the store refuses writes: %s (holding the running tasks' writes "
+                           "and retrying quietly)", exc)
+
+    def _refused(self, writer, exc):
+        with self._lock:
+            self._refusing.add(writer)
+        self._complain(exc)
+
+    def _accepted(self, writer):
+        """*writer*'s write went through: the outage is over once nobody is refused."""
+        with self._lock:
+            if writer not in self._refusing:
+                return
+            self._refusing.discard(writer)
+            over = not self._refusing and self._complained
+            if over:
+                self._complained = False
+        if over:
+            logger.info("the store takes writes again")
+
+    def _gave_up(self, writer):
+        if writer in self._refusing:
+            with self._lock:
+                self._refusing.discard(writer)
+
+    def _abandon(self, ctx):
+        """Stop *ctx*'s work and write nothing more for it: recovery owns its task."""
+        ctx._abandoned = True
+        ctx.cancelled.set()     # requeued, the task's next attempt gets a fresh event
+
+    def _lose_lease(self, why):
+        """The registration is dead (or may be treated so): stop all running work."""
+        with self._lock:
+            if self._lost:
+                return
+            self._lost = True
+            contexts = list(self._active.values())
+        logger.error("runner lease was lost (%s): stopping %d running %s; recovery applies "
+                     "their restart policies", why, len(contexts),
+                     "task" if len(contexts) == 1 else "tasks")
+        for ctx in contexts:
+            self._abandon(ctx)
+
+    def _register_again(self):
+        """After a lost lease: release the old registration's tasks, then register anew."""
+        self.store.release(self.process_id, "the process running this task lost its lease")
+        self._lease_at = self._now_ms()
+        self.process_id = self.store.register_process()
+        self._lost = False
+
+    def _beat(self):
+        """Renew the lease, riding out an outage; True when it went through."""
+        if "heartbeat" in self._refusing and self._lease_gone():
+            self._lose_lease("the store refused the heartbeat for longer than the lease")
+            return False
+        now = self._now_ms()
+        try:
+            alive = self.store.heartbeat(self.process_id)
+        except StoreUnavailable as exc:
+            self._refused("heartbeat", exc)
+            return False
+        self._accepted("heartbeat")
+        if not alive:
+            # Declared dead: our tasks were recovered elsewhere.
+            self._lose_lease("the registration was declared dead")
+            return False
+        self._lease_at = now
+        return True
+
     # -- threads ---------------------------------------------------------------
 
     def _work(self):
         seen = None
         while not self._stopping.is_set():
+            if self._lost:              # the maintenance thread registers anew
+                self._stopping.wait(self.store.poll_interval)
+                continue
             try:
                 loading = tuple(k for k, h in self.handlers.items()
                                 if getattr(h, "has_loading_phase", False))
@@ -4021,7 +4202,8 @@ class Runner:
                 self._complain(exc)
                 task = None
             else:
-                self._complained = False
+                if task is not None and not self._refusing:
+                    self._complained = False
             if task is None:
                 try:
                     seen = self.store.wait_for_work(seen, self.store.poll_interval)
@@ -4036,6 +4218,9 @@ class Runner:
             self._active[task.id] = ctx
             if self._stopping.is_set():     # stop() ran between our claim and here
                 ctx.cancelled.set()
+            lost = self._lost or task.owner != self.process_id
+        if lost:                            # claimed under a registration lost meanwhile
+            self._abandon(ctx)
         try:
             handler = self.handlers[task.kind]
             try:
@@ -4049,16 +4234,9 @@ class Runner:
                              traceback.format_exc())
                 outcome = ("fail", {"code": "internal_error",
                                     "message": "the task's handler raised an exception"}, None)
-            try:
-                self._finish(ctx, outcome)
-            except StoreUnavailable as exc:
-                # The outcome is not lost: the maintenance thread writes it
-                # once the store takes writes again (a full disk freed).
-                self._complain(exc)
-                with self._lock:
-                    self._unwritten.append((ctx, outcome))
-        except StoreClosed:
-            pass
+            self._finish(ctx, outcome)
+        except (StoreClosed, Cancelled):
+            pass                            # stopping, or the lease is gone: nothing to write
         except Exception:
             logger.exception("finishing task %s failed", task.id)
         finally:
@@ -4067,9 +4245,11 @@ class Runner:
 
     def _finish(self, ctx, outcome):
         store, task_id, attempt = self.store, ctx.task_id, ctx.attempt
-        if self._stopping.is_set():
-            # Interrupted by shutdown: the restart policy decides (stop()).
+        if self._stopping.is_set() or ctx._abandoned:
+            # Interrupted by shutdown, or the lease is gone: the restart
+            # policy decides (stop(), recovery).
             return
+        hold = functools.partial(self._hold, ctx)
         ctx.flush()
         try:
             if outcome[0] != "cancelled":
@@ -4089,12 +4269,12 @@ class Runner:
                                None)
             if outcome[0] == "succeed":
                 ctx.running()
-                store.succeed(task_id, outcome[1], attempt=attempt)
+                hold(store.succeed, task_id, outcome[1], attempt=attempt)
                 return
             if outcome[0] == "fail":
-                store.fail(task_id, outcome[1], result=outcome[2], attempt=attempt)
+                hold(store.fail, task_id, outcome[1], result=outcome[2], attempt=attempt)
             else:
-                store.confirm_cancel(task_id, attempt=attempt)
+                hold(store.confirm_cancel, task_id, attempt=attempt)
         except InvalidTransition:
             # Someone moved the task first: LATE_OUTCOME says what happens now.
             try:
@@ -4105,60 +4285,37 @@ class Runner:
             reported = {"succeed": SUCCEED, "fail": FAIL}.get(outcome[0], CONFIRM_CANCEL)
             event = LATE_OUTCOME[reported].get(task.status) if task.attempt == attempt else None
             if event == CONFIRM_CANCEL:
-                store.confirm_cancel(task_id, attempt=attempt, result=outcome[1] if (
+                hold(store.confirm_cancel, task_id, attempt=attempt, result=outcome[1] if (
                     reported in LATE_RESULT_KEPT) else None)
             elif event == FAIL:
-                store.fail(task_id, {"code": "internal_error",
-                                     "message": "the handler stopped as cancelled without a cancel"},
-                           attempt=attempt)
+                hold(store.fail, task_id, {"code": "internal_error",
+                                           "message": "the handler stopped as cancelled "
+                                                      "without a cancel"},
+                     attempt=attempt)
             else:
                 logger.debug("late outcome of task %s ignored: it is %s", task_id, task.status)
-
-    def _complain(self, exc):
-        if not self._complained:
-            self._complained = True
-            logger.error("the store refuses writes: %s (retrying quietly)", exc)
-
-    def _write_unwritten(self):
-        with self._lock:
-            pending, self._unwritten = self._unwritten, []
-        for i, (ctx, outcome) in enumerate(pending):
-            try:
-                self._finish(ctx, outcome)
-            except StoreUnavailable:
-                with self._lock:
-                    self._unwritten.extend(pending[i:])
-                return
-            except Exception:
-                logger.exception("finishing task %s failed", ctx.task_id)
-        if pending:
-            self._complained = False
 
     def _maintain(self):
         last_beat = time.monotonic()
         while not self._stopped.wait(self.progress_interval_s):
             try:
+                if self._lost:
+                    self._register_again()
                 with self._lock:
                     contexts = list(self._active.values())
                 for ctx in contexts:
                     with contextlib.suppress(InvalidTransition, TaskNotFound):
-                        ctx.flush()
-                if self._unwritten:
-                    self._write_unwritten()
-                if time.monotonic() - last_beat >= self.heartbeat_s:
+                        ctx._flush(hold=False)
+                # A refused heartbeat is tried again at once (every interval).
+                if "heartbeat" in self._refusing or \
+                        time.monotonic() - last_beat >= self.heartbeat_s:
                     last_beat = time.monotonic()
-                    if not self.store.heartbeat(self.process_id):
-                        # Declared dead (lease expired): our tasks were recovered
-                        # elsewhere.  Stop their handlers; claim again under a new id.
-                        logger.error("runner lease was lost; restarting under a new registration")
-                        for ctx in contexts:
-                            ctx.cancelled.set()
-                        self.process_id = self.store.register_process()
-                    for task_id in self.store.cancelling_owned(self.process_id):
-                        with self._lock:
-                            ctx = self._active.get(task_id)
-                        if ctx is not None:
-                            ctx.cancelled.set()
+                    if self._beat():
+                        for task_id in self.store.cancelling_owned(self.process_id):
+                            with self._lock:
+                                ctx = self._active.get(task_id)
+                            if ctx is not None:
+                                ctx.cancelled.set()
             except StoreClosed:
                 return
             except StoreUnavailable as exc:
@@ -7188,7 +7345,7 @@ class ChangeStream:
 
     def __iter__(self):
         app, store = self.app, self.app.store
-        sent = {}                      # task id -> version sent
+        sent = self.sent = {}          # task id -> version sent, for the listed tasks only
         idle_since = time.monotonic()
         try:
             yield b"retry: 1000\n\n"
@@ -7196,6 +7353,9 @@ class ChangeStream:
                 self._changed.clear()
                 tasks, _ = store.list(kind="response", principal=self.principal,
                                       limit=self.limit)
+                listed = {task.id for task in tasks}     # forget tasks pushed off the
+                for task_id in [tid for tid in sent if tid not in listed]:   # list: a
+                    del sent[task_id]                     # long-lived stream stays small
                 for task in reversed(tasks):       # oldest first: the newest ends on top
                     if sent.get(task.id) != task.version:
                         sent[task.id] = task.version

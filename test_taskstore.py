@@ -5925,6 +5925,22 @@ class LmspBoardTests(ServerTestCase):
                              ("demo-model", "queued"))
             reader.resp.close()
 
+    def test_a_long_lived_change_stream_remembers_only_the_listed_tasks(self):
+        self.start_server(workers=0)
+        self.assertTrue(self.app._streams.acquire(timeout=TIMEOUT))   # as the route does
+        stream = taskstore.ChangeStream(self.app, None, 2)
+        self.addCleanup(stream.close)
+        chunks = iter(stream)
+        self.assertEqual(next(chunks), b"retry: 1000\n\n")
+        deadline = time.monotonic() + TIMEOUT
+        for n in range(6):
+            task = self.app.store.create("response", create_body(f"t{n}")["input"])
+            while task.id.encode() not in next(chunks):     # keep-alives until it is sent
+                self.assertLess(time.monotonic(), deadline, f"task {n} never sent")
+            # Only the tasks on the list (the newest two) are remembered.
+            self.assertLessEqual(set(stream.sent), {t.id for t in self.app.store.list(
+                kind="response", limit=2)[0]})
+
     def test_task_data_is_never_markup_in_the_page(self):
         # The page is the same bytes whatever the tasks hold: data only arrives as
         # JSON and the script writes it with textContent.
@@ -8103,36 +8119,221 @@ class McpSdkInteropTests(McpTestBase):
         self.run_client(second)
 
 
-class FullStoreRunnerTests(StoreTestCase):
-    """An outcome the store cannot write (disk full) is written once there is room."""
+class Outage:
+    """A store's write transactions, watched: each StoreUnavailable they raise is
+    counted by thread name, and while ``on`` is set every one raises it (a disk
+    that filled, a lock held past the busy timeout), before BEGIN.
+    """
 
-    def test_a_task_whose_outcome_could_not_be_written_ends_once_there_is_room(self):
+    def __init__(self, test, store):
+        self.on = threading.Event()
+        self.refused = collections.Counter()
+        self._changed = threading.Condition()
+        self._path = store.path
+        self._real = store._engine.transaction
+        store._engine.transaction = lambda: self
+        test.addCleanup(vars(store._engine).pop, "transaction")
+
+    def __enter__(self):
+        if self.on.is_set():
+            self._count()
+            raise taskstore.StoreUnavailable(f"{self._path}: the database or disk is full")
+        self._real().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return self._real().__exit__(*exc)
+        except taskstore.StoreUnavailable:
+            self._count()
+            raise
+
+    def _count(self):
+        with self._changed:
+            self.refused[threading.current_thread().name] += 1
+            self._changed.notify_all()
+
+    def wait_for_workers(self, threads, times=1):
+        """Block until *threads* worker threads each had *times* writes refused; True if so."""
+        with self._changed:
+            return self._changed.wait_for(lambda: sum(
+                1 for n, count in self.refused.items()
+                if n.startswith("taskstore-worker") and count >= times) >= threads,
+                timeout=TIMEOUT)
+
+
+class StoreOutageRunnerTests(StoreTestCase):
+    """Running work rides out a short outage of the store (README: Riding out an outage)."""
+
+    def kinds(self, task_id):
+        return [e.data.get("status", e.type) for e in self.store.events(task_id)]
+
+    def test_a_handler_rides_out_an_outage_and_ends_with_its_result(self):
+        outage = Outage(self, self.store)
+        started, go = threading.Event(), threading.Event()
+
+        def handler(ctx, payload):
+            ctx.emit("before", {"n": -1})
+            started.set()
+            go.wait(TIMEOUT)                    # the store is down from here on
+            for i in range(3):
+                ctx.progress(i, 3, f"step {i}")
+                ctx.emit("chunk", {"n": i})
+            ctx.status("saving")
+            ctx.save_snapshot({"n": 3})
+            return {"text": "done"}
+
+        with self.assertLogs("taskstore", "INFO") as logs:
+            self.start_runner({"w": handler})
+            task = self.store.create("w")
+            self.assertTrue(started.wait(TIMEOUT))
+            outage.on.set()
+            go.set()
+            # The first chunk is tried again and again, and the task still runs.
+            self.assertTrue(outage.wait_for_workers(1, times=3))
+            self.assertEqual(self.store.get(task.id).status, RUNNING)
+            outage.on.clear()
+            done = self.finished(task.id)
+        self.assertEqual((done.status, done.result, done.status_message, done.progress),
+                         (SUCCEEDED, {"text": "done"}, "saving", 2.0))
+        self.assertEqual(self.store.load_snapshot(task.id), {"n": 3})
+        self.assertContiguous(task.id)
+        self.assertEqual(self.kinds(task.id),
+                         ["created", RUNNING, "before", "chunk", "chunk", "chunk", SUCCEEDED])
+        self.assertEqual([e.data["n"] for e in self.store.events(task.id)
+                          if e.type == "chunk"], [0, 1, 2])
+        # One warning for the outage (not one per try or thread), one line at its end.
+        warnings = [line for line in logs.output if "refuses writes" in line]
+        self.assertEqual(len(warnings), 1, logs.output)
+        self.assertTrue(warnings[0].startswith("WARNING"), warnings)
+        self.assertEqual(sum("takes writes again" in line for line in logs.output), 1)
+        self.assertFalse([line for line in logs.output if "Traceback" in line], logs.output)
+
+    def test_tasks_running_when_the_disk_fills_all_succeed_once_there_is_room(self):
         self.store.close()
-        store = self.open_store(max_bytes=128 * 1024, clock=time.time)
-        returned = threading.Event()
+        store = self.store = self.open_store(max_bytes=1 << 20)
+        outage = Outage(self, store)             # watches only: the disk fills for real
+        count, chunk = 25, "y" * 20_000
+        started = threading.Semaphore(0)
+        go = threading.Event()
 
-        def filler(ctx, payload):
-            try:
-                while True:
-                    ctx.emit("chunk", {"x": "y" * 2000})
-            except taskstore.StoreUnavailable:
-                returned.set()
-                return {"done": "z" * 50_000}   # too big for what is left
-        task = store.create("fill")
-        with self.assertLogs("taskstore", "ERROR") as logs:
-            runner = self.start_runner({"fill": filler}, store=store)
-            self.assertTrue(returned.wait(TIMEOUT))
-            version = store.get(task.id).version
-            # The worker hands the unwritable outcome to the maintenance thread.
-            while runner.active():
-                store.wait(task.id, timeout=0.05, since_version=version)
-            with store._lock:                    # room again (the operator grew the disk)
+        def handler(ctx, payload):
+            started.release()
+            go.wait(TIMEOUT)
+            ctx.progress(1, 2)
+            ctx.emit("chunk", {"text": chunk})
+            ctx.progress(2, 2)
+            return {"n": payload}
+
+        self.start_runner({"w": handler}, workers=count)
+        tasks = [store.create("w", i) for i in range(count)]
+        for _ in range(count):
+            self.assertTrue(started.acquire(timeout=TIMEOUT))
+        for size in (20_000, 2_000, 200):         # another writer fills the disk to the brim
+            with self.assertRaises(taskstore.StoreUnavailable):
+                for _ in range(1000):
+                    store.create("filler", "f" * size)
+        go.set()
+        with self.assertLogs("taskstore", "WARNING") as logs:
+            self.assertTrue(outage.wait_for_workers(count, times=2),
+                            f"refused: {outage.refused}")
+            self.assertEqual({store.get(t.id).status for t in tasks}, {RUNNING})
+            with store._lock:                      # room again (the operator grew the disk)
                 store._engine.conn.execute("PRAGMA max_page_count=1000000")
-            task = store.wait(task.id, timeout=TIMEOUT, terminal=True)
-        self.assertTrue(task.terminal, f"still {task.status}, owned by a live runner")
-        self.assertEqual(task.result, {"done": "z" * 50_000})
-        # A full store is reported once, not once per poll and worker.
-        self.assertEqual(sum("refuses writes" in line for line in logs.output), 1)
+            done = [self.finished(t.id) for t in tasks]
+        self.assertEqual([(t.status, t.result, t.progress) for t in done],
+                         [(SUCCEEDED, {"n": i}, 2.0) for i in range(count)])
+        for task in tasks:
+            self.assertEqual(self.kinds(task.id), ["created", RUNNING, "chunk", SUCCEEDED])
+            self.assertContiguous(task.id)
+        self.assertEqual(sum("refuses writes" in line for line in logs.output), 1, logs.output)
+
+    def lost_lease_run(self, policy):
+        """A task whose handler is held in emit while the outage outlasts the lease; return (task, runner, outage, said)."""
+        outage = Outage(self, self.store)
+        said, go = queue.Queue(), threading.Event()
+
+        def handler(ctx, payload):
+            if ctx.attempt > 1:
+                return f"attempt {ctx.attempt}"
+            ctx.emit("first")
+            said.put("started")
+            go.wait(TIMEOUT)
+            try:
+                ctx.emit("held")
+            except taskstore.Cancelled:
+                said.put(("stopped", ctx.cancelled.is_set()))
+                raise
+            return "attempt 1"
+
+        runner = self.start_runner({"w": handler})
+        task = self.store.create("w", policy=policy)
+        self.assertEqual(said.get(timeout=TIMEOUT), "started")
+        outage.on.set()
+        go.set()
+        self.assertTrue(outage.wait_for_workers(1))
+        self.clock.advance(self.store.lease_ms / 1000 + 1)   # the lease runs out
+        self.assertEqual(said.get(timeout=TIMEOUT), ("stopped", True))
+        # Nothing more was written for it: still attempt 1, running, its log as it was.
+        again = self.store.get(task.id)
+        self.assertEqual((again.status, again.attempt), (RUNNING, 1))
+        self.assertEqual(self.kinds(task.id), ["created", RUNNING, "first"])
+        return task, runner, outage
+
+    def test_an_outage_past_the_lease_stops_the_work_and_recovery_retries_it(self):
+        with self.assertLogs("taskstore", "WARNING") as logs:
+            task, runner, outage = self.lost_lease_run("retry")
+            outage.on.clear()
+            # The runner hands its old registration to recovery, and runs the retry.
+            done = self.finished(task.id)
+        self.assertEqual((done.status, done.result, done.attempt), (SUCCEEDED, "attempt 2", 2))
+        self.assertContiguous(task.id)
+        self.assertEqual(self.kinds(task.id),
+                         ["created", RUNNING, "first", QUEUED, RUNNING, SUCCEEDED])
+        self.assertIn("runner lease was lost", "\n".join(logs.output))
+
+    def test_an_outage_past_the_lease_leaves_the_task_to_another_stores_recovery(self):
+        other = self.open_store()                 # another process: its writes go through
+        with self.assertLogs("taskstore", "WARNING"):
+            task, runner, outage = self.lost_lease_run("fail")
+            self.assertEqual(other.recover(), 1)
+            failed = other.get(task.id)
+            self.assertEqual((failed.status, failed.error["code"]), (FAILED, "server_restarted"))
+            outage.on.clear()
+            # The runner goes on under a new registration, and never touches the task again.
+            after = self.finished(self.store.create("w").id)
+        self.assertEqual(after.status, SUCCEEDED)
+        self.assertEqual(self.store.get(task.id), failed)
+        self.assertContiguous(task.id)
+        self.assertEqual(self.kinds(task.id), ["created", RUNNING, "first", FAILED])
+        self.assertNotEqual(self.store.get(after.id).owner, failed.owner)
+
+    def test_stop_during_an_outage_returns_promptly_and_recovery_applies_the_policy(self):
+        outage = Outage(self, self.store)
+        started = threading.Event()
+
+        def handler(ctx, payload):
+            started.set()
+            while True:
+                ctx.emit("tick")
+
+        runner = self.start_runner({"w": handler})
+        task = self.store.create("w")
+        self.assertTrue(started.wait(TIMEOUT))
+        with self.assertLogs("taskstore", "WARNING") as logs:
+            outage.on.set()
+            self.assertTrue(outage.wait_for_workers(1, times=3))   # held, not failed
+            self.assertEqual(self.store.get(task.id).status, RUNNING)
+            stopper = threading.Thread(target=runner.stop, kwargs={"timeout": TIMEOUT})
+            stopper.start()
+            stopper.join(2.0)
+            self.assertFalse(stopper.is_alive(), "stop() waited for the outage")
+        self.assertIn("could not release this runner's tasks", "\n".join(logs.output))
+        outage.on.clear()
+        with self.assertLogs("taskstore", "WARNING"):
+            self.assertEqual(self.store.recover(), 1)   # what the next open does
+        done = self.store.get(task.id)
+        self.assertEqual((done.status, done.error["code"]), (FAILED, "server_restarted"))
+        self.assertContiguous(task.id)
 
 
 class SurrogateTests(StoreTestCase):
@@ -11861,6 +12062,70 @@ class BenchCommandTests(unittest.TestCase):
                              capture_output=True, text=True, timeout=TIMEOUT)
         self.assertEqual((out.returncode, out.stdout), (2, ""))
         self.assertIn("--n: must be at least 1", out.stderr)
+
+    def test_bench_postgres_json_reports_each_workload_against_raw(self):
+        missing = PostgresServer.missing()      # CI runs it with TASKSTORE_PG_REQUIRED=1
+        if missing and PG_REQUIRED:
+            self.fail(f"TASKSTORE_PG_REQUIRED=1, but {missing}")
+        if missing:
+            self.skipTest(missing)
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(
+            "taskstore_bench_pg", os.path.join(HERE, "bench", "pg.py"))
+        pg = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(pg)
+        self.assertIsNone(pg.cannot_start_server())
+        n = 200
+        out = subprocess.run([sys.executable, os.path.join("bench", "bench.py"),
+                              "--start-postgres", "--n", str(n), "--json"],
+                             cwd=HERE, capture_output=True, text=True, timeout=900)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        report = json.loads(out.stdout)                 # one JSON object, nothing else
+        self.assertEqual((report["n"], report["engine"], report["repeat"]), (n, "postgresql", 3))
+        # The server ran with its durable defaults.
+        self.assertEqual((report["settings"]["fsync"], report["settings"]["synchronous_commit"]),
+                         ("on", "on"))
+        workloads = report["workloads"]
+        self.assertEqual(list(workloads), list(pg.PG_WORKLOADS))
+        number = (int, float)
+        for name, figures in workloads.items():
+            with self.subTest(workload=name):
+                for key in ("taskstore_ops_per_s", "raw_ops_per_s", "ratio"):
+                    self.assertIsInstance(figures[key], number)
+                    self.assertGreater(figures[key], 0)
+        for name, target in (("create", 0.5), ("lifecycle", 0.4)):
+            self.assertEqual(workloads[name]["target_ratio"], target)
+            self.assertEqual(workloads[name]["meets_target"],
+                             workloads[name]["ratio"] >= target)
+        self.assertEqual((workloads["workers_1"]["target_ratio"],
+                          workloads["workers_1"]["meets_target"]), (None, None))
+        four = workloads["workers_4"]
+        self.assertEqual(four["target_vs_workers_1"], 2.5)
+        self.assertIsInstance(four["vs_workers_1"], number)
+        self.assertIsInstance(four["raw_vs_workers_1"], number)
+        self.assertAlmostEqual(four["vs_workers_1"], four["taskstore_ops_per_s"]
+                               / workloads["workers_1"]["taskstore_ops_per_s"], places=2)
+        self.assertEqual(four["meets_target"], four["vs_workers_1"] >= 2.5)
+        # The table shows every workload and whether its target was met.
+        rows = pg.bench_table(report)
+        self.assertEqual([r[0] for r in rows], list(pg.PG_WORKLOADS))
+        self.assertEqual([r[5] for r in rows],
+                         [{None: "-", True: "yes", False: "NO"}[w["meets_target"]]
+                          for w in workloads.values()])
+        self.assertIn("x workers_1 >= 2.50x", rows[3][4])
+
+    def test_bench_postgres_usage_errors(self):
+        # Refused before anything is imported or started: psycopg need not be installed.
+        for argv, message in (
+                (["--db", "store.db"], "--db takes a postgresql:// or postgres:// URL"),
+                (["--start-postgres", "--sync", "full"], "--sync applies to SQLite only"),
+                (["--start-postgres", "--db", "postgresql://u@127.0.0.1:1/d"],
+                 "--db and --start-postgres exclude each other")):
+            with self.subTest(argv=argv):
+                out = subprocess.run([sys.executable, self.BENCH_PY, *argv], cwd=HERE,
+                                     capture_output=True, text=True, timeout=TIMEOUT)
+                self.assertEqual((out.returncode, out.stdout), (2, ""))
+                self.assertIn(message, out.stderr)
 
     def test_taskstore_has_no_bench_command(self):
         with contextlib.redirect_stderr(io.StringIO()) as err, \

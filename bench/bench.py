@@ -6,6 +6,8 @@ Run it from the repository root::
     python3 bench/bench.py                  # the table (about 15 minutes at the default n)
     python3 bench/bench.py --n 500 --json   # smaller and faster; one JSON object for scripts
     python3 bench/bench.py --sync full      # both sides with synchronous=FULL
+    python3 bench/bench.py --db postgresql://user@host:5432/db   # the PostgreSQL engine
+    python3 bench/bench.py --start-postgres # the same on a throwaway server of its own
 
 Every workload runs 3 times on a temporary file, against a raw-sqlite3 (or
 standard-library) baseline measured in the same run with the same
@@ -14,6 +16,10 @@ traded for speed: the store runs exactly as the README promises.  The data a
 workload starts from is made through the store's own verbs (``create_many``
 and transitions), never written into its tables, so it is data the store
 could have made itself.
+
+With ``--db postgresql://...`` (or ``--start-postgres``) the PostgreSQL
+workloads of ``bench/pg.py`` run instead, against raw psycopg; that module,
+and psycopg, are imported only then.
 """
 
 import argparse
@@ -799,18 +805,72 @@ def build_parser():
     parser.add_argument("--n", type=_at_least_one, default=5000, metavar="N",
                         help="operations per workload; reap/recover use 20*N tasks, memory "
                              "200*N (default: %(default)s)")
-    parser.add_argument("--sync", choices=("normal", "full"), default="normal",
+    parser.add_argument("--sync", choices=("normal", "full"), default=None,
                         help="synchronous mode of both the store and the baseline "
-                             "(default: %(default)s)")
+                             "(SQLite only; default: normal)")
+    parser.add_argument("--db", metavar="URL",
+                        help="run the PostgreSQL workloads on this server (a postgresql:// or "
+                             "postgres:// URL; the role needs CREATEDB: every workload runs "
+                             "in fresh databases it creates and drops) instead of SQLite's")
+    parser.add_argument("--start-postgres", action="store_true",
+                        help="start a throwaway PostgreSQL server in a temporary directory for "
+                             "the run (default settings), run the PostgreSQL workloads on it, "
+                             "then stop and remove it")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of a table (default: table)")
     return parser
 
 
+def _load_pg():
+    """Import bench/pg.py (and psycopg with it): only for a PostgreSQL run."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pg.py")
+    spec = importlib.util.spec_from_file_location("taskstore_bench_pg", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _main_postgres(parser, args):
+    if args.sync is not None:
+        parser.error("--sync applies to SQLite only (PostgreSQL runs with its own settings)")
+    if args.db and args.start_postgres:
+        parser.error("--db and --start-postgres exclude each other")
+    try:
+        pg = _load_pg()
+    except ImportError as exc:
+        print(f"bench/bench.py: the PostgreSQL benchmark needs psycopg 3 ({exc}): "
+              f"pip install 'psycopg[binary]'", file=sys.stderr)
+        return 2
+    try:
+        with (pg.throwaway_server() if args.start_postgres
+              else contextlib.nullcontext(args.db)) as url:
+            report = pg.run_bench(url, n=args.n)
+    except (RuntimeError, OSError, pg.psycopg.Error) as exc:
+        print(f"bench/bench.py: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(dumps(report))
+        return 0
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(report["settings"].items()))
+    print(f"taskstore bench: n={report['n']} PostgreSQL {report['postgresql']} ({settings}) "
+          f"(medians of {report['repeat']} runs; Python {report['python']}, "
+          f"psycopg {report['psycopg']}, {report['cpus']} CPUs)")
+    _print_table(pg.bench_table(report),
+                 ("WORKLOAD", "TASKSTORE OPS/S", "RAW OPS/S", "RATIO", "TARGET", "MET"))
+    return 0
+
+
 def main(argv=None):
     """Run the benchmark the command line asks for; return the exit status."""
-    args = build_parser().parse_args(argv)
-    report = run_bench(n=args.n, sync=args.sync)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.db is not None or args.start_postgres:
+        if args.db is not None and not args.db.startswith(("postgresql://", "postgres://")):
+            parser.error("--db takes a postgresql:// or postgres:// URL (the SQLite "
+                         "benchmark runs on temporary files of its own)")
+        return _main_postgres(parser, args)
+    report = run_bench(n=args.n, sync=args.sync or "normal")
     if args.json:
         print(dumps(report))
         return 0
