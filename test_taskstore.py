@@ -12848,6 +12848,15 @@ class PgFaultCase(unittest.TestCase):
                     self.assertEqual(summary["requeues"], 0, summary["names"])
         return figures
 
+    @staticmethod
+    def drain_log(server):
+        """The lines a running replica wrote to stderr so far (without waiting)."""
+        lines = []
+        with contextlib.suppress(queue.Empty):
+            while (line := server.peer.lines.get_nowait()) is not None:
+                lines.append(line)
+        return lines
+
     def assertNoServerErrors(self, servers):
         for server in servers:
             if server.proc.poll() is None:
@@ -13064,6 +13073,13 @@ class PgFaultServerRestartTests(PgFaultCase):
             self.assertIsNone(server.proc.poll(), "a replica died")
         self.assertEqual(load.unexpected, [])
         figures = self.check_everything(clients, load, 6 * TIMEOUT)
+        logs = [line for server in servers for line in self.drain_log(server)]
+        raised = [n for n, line in enumerate(logs) if " raised:" in line]
+        if raised:          # why a handler failed its task: the last line of its traceback
+            cause = next((line.strip() for line in logs[raised[0]:]
+                          if re.match(r"\s*[\w.]+(Error|Exception|Unavailable)\b", line)), "")
+            print(f"\npgfault: a handler raised during the outage ({len(raised)} times): "
+                  f"{logs[raised[0]].strip()[:200]} ... {cause[:300]}", file=sys.stderr)
         outage = (load.counts["503"] + load.counts["connection errors"] - errors_before
                   + reads["503"] + reads["connection errors"])
         pgfault_figures("pg_ctl restart -m immediate", tasks=len(load.acked), restarts=1,
