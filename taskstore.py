@@ -5891,7 +5891,8 @@ class McpServer:
     reads lines, runs the work the dispatcher describes on two bounded thread
     pools (``max_waiting``; past either's limit a request is refused at once
     with ServerBusy), follows this session's tasks in other processes, and
-    writes.  Tasks are run by this server's Runner.
+    writes.  Tasks are run by this server's Runner (*workers* threads; it
+    renews this process's lease every *heartbeat_s* seconds).
 
     Example::
 
@@ -5912,7 +5913,8 @@ class McpServer:
                  allow_unlimited_ttl=False, poll_interval_ms=DEFAULT_MCP_POLL_INTERVAL_MS,
                  list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, workers=4,
                  max_line_bytes=DEFAULT_MAX_LINE_BYTES, name="taskstore", version=__version__,
-                 shutdown_grace_s=SHUTDOWN_GRACE_S, max_waiting=DEFAULT_MCP_MAX_WAITING):
+                 shutdown_grace_s=SHUTDOWN_GRACE_S, max_waiting=DEFAULT_MCP_MAX_WAITING,
+                 heartbeat_s=DEFAULT_HEARTBEAT_S):
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
             raise InvalidParams("max_waiting must be an integer >= 1", param="max_waiting")
         self.store = store
@@ -5924,7 +5926,8 @@ class McpServer:
         self.max_line_bytes = max_line_bytes
         self.shutdown_grace_s = shutdown_grace_s
         self.max_waiting = max_waiting
-        self.runner = Runner(store, {MCP_TASK_KIND: self.dispatcher.run_task}, workers=workers)
+        self.runner = Runner(store, {MCP_TASK_KIND: self.dispatcher.run_task}, workers=workers,
+                             heartbeat_s=heartbeat_s)
         # The dispatcher's closing event is ours: EOF, a broken output or stop()
         # end the waits it runs for us as well as our loops.
         self._stop = self.dispatcher.closing
@@ -6185,6 +6188,7 @@ def add_mcp_parser(subparsers):
                     "answers \"has expired\" from that moment on; its row is deleted by the "
                     "next reaper pass (every --reap-interval seconds).")
     _add_db_option(p)                   # --db PATH (./taskstore.db), --sync
+    _add_lease_options(p)               # --lease S (30), --heartbeat S (1)
     p.add_argument("--default-ttl", metavar="MS", type=_at_least(1), default=DEFAULT_MCP_TTL_MS,
                    help="ttl granted to a task request that names none (default: %(default)s)")
     p.add_argument("--max-ttl", metavar="MS", type=_at_least(1), default=DEFAULT_MAX_TTL_MS,
@@ -6222,8 +6226,13 @@ def add_mcp_parser(subparsers):
 
 def run_mcp(args):
     """Run ``taskstore.py mcp``: serve the demo tools until EOF or SIGTERM; return 0."""
+    problem = _check_lease_options(args)
+    if problem:
+        print(f"taskstore: {problem}", file=sys.stderr)
+        return 2
     out = sys.stdout.buffer
-    store = TaskStore(args.db, synchronous=args.sync, max_ttl_ms=args.max_ttl)
+    store = TaskStore(args.db, synchronous=args.sync, max_ttl_ms=args.max_ttl,
+                      lease_s=args.lease)
     with contextlib.ExitStack() as stack:
         stack.callback(store.close)     # also stops the reaper
         store.start_reaper(args.reap_interval)
@@ -6233,7 +6242,8 @@ def run_mcp(args):
                            allow_unlimited_ttl=args.allow_unlimited_ttl,
                            poll_interval_ms=args.poll_interval, list_tasks=not args.no_list,
                            page_size=args.page_size, workers=args.workers,
-                           max_line_bytes=args.max_line_bytes, max_waiting=args.max_waiting)
+                           max_line_bytes=args.max_line_bytes, max_waiting=args.max_waiting,
+                           heartbeat_s=args.heartbeat)
         add_demo_tools(server)
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
@@ -6266,6 +6276,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 30.0
 DEFAULT_MAX_STREAMS = 256
 DEFAULT_MAX_CONNECTIONS = 512   # each is a thread and a file descriptor (1024 is a common limit)
 DEFAULT_KEEPALIVE_S = 15.0
+RETRY_AFTER_S = 1           # a 503's Retry-After: outages and full servers pass quickly
 DEFAULT_DEMO_DELAY_S = 0.02
 DEFAULT_BACKEND_URL = "http://127.0.0.1:11434/v1"   # Ollama's OpenAI-compatible API
 _STREAM_WAKE_S = 0.5        # how soon an idle event stream notices a server shutdown
@@ -7103,6 +7114,8 @@ class LMSPApp:
             headers.append(("WWW-Authenticate", 'Bearer realm="lmsp"'))
         if isinstance(exc, MethodNotAllowed):
             headers.append(("Allow", ", ".join(exc.allow)))
+        if status == 503:       # the store or the server is busy or down: come back soon
+            headers.append(("Retry-After", str(RETRY_AFTER_S)))
         return Reply(status, problem, headers, content_type="application/problem+json")
 
     def authenticate(self, headers):
@@ -8107,6 +8120,7 @@ class LMSPServer(http.server.ThreadingHTTPServer):
                 f"Server: {LMSPRequestHandler.server_version}\r\n"
                 f"Date: {email.utils.formatdate(usegmt=True)}\r\n"
                 f"Content-Type: application/problem+json\r\n"
+                f"Retry-After: {RETRY_AFTER_S}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
         with contextlib.suppress(OSError):
             sock.setblocking(False)
@@ -8302,6 +8316,7 @@ def add_http_parser(subparsers):
     p = subparsers.add_parser("http", help="serve the LMSP 1.0 task routes over HTTP",
                               description="Serve the LMSP 1.0 task routes over HTTP.")
     _add_db_option(p)                   # --db PATH (./taskstore.db), --sync
+    _add_lease_options(p)               # --lease S (30), --heartbeat S (1)
     p.add_argument("--host", default=DEFAULT_HTTP_HOST, help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT,
                    help="port; 0 picks a free one (default: %(default)s)")
@@ -8368,6 +8383,10 @@ def cmd_http(args):
     except ValueError as exc:
         print(f"taskstore: {exc}", file=sys.stderr)
         return 2
+    problem = _check_lease_options(args)
+    if problem:
+        print(f"taskstore: {problem}", file=sys.stderr)
+        return 2
     if not tokens and not _is_loopback(args.host) and not args.insecure_bind:
         print(f"taskstore: refusing to serve {args.host} without tokens (--token, --token-file "
               f"or {TOKENS_ENV}; use --insecure-bind to allow it)", file=sys.stderr)
@@ -8377,8 +8396,9 @@ def cmd_http(args):
     if args.verbose:
         logging.getLogger().setLevel(logging.DEBUG)
     store = TaskStore(args.db, event_retention_ms=store_retention, synchronous=args.sync,
-                      max_bytes=args.max_db_bytes)
-    runner = Runner(store, {"response": response_handler(backend)}, workers=args.workers)
+                      max_bytes=args.max_db_bytes, lease_s=args.lease)
+    runner = Runner(store, {"response": response_handler(backend)}, workers=args.workers,
+                    heartbeat_s=args.heartbeat)
     app = LMSPApp(store, backend, tokens=tokens, max_body=args.max_body,
                   task_retention=args.task_retention, event_retention=event_retention,
                   idempotency_retention=args.idempotency_retention,
@@ -8443,6 +8463,26 @@ def _add_db_option(parser):
     parser.add_argument("--sync", choices=("normal", "full"), default="normal",
                         help="SQLite synchronous mode: normal survives process crashes, full "
                              "also power loss (default: %(default)s)")
+
+
+def _add_lease_options(parser):
+    """Add the two options of every command that runs tasks: ``--lease``, ``--heartbeat``."""
+    parser.add_argument("--lease", metavar="S", type=_positive(float), default=DEFAULT_LEASE_S,
+                        help="seconds without a heartbeat after which a process is dead and "
+                             "any other process applies the restart policy to its tasks "
+                             "(default: %(default)s)")
+    parser.add_argument("--heartbeat", metavar="S", type=_positive(float),
+                        default=DEFAULT_HEARTBEAT_S,
+                        help="seconds between heartbeats renewing the lease; on PostgreSQL "
+                             "each one also recovers dead processes' tasks; must be below "
+                             "--lease (default: %(default)s)")
+
+
+def _check_lease_options(args):
+    """The lease options' error message, or None when they are consistent."""
+    if args.heartbeat >= args.lease:
+        return f"--heartbeat ({args.heartbeat:g} s) must be below --lease ({args.lease:g} s)"
+    return None
 
 
 def build_parser():

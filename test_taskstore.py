@@ -2706,6 +2706,18 @@ class AdminCommandTests(OwnedTaskTestCase):
                     self.assertIn("--db PATH", out)
                     self.assertIn("--sync {normal,full}", out)
 
+    def test_the_servers_take_the_lease_options_and_refuse_a_heartbeat_past_the_lease(self):
+        for command in ("mcp", "http"):
+            with self.subTest(command=command):
+                code, out, _ = self.run_main(command, "--help")
+                self.assertIn("--lease S", out)
+                self.assertIn("--heartbeat S", out)
+                code, out, err = self.run_main(command, "--db", self.path, "--lease", "2",
+                                               "--heartbeat", "2")
+                self.assertEqual((code, out), (2, ""))
+                self.assertEqual(err, "taskstore: --heartbeat (2 s) must be below --lease "
+                                      "(2 s)\n")
+
 
 class WatchCommandTests(OwnedTaskTestCase):
     """``tasks watch`` in a child process, on a pipe and on a pseudo-terminal,
@@ -4463,6 +4475,8 @@ class ServerTestCase(unittest.TestCase):
         self.assertIsInstance(body["detail"], str)
         if param is not None:
             self.assertEqual(body.get("param"), param)
+        if status == 503:
+            self.assertEqual(resp.getheader("Retry-After"), "1")
         return body
 
 
@@ -9505,6 +9519,7 @@ class LmspResourceLimitTests(ServerTestCase):
             status, headers, body = conn.read_response()
             self.assertEqual((status, json.loads(body)["code"]), (503, "service_unavailable"))
             self.assertEqual(headers["connection"], ["close"])
+            self.assertEqual(headers["retry-after"], ["1"])
             self.assertIn(str(cap), json.loads(body)["detail"])
             self.assertIsNone(conn.read_response())       # and closed
         if threads_at_start is not None:
@@ -9688,9 +9703,10 @@ class LmspResourceLimitTests(ServerTestCase):
         acked, answer = [], None
         for i in range(300):
             text = f"fill{i} " + "x" * 6000
-            status, _, obj = client.request("POST", "/lmsp/v1/tasks", create_body(text))
+            status, resp, obj = client.request("POST", "/lmsp/v1/tasks", create_body(text))
             if status != 202:
                 answer = (status, obj)
+                self.assertEqual(resp.getheader("Retry-After"), "1")
                 break
             acked.append(obj["id"])
         self.assertIsNotNone(answer, "the cap was never reached")
