@@ -12764,6 +12764,24 @@ class PgFaultCase(unittest.TestCase):
             "WHERE t.owner IS NOT NULL AND t.status IN "
             "('loading', 'running', 'input_required', 'cancelling')")}
 
+    def creates_per_key(self, load):
+        """``(keys with more than one task, tasks in the database never acknowledged)``.
+
+        The load's request text starts with its key, so a create made twice
+        (a retried POST that was not recognised as a replay) shows as two
+        tasks of one key.
+        """
+        keys = collections.Counter()
+        for (payload,) in self.rows("SELECT payload FROM tasks"):
+            text = payload if isinstance(payload, str) else json.dumps(payload)
+            match = re.search(rf'"({re.escape(load.label)}-\d+-\d+)w0 ', text)
+            if match:
+                keys[match.group(1)] += 1
+        acked = {info["key"] for info in load.acked.values()}
+        self.assertEqual(acked - set(keys), set(), "acknowledged creates missing")
+        return ([key for key, n in keys.items() if n > 1],
+                sorted(set(keys) - acked))
+
     # -- what every task must look like at the end ------------------------
 
     def wait_finished(self, clients, ids, timeout):
@@ -12994,6 +13012,8 @@ class PgFaultReplicaKillTests(PgFaultCase):
                     if task_id in load.acked}
         self.assertEqual(set(policies), held, "a task the dead replica held was never acked")
         figures = self.check_everything(live, load, 12 * TIMEOUT, recovered=policies)
+        doubled, unacked = self.creates_per_key(load)
+        self.assertEqual(doubled, [], "a create was made twice")
         self.assertEqual(load.counts["acked twice"], 0)
         self.assertEqual(load.counts["timeouts"], 0)
         self.assertEqual(load.counts["503 without Retry-After"], 0)
@@ -13005,7 +13025,8 @@ class PgFaultReplicaKillTests(PgFaultCase):
                         recovered_within_s=round(recovered_after, 2),
                         requests=load.counts["requests"], http_503=load.counts["503"],
                         connection_errors=load.counts["connection errors"],
-                        duplicates=load.counts["acked twice"], events=figures["events"],
+                        duplicates=len(doubled) + load.counts["acked twice"],
+                        unacked_creates=len(unacked), events=figures["events"],
                         succeeded=figures["succeeded"],
                         failed_by_policy=figures["failed by policy"],
                         requeued=figures["requeued"],
@@ -13065,6 +13086,7 @@ class PgFaultServerRestartTests(PgFaultCase):
             self.assertIsNone(server.proc.poll(), "a replica died")
         self.assertEqual(load.unexpected, [])
         figures = self.check_everything(clients, load, 6 * TIMEOUT)
+        doubled, unacked = self.creates_per_key(load)
         logs = [line for server in servers for line in self.drain_log(server)]
         raised = [n for n, line in enumerate(logs) if " raised:" in line]
         if raised:          # why a handler failed its task: the last line of its traceback
@@ -13083,7 +13105,8 @@ class PgFaultServerRestartTests(PgFaultCase):
                         timeouts=load.counts["timeouts"] + reads["timeouts"],
                         other_read_statuses={k: v for k, v in reads.items()
                                              if k.startswith("status")},
-                        duplicates=load.counts["acked twice"], events=figures["events"],
+                        duplicates=len(doubled) + load.counts["acked twice"],
+                        unacked_creates=len(unacked), events=figures["events"],
                         succeeded=figures["succeeded"], failed=figures["failed"],
                         failed_internal_error=figures["failed internal_error"],
                         failed_server_restarted=figures["failed server_restarted"],
@@ -13091,6 +13114,7 @@ class PgFaultServerRestartTests(PgFaultCase):
         self.assertGreater(outage, 0, "no client saw the outage")
         self.assertEqual(load.counts["timeouts"] + reads["timeouts"], 0, "a call hung")
         self.assertEqual([k for k in reads if k.startswith("status")], [], reads)
+        self.assertEqual(doubled, [], "a create was made twice")
         self.assertEqual(load.counts["acked twice"], 0)
         self.assertNoServerErrors(servers)
         self.assertEqual(load.counts["503 without Retry-After"] + reads["503 without Retry-After"],
