@@ -1192,12 +1192,16 @@ class _GroupCommit:
 
     The first writer to arrive becomes the leader and runs every body queued
     by then in one transaction (``_run_batch``: each body gets its own result
-    or error); the others wait until that transaction has committed.  Bodies
-    queued while the leader commits (the commit releases the GIL, so they do
-    arrive) go in the leader's next transaction, up to ``GROUP_ROUNDS``
-    transactions, instead of waiting for a new leader to wake up.  A lone
-    writer is the leader of a batch of one and pays nothing more.  Nobody
-    returns before its change is committed.
+    or error); the others wait until that transaction has committed.  Under
+    contention, writers that queue while the leader runs the bodies join the
+    open transaction before its commit (``_join_late``): the writers the last
+    commit released come back one at a time, and their way back overlaps
+    the leader's work instead of preceding it.  Bodies queued while the
+    leader commits (the commit releases the GIL, so they do arrive) go in
+    the leader's next transaction, up to ``GROUP_ROUNDS`` transactions,
+    instead of waiting for a new leader to wake up.  A lone writer is the
+    leader of a batch of one and pays nothing more.  Nobody returns before
+    its change is committed.
     """
 
     def __init__(self, changes):
@@ -1243,12 +1247,11 @@ class _GroupCommit:
         """As the leader: commit what is queued, batch after batch; then hand the lead on."""
         group = self._group
         with group:
-            self._gather_locked()
             batch, self._group_queue = self._group_queue, []
         rounds = 0
         try:
             while batch:
-                self._run_batch(batch, writing, insert)
+                self._run_batch(batch, writing, insert, self._join_late)
                 rounds += 1
                 with group:
                     self._group_last = len(batch)
@@ -1268,8 +1271,12 @@ class _GroupCommit:
                     self._hand_over_locked()
                 self._wake(batch)
 
-    def _run_batch(self, batch, writing, insert):
+    def _run_batch(self, batch, writing, insert, more=None):
         """Run *batch* in one ``writing()`` transaction; store each body's result or error.
+
+        *more* (the leader's ``_join_late``), once the bodies have run, gives
+        the writers that queued meanwhile: they join the batch (the list
+        grows in place) and the same transaction, until it returns none.
 
         *writing* is the store's context: the lock, one ``transaction()``,
         the store's notices (``with writing() as notices``).  A body is
@@ -1287,19 +1294,26 @@ class _GroupCommit:
             with writing() as notices:
                 changes = self._changes
                 records = []
-                for op in batch:
-                    body = op.body
-                    if not callable(body):
-                        records.append(op)
-                        continue
-                    before, mark = changes(), len(notices)
-                    try:
-                        op.result = body(notices)
-                    except TaskStoreError as exc:
-                        if len(batch) == 1 or changes() != before:
-                            raise
-                        del notices[mark:]
-                        op.error = exc
+                ran = 0
+                while True:
+                    for op in batch[ran:]:
+                        body = op.body
+                        if not callable(body):
+                            records.append(op)
+                            continue
+                        before, mark = changes(), len(notices)
+                        try:
+                            op.result = body(notices)
+                        except TaskStoreError as exc:
+                            if len(batch) == 1 or changes() != before:
+                                raise
+                            del notices[mark:]
+                            op.error = exc
+                    ran = len(batch)
+                    late = None if more is None else more(ran)
+                    if not late:
+                        break
+                    batch.extend(late)
                 if records:
                     for op, result in zip(records, insert(notices, [op.body for op in records])):
                         op.result = result
@@ -1335,30 +1349,44 @@ class _GroupCommit:
         if sleepers:
             sleepers[0].wake.release()
 
-    def _gather_locked(self):
-        """Under contention, give the writers just released a moment to queue again.
+    def _join_late(self, size):
+        """Under contention, the writers that join the leader's open batch of *size*; [] for none.
 
         PostgreSQL's ``commit_delay``/``commit_siblings`` idea: when the last
-        batch had company, the new leader waits (at most ``GROUP_DELAY_S``)
-        until as many writers have queued, so the next commit serves them all
-        instead of one.  A lone writer (last batch of one) never waits.
+        batch had company, the writers its commit released are coming back,
+        and the next commit should serve them all instead of one.  The
+        leader does not wait for them before it starts: it runs the bodies
+        queued so far (inside SQLite, which releases the GIL, so the others
+        come back meanwhile), then takes whoever queued since, and waits
+        for the rest (at most ``GROUP_DELAY_S``) only if they are not all
+        there yet.  A lone writer (last batch of one) never waits.
         """
-        want = self._group_last
-        if want <= 1 or len(self._group_queue) >= want:
-            return
-        deadline = time.monotonic() + GROUP_DELAY_S
-        # Woken once, when the last of them queues: a wake-up per arrival
-        # would cost as much as the wait saves.
-        self._group_gathering = want
-        try:
-            while len(self._group_queue) < want:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._group_last = len(self._group_queue)   # fewer writers now
-                    break
-                self._gather.wait(remaining)
-        finally:
-            self._group_gathering = 0
+        if size >= self._group_last and not self._group_queue:
+            return None             # alone, or all there: nothing to take (a lone writer's case)
+        with self._group:
+            want = self._group_last
+            if size >= want:
+                return self._take_locked()
+            missing = want - size
+            if len(self._group_queue) < missing:
+                deadline = time.monotonic() + GROUP_DELAY_S
+                # Woken once, when the last of them queues: a wake-up per
+                # arrival would cost as much as the wait saves.
+                self._group_gathering = missing
+                try:
+                    while len(self._group_queue) < missing:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            self._group_last = size + len(self._group_queue)  # fewer writers now
+                            break
+                        self._gather.wait(remaining)
+                finally:
+                    self._group_gathering = 0
+            return self._take_locked()
+
+    def _take_locked(self):
+        batch, self._group_queue = self._group_queue, []
+        return batch
 
 
 class _Transaction:
@@ -2839,6 +2867,12 @@ def _status_data(status, new, message, error):
     return data
 
 
+@functools.lru_cache(maxsize=64)
+def _plain_status_json(status, new):
+    """A ``status`` event's data with no message and no error, as stored: serialised once."""
+    return dumps(_status_data(status, new, None, None))
+
+
 class _NewTask(typing.NamedTuple):
     """A validated ``create`` waiting for its batch (see ``_insert_tasks_locked``)."""
 
@@ -2925,6 +2959,71 @@ class _IdSequence:
         return task_id
 
 
+class _Writing:
+    """``TaskStore._writing()``: the lock, one engine transaction, then the listeners.
+
+    A class rather than a generator context (it runs on every write; see
+    ``_Transaction``), one per store, reused: the lock it takes makes that
+    safe, and what outlives the lock (the listeners' calls) is copied out
+    before it is released.  A notice that carries the Task as written is
+    handed to the listeners as it is, unless a later notice of the batch
+    names the same task: then, as for a notice without one, the committed
+    row is read (the listeners see the task as it is after the commit).
+    """
+
+    __slots__ = ("store", "notices", "transaction")
+
+    def __init__(self, store):
+        self.store = store
+        self.notices = None
+        self.transaction = None
+
+    def __enter__(self):
+        store = self.store
+        store._lock.acquire()
+        try:
+            transaction = store._engine.transaction()
+            transaction.__enter__()          # raises StoreClosed once closed
+        except BaseException:
+            store._lock.release()
+            raise
+        self.transaction = transaction
+        self.notices = notices = []
+        return notices
+
+    def __exit__(self, kind, exc, tb):
+        store = self.store
+        notices, transaction = self.notices, self.transaction
+        self.notices = self.transaction = None
+        try:
+            transaction.__exit__(kind, exc, tb)
+            if kind is not None:
+                return False
+            if store._changed_waiting:
+                store._changed.notify_all()
+            if not notices or not store._listeners:
+                return False
+            read = store._engine.read_task
+            if len(notices) == 1:               # most writes: one change of one task
+                notice = notices[0]
+                tasks = ((notice[2] if len(notice) > 2 else read(notice[0]), notice[1]),)
+            else:
+                last = {notice[0]: i for i, notice in enumerate(notices)}
+                tasks = [(notice[2] if len(notice) > 2 and last[notice[0]] == i
+                          else read(notice[0]), notice[1]) for i, notice in enumerate(notices)]
+        finally:
+            store._lock.release()
+        for task, change in tasks:
+            if task is None:
+                continue
+            for listener in list(store._listeners):
+                try:
+                    listener(task, change)
+                except Exception:
+                    logger.exception("task listener %r failed", listener)
+        return False
+
+
 class TaskStore:
     """A durable task store on one SQLite file.
 
@@ -2996,37 +3095,23 @@ class TaskStore:
         self._cancel_events = {}
         self._reaper = None
         self._ids = _IdSequence()
+        self._writing_cm = _Writing(self)
         engine.on_remote(self._on_remote)
         if recover_on_open and not self.readonly:
             self.recover()
 
     # -- plumbing --------------------------------------------------------------
 
-    @contextlib.contextmanager
     def _writing(self):
-        """Hold the lock for one engine transaction; yield a notice list.
+        """Hold the lock for one engine transaction; give the body a notice list.
 
-        Notices ``(task_id, change)`` appended by the body go to the listeners
-        once the transaction has committed.
+        ``with self._writing() as notices``.  Notices ``(task_id, change)``
+        appended by the body go to the listeners once the transaction has
+        committed; a notice may carry the Task as written, ``(task_id,
+        change, task)``, which then spares the listeners a read of the row
+        (see ``_Writing``).
         """
-        notices = []
-        with self._lock:
-            with self._engine.transaction():      # raises StoreClosed once closed
-                yield notices
-            if self._changed_waiting:
-                self._changed.notify_all()
-            if notices and self._listeners:
-                tasks = [(self._engine.read_task(tid), change) for tid, change in notices]
-            else:
-                tasks = ()
-        for task, change in tasks:
-            if task is None:
-                continue
-            for listener in list(self._listeners):
-                try:
-                    listener(task, change)
-                except Exception:
-                    logger.exception("task listener %r failed", listener)
+        return self._writing_cm
 
     def _on_remote(self, kind, ids):
         """Another process committed (the engine's ``on_remote``): wake who waits here.
@@ -3096,17 +3181,19 @@ class TaskStore:
             values.update(finished_at=now, input_request=None, purge_at=purge_at)
             changes.update(finished_at=now, input_request=None, purge_at=purge_at)
         # The compare-and-set: cannot fail inside the transaction; the guard is the rule.
-        if not self._engine.move_task(task_id, status, values,
-                                      dumps(_status_data(status, new, message, error)), now):
+        event_json = _plain_status_json(status, new) if message is None and error is None \
+            else dumps(_status_data(status, new, message, error))
+        if not self._engine.move_task(task_id, status, values, event_json, now):
             raise InvalidTransition(task_id, status, event)
-        notices.append((task_id, "status"))
+        task = task._replace(**changes)
+        notices.append((task_id, "status", task))
         if new in TERMINAL_STATES:
             self._cancel_events.pop(task_id, None)
         elif new == QUEUED:
             self._work_gen += 1
             if self._work_waiting:
                 self._work.notify_all()
-        return task._replace(**changes)
+        return task
 
     def _move(self, task_id, event, *, principal=None, **kwargs):
         """Run one transition, committed (group commit) before it returns; return the new Task."""
@@ -3227,12 +3314,13 @@ class TaskStore:
             rows.append((task_id, kind, QUEUED, payload_json, status_message, principal, policy,
                          ttl_ms, retention_ms, now, now, meta_json, owner))
             events.append((task_id, _created_data(kind), now))
-            notices.append((task_id, "created"))
             # Built here rather than read back: the row is exactly this.
-            tasks.append(Task(task_id, kind, QUEUED, payload, None, None, status_message,
-                              None, None, principal, policy, 1, ttl_ms, retention_ms, now, now,
-                              None, None, owner, 0, 0, 0,
-                              {} if meta is None else _loads(meta_json), None, None))
+            task = Task(task_id, kind, QUEUED, payload, None, None, status_message,
+                        None, None, principal, policy, 1, ttl_ms, retention_ms, now, now,
+                        None, None, owner, 0, 0, 0,
+                        {} if meta is None else _loads(meta_json), None, None)
+            notices.append((task_id, "created", task))
+            tasks.append(task)
         self._engine.insert_tasks(rows, events)
         self._work_gen += 1
         if self._work_waiting:
@@ -3495,8 +3583,15 @@ class TaskStore:
 
     def cancel_event(self, task_id):
         """Return the ``threading.Event`` set when this task is cancelled (in this process)."""
-        with self._lock:
-            return self._cancel_events.setdefault(task_id, threading.Event())
+        # Without the store's lock: dict.get and setdefault are atomic, and the
+        # lock would order nothing more (a cancel committed before the event
+        # exists is noticed by the runner's maintenance either way).  A runner
+        # asks for it between its claim and its write, and must not wait for a
+        # group-commit leader that holds the lock while it waits for that write.
+        event = self._cancel_events.get(task_id)
+        if event is None:
+            event = self._cancel_events.setdefault(task_id, threading.Event())
+        return event
 
     def add_listener(self, listener):
         """Call ``listener(task, change)`` after every committed change.
@@ -4364,6 +4459,15 @@ class Runner:
         hold = functools.partial(self._hold, ctx)
         ctx.flush()
         try:
+            if outcome[0] == "succeed" and not ctx._loading:
+                # The common case, checked by succeed itself: it serialises
+                # the result before any write, so a value the store refuses
+                # leaves the task as it was, and fails it below.
+                try:
+                    hold(store.succeed, task_id, outcome[1], attempt=attempt)
+                    return
+                except InvalidParams:
+                    pass
             if outcome[0] != "cancelled":
                 # The store's own check (JSON, storable, MAX_JSON_DEPTH) before
                 # any move: a value it refuses fails the task instead of
@@ -6388,6 +6492,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 30.0
 DEFAULT_MAX_STREAMS = 256
 DEFAULT_MAX_CONNECTIONS = 512   # each is a thread and a file descriptor (1024 is a common limit)
 DEFAULT_KEEPALIVE_S = 15.0
+RETRY_AFTER_S = 1           # a 503's Retry-After: outages and full servers pass quickly
 DEFAULT_DEMO_DELAY_S = 0.02
 DEFAULT_BACKEND_URL = "http://127.0.0.1:11434/v1"   # Ollama's OpenAI-compatible API
 _STREAM_WAKE_S = 0.5        # how soon an idle event stream notices a server shutdown
@@ -7225,6 +7330,8 @@ class LMSPApp:
             headers.append(("WWW-Authenticate", 'Bearer realm="lmsp"'))
         if isinstance(exc, MethodNotAllowed):
             headers.append(("Allow", ", ".join(exc.allow)))
+        if status == 503:       # the store or the server is busy or down: come back soon
+            headers.append(("Retry-After", str(RETRY_AFTER_S)))
         return Reply(status, problem, headers, content_type="application/problem+json")
 
     def authenticate(self, headers):
@@ -8229,6 +8336,7 @@ class LMSPServer(http.server.ThreadingHTTPServer):
                 f"Server: {LMSPRequestHandler.server_version}\r\n"
                 f"Date: {email.utils.formatdate(usegmt=True)}\r\n"
                 f"Content-Type: application/problem+json\r\n"
+                f"Retry-After: {RETRY_AFTER_S}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
         with contextlib.suppress(OSError):
             sock.setblocking(False)
