@@ -2434,7 +2434,8 @@ class PostgresEngine(SQLiteEngine):
         synchronous: accepted for the store's sake and ignored: a commit's
             durability is the server's ``synchronous_commit``.
         busy_timeout: seconds for connecting and the longest any statement
-            or lock wait may take (``statement_timeout``, ``lock_timeout``).
+            or lock wait may take (``statement_timeout``, ``lock_timeout``);
+            a session idle in a transaction for half of it is ended by the server.
         max_bytes: refused: a PostgreSQL database has no size cap of ours.
         readonly: every transaction is read-only; a write raises StoreUnavailable.
 
@@ -2494,8 +2495,13 @@ class PostgresEngine(SQLiteEngine):
 
     def _connect(self, autocommit=True):
         """A new psycopg connection with the engine's timeouts (raises psycopg errors)."""
-        ms = max(1, int(self._busy_timeout * 1000))
-        options = f"-c statement_timeout={ms} -c lock_timeout={ms}"
+        ms = max(2, int(self._busy_timeout * 1000))
+        # A process paused inside a transaction (SIGSTOP, a long GC pause)
+        # holds its row locks: the server ends its session after half the
+        # busy timeout, so a writer waiting for those rows gets them before its
+        # own lock_timeout.  Our transactions never sit idle that long.
+        options = (f"-c statement_timeout={ms} -c lock_timeout={ms} "
+                   f"-c idle_in_transaction_session_timeout={ms // 2}")
         if self.readonly:
             options += " -c default_transaction_read_only=on"
         return self.psycopg.connect(self._url, autocommit=autocommit, options=options,

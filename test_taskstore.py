@@ -4101,6 +4101,21 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         self.assertEqual([e.seq for e in events], list(range(603)))
         self.assertEqual(store.get(task.id).last_seq, 602)
 
+    def test_a_transaction_paused_midway_does_not_lock_out_other_writers(self):
+        # A process stopped inside a transaction (here: one that never goes on)
+        # holds its row lock; the server ends its session after half the busy
+        # timeout, so another writer, waiting up to the whole of it, gets the row.
+        paused = self.open_store(busy_timeout=2)
+        other = self.open_store(busy_timeout=2)
+        task = other.create("k")
+        engine = paused._engine
+        with engine.lock:
+            with self.assertRaises(StoreUnavailable):
+                with engine.transaction():
+                    engine.read_task(task.id)           # FOR UPDATE: the row is locked
+                    self.assertEqual(other.cancel(task.id).status, CANCELLED)
+        self.assertEqual(paused.get(task.id).status, CANCELLED)    # it reconnects by itself
+
     def test_a_write_in_one_process_wakes_a_wait_in_another_at_once(self):
         store = self.open_store(poll_interval=60)
         task = store.create("k")
