@@ -1046,6 +1046,17 @@ _HOST = socket.gethostname
 _LIVE_PROCESS_IDS = set()    # registrations of runners alive in this process (the store's)
 
 
+def _reap_take(rows, budget):
+    """How many of a reap batch's rows ``(id, _, event count)`` fit ``10 * budget`` events."""
+    take, events = 0, 0
+    for _, _, count in rows:
+        if events + count > 10 * budget:
+            break
+        take += 1
+        events += count
+    return take
+
+
 def _marks(values):
     return ", ".join("?" * len(values))
 
@@ -2020,22 +2031,11 @@ class SQLiteEngine:
         rows = self.conn.execute(
             f"SELECT id, purge_at, last_seq - first_seq + 1 FROM tasks WHERE {_EXPIRED} "
             "ORDER BY purge_at, id LIMIT ?", (now, budget)).fetchall()
-        take, events = 0, 0
-        for _, _, count in rows:
-            if events + count > 10 * budget:
-                break
-            take += 1
-            events += count
+        take = _reap_take(rows, budget)
         if not take and rows:
-            # A very long log goes in slices so no transaction runs long.
-            task_id = rows[0][0]
             first = self.conn.execute("SELECT first_seq FROM tasks WHERE id = ?",
-                                      (task_id,)).fetchone()[0]
-            cut = first + 10 * budget
-            counts["events"] += self.conn.execute(
-                "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
-            self.conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
-            return True, ()
+                                      (rows[0][0],)).fetchone()[0]
+            return self._reap_slice(rows[0][0], first, budget, counts)
         if take:
             batch = "purge_at IS NOT NULL AND (purge_at, id) <= (?, ?)"
             last = rows[take - 1][1], rows[take - 1][0]
@@ -2050,6 +2050,15 @@ class SQLiteEngine:
                 raise StoreUnavailable(f"{self.path}: reap batch changed under the write lock")
             counts["tasks"] += deleted
         return len(rows) == budget or take < len(rows), [row[0] for row in rows[:take]]
+
+    def _reap_slice(self, task_id, first, budget, counts):
+        """Delete the oldest ``10 * budget`` events of one task: a very long log
+        goes in slices, so no transaction runs long.  Returns reap's ``(True, ())``."""
+        cut = first + 10 * budget
+        counts["events"] += self.conn.execute(
+            "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
+        self.conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
+        return True, ()
 
     def prune_events_once(self, finished_before, budget, counts):
         """Prune one batch of finished tasks' events; True when there may be more."""
@@ -2790,19 +2799,9 @@ class PostgresEngine(SQLiteEngine):
         rows = self.conn.execute(
             f"SELECT id, first_seq, last_seq - first_seq + 1 FROM tasks WHERE {_EXPIRED} "
             "ORDER BY purge_at, id LIMIT ? FOR UPDATE SKIP LOCKED", (now, budget)).fetchall()
-        take, events = 0, 0
-        for _, _, count in rows:
-            if events + count > 10 * budget:
-                break
-            take += 1
-            events += count
+        take = _reap_take(rows, budget)
         if not take and rows:
-            task_id, first, _ = rows[0]      # a very long log goes in slices
-            cut = first + 10 * budget
-            counts["events"] += self.conn.execute(
-                "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
-            self.conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
-            return True, ()
+            return self._reap_slice(rows[0][0], rows[0][1], budget, counts)
         ids = [row[0] for row in rows[:take]]
         if ids:
             counts["events"] += self.conn.execute(
