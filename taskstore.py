@@ -1488,6 +1488,9 @@ class SQLiteEngine:
     # Appended to the select of a retention batch: a writer here has the file
     # to itself; PostgreSQL's reapers skip each other's rows (section 7).
     _BATCH_LOCK = ""
+    # How recovery_view opens its one snapshot: SQLite's read transaction is
+    # one; PostgreSQL's plain BEGIN is not (section 7).
+    _SNAPSHOT_BEGIN = "BEGIN"
 
     def __init__(self, path, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
                  max_bytes=None, readonly=False):
@@ -1960,7 +1963,7 @@ class SQLiteEngine:
         conn = self.conn
         # One read transaction, one snapshot: read apart, a runner that
         # registers and claims between the two reads looks unregistered.
-        conn.execute("BEGIN")
+        conn.execute(self._SNAPSHOT_BEGIN)
         try:
             procs = self.processes()
             # Which statuses and policies each owner has cost no more to
@@ -2456,6 +2459,7 @@ class PostgresEngine(SQLiteEngine):
 
     shared = True
     _BATCH_LOCK = " FOR UPDATE SKIP LOCKED"      # reapers on several hosts take other rows
+    _SNAPSHOT_BEGIN = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
 
     def __init__(self, url, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
                  max_bytes=None, readonly=False):
@@ -2754,21 +2758,6 @@ class PostgresEngine(SQLiteEngine):
         """``{proc_id: (proc_id, pid, host, heartbeat_at, age_ms)}``; the age by the server."""
         return {r[0]: r for r in self.conn.execute(
             f"SELECT id, pid, host, heartbeat_at, {_PG_NOW_MS} - heartbeat_at FROM processes")}
-
-    def recovery_view(self, statuses):
-        """Section 6's, in one REPEATABLE READ snapshot (PostgreSQL's plain BEGIN is not one)."""
-        conn = self.conn
-        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        try:
-            procs = self.processes()
-            present = {}
-            for owner, status, policy in conn.execute(
-                    "SELECT DISTINCT owner, status, policy FROM tasks WHERE owner IS NOT NULL "
-                    "AND status = ANY(?)", (list(statuses),)):
-                present.setdefault(owner, []).append((status, policy))
-        finally:
-            conn.execute("COMMIT")
-        return procs, present
 
     @staticmethod
     def owner_dead(proc, now, lease_ms):

@@ -2133,7 +2133,7 @@ class EngineSeamTests(unittest.TestCase):
         own = vars(taskstore.PostgresEngine)
         for name in ("read_task", "task_row_at", "event_head",
                      "move_tasks", "oldest_queued", "idempotency_get", "idempotency_put",
-                     "register", "heartbeat", "processes", "recovery_view", "owner_dead",
+                     "register", "heartbeat", "processes", "_SNAPSHOT_BEGIN", "owner_dead",
                      "reap_tasks_once", "_BATCH_LOCK", "on_remote",
                      "bulk", "checkpoint", "close"):
             with self.subTest(name=name):
