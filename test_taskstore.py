@@ -1331,6 +1331,40 @@ class GroupCommitTests(StoreTestCase):
         replay = self.store.create("b", idempotency=("scope", "key", "fp", None))
         self.assertEqual((replay.id, replay.replayed), (b.result.id, True))
 
+    def test_a_lone_writer_skips_the_queue_and_hands_the_lead_to_who_came_meanwhile(self):
+        group = self.store._engine._group
+        batches = []
+        real = taskstore._GroupCommit._run_batch
+
+        def run_batch(commit, batch, *args):
+            batches.append(len(batch))
+            return real(commit, batch, *args)
+        came, made = threading.Event(), queue.Queue()
+
+        def body(notices):            # the lone writer, until another writer has queued
+            with group._group:
+                group._group_gathering = 1      # _GroupCommit.write notifies at the first
+                came.set()
+                queued = group._gather.wait_for(lambda: group._group_queue, TIMEOUT)
+                group._group_gathering = 0
+            self.assertTrue(queued, "the second writer never queued")
+            return self.store._insert_tasks_locked(notices, [self.spec("a")])[0]
+        with unittest.mock.patch.object(taskstore._GroupCommit, "_run_batch", run_batch):
+            alone = self.store.create("k")
+            self.assertEqual(batches, [])            # a batch of one, without the queue
+            lone = threading.Thread(target=lambda: made.put(self.store._engine.group_write(
+                body, self.store._writing, self.store._insert_tasks_locked)), daemon=True)
+            lone.start()
+            self.assertTrue(came.wait(TIMEOUT))
+            second = self.store.create("b")      # queues: the lone writer leads; then this one
+            lone.join(TIMEOUT)
+            first = made.get(timeout=TIMEOUT)
+            self.assertEqual(batches, [1])           # it led a batch of its own, the general way
+            third = self.store.create("c")
+            self.assertEqual(batches, [1])           # alone again: the fast way
+        for task in (alone, first, second, third):
+            self.assertEqual(self.store.get(task.id).status, QUEUED)
+
     def test_threads_creating_at_once_each_get_their_own_committed_task(self):
         self.create_from_threads()
 
