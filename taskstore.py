@@ -1210,9 +1210,9 @@ class _GroupCommit:
     the leader's work instead of preceding it.  Bodies queued while the
     leader commits (the commit releases the GIL, so they do arrive) go in
     the leader's next transaction, up to ``GROUP_ROUNDS`` transactions,
-    instead of waiting for a new leader to wake up.  A lone writer is the
-    leader of a batch of one and pays nothing more.  Nobody returns before
-    its change is committed.
+    instead of waiting for a new leader to wake up.  A lone writer leads a
+    batch of one without queueing (``_write_alone``) and pays nothing more.
+    Nobody returns before its change is committed.
     """
 
     def __init__(self, changes):
