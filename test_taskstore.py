@@ -7538,6 +7538,36 @@ class McpDispatcherTests(unittest.TestCase):
         [answer] = answers.get(timeout=TIMEOUT)
         self.assertEqual((answer["id"], answer["result"]["content"][0]["text"]), (2, "Ada"))
 
+    def test_tasks_get_answers_are_encoded_once_per_state_of_the_task(self):
+        """tasks/get keeps its answer's encoding per task state: never stale, same bytes."""
+        self.initialize()
+        [work] = self.receive(2, "tools/call", {"name": "sleep_then_echo", "task": {},
+                                                "arguments": {"seconds": 600, "text": "x"}})
+        task_id = work.run()[0]["result"]["task"]["taskId"]
+
+        def get(msg_id):
+            [answer] = self.receive(msg_id, "tasks/get", {"taskId": task_id})
+            line = taskstore.dumps(answer).encode("utf-8")
+            if isinstance(msg_id, int):     # what the server writes is what dumps writes
+                self.assertEqual(answer.text, line)
+            else:
+                self.assertFalse(hasattr(answer, "text"), "a string id is encoded as usual")
+            return answer["result"]
+
+        first = get(3)
+        first["status"] = "changed by the caller"   # a copy: the next answer is not
+        self.assertEqual(get(4)["status"], "working")
+        self.store.start(task_id)
+        self.store.set_progress(task_id, progress=1, total=2, message="étape 1/2")
+        self.assertEqual(get(5)["statusMessage"], "étape 1/2")
+        self.store.set_progress(task_id, progress=2, total=2, message="étape 2/2")
+        self.assertEqual(get(2**60)["statusMessage"], "étape 2/2")
+        self.store.cancel(task_id)
+        moved = get("seven")
+        self.assertEqual((moved["status"], moved["statusMessage"]),
+                         ("cancelled", taskstore.MCP_CANCELLED_MESSAGE))
+        self.assertEqual(get(8), moved)
+
 
 class ElicitationSchemaTests(unittest.TestCase):
     """elicitation_problems: what MCP's restricted requestedSchema can say, checked."""
