@@ -7538,6 +7538,26 @@ class McpDispatcherTests(unittest.TestCase):
         [answer] = answers.get(timeout=TIMEOUT)
         self.assertEqual((answer["id"], answer["result"]["content"][0]["text"]), (2, "Ada"))
 
+    def test_lines_decode_as_json_loads_decodes_them(self):
+        """receive_line's shortcut for UTF-8 objects reads every line as json.loads does."""
+        ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+        lines = [taskstore.dumps(ping).encode() + b"\n", b"  " + taskstore.dumps(ping).encode(),
+                 json.dumps(ping).encode("utf-16-le"), json.dumps(ping).encode("utf-16"),
+                 json.dumps(ping).encode("utf-32-le"), json.dumps(ping).encode("utf-8-sig"),
+                 '{"jsonrpc": "2.0", "id": "é", "method": "ping"}'.encode(),
+                 b'{"a": "\xed\xa0\x80"}', b'{"a": "\\ud800"}', b"{\xff}", b"{", b"{} x", b"{}"]
+        for line in lines:
+            with self.subTest(line=line):
+                try:
+                    expected = ("ok", json.loads(line))
+                except (ValueError, RecursionError) as exc:
+                    expected = ("error", type(exc), str(exc))
+                try:
+                    got = ("ok", taskstore._decode_line(line))
+                except (ValueError, RecursionError) as exc:
+                    got = ("error", type(exc), str(exc))
+                self.assertEqual(got, expected)
+
     def test_tasks_get_answers_are_encoded_once_per_state_of_the_task(self):
         """tasks/get keeps its answer's encoding per task state: never stale, same bytes."""
         self.initialize()
