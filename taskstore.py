@@ -4730,12 +4730,13 @@ class _Encoded(dict):
 def _response(msg_id, result):
     """Return the JSON-RPC response to request *msg_id* carrying *result*.
 
-    When *result* is ``_Encoded`` and the id an integer (what clients send;
-    a string id is encoded the ordinary way), the response is ``_Encoded``
-    too: its text is the same bytes ``dumps`` would produce, built around the
-    result's text.
+    When *result* is ``_Encoded`` and the id an integer that any client can
+    hold (what clients send; other ids are encoded the ordinary way, with its
+    errors), the response is ``_Encoded`` too: its text is the same bytes
+    ``dumps`` would produce, built around the result's text.
     """
-    if type(result) is not _Encoded or type(msg_id) is not int:
+    if type(result) is not _Encoded or type(msg_id) is not int or not (
+            -MAX_SAFE_INTEGER <= msg_id <= MAX_SAFE_INTEGER):
         return {"jsonrpc": "2.0", "id": msg_id, "result": result}
     response = _Encoded(jsonrpc="2.0", id=msg_id, result=result)
     response.text = b'{"jsonrpc":"2.0","id":%d,"result":%s}' % (msg_id, result.text)
