@@ -4717,11 +4717,12 @@ def _error_message(msg_id, exc):
 class _Encoded(dict):
     """A JSON object that carries its own compact encoding (``text``, UTF-8 bytes).
 
-    Built only from content encoded once with ``dumps`` and never changed
-    after; ``McpServer._send`` writes a response that is one without encoding
-    it again.  A client's polling loop (tasks/get, again and again, of a task
-    that has not moved) is the server's hottest path, and building and
-    encoding the same Task anew was a fifth of the time of answering it.
+    Built only from content just encoded with ``dumps``; ``McpServer._send``
+    writes a response that is one as that text, without encoding it again (so
+    one whose content a caller changed says what it said before).  A
+    client's polling loop (tasks/get, again and again, of a task that has not
+    moved) is the server's hottest path, and building and encoding the same
+    Task anew was a fifth of the time of answering it.
     """
 
     __slots__ = ("text",)
@@ -4731,8 +4732,8 @@ def _response(msg_id, result):
     """Return the JSON-RPC response to request *msg_id* carrying *result*.
 
     When *result* is ``_Encoded`` and the id an integer that any client can
-    hold (what clients send; other ids are encoded the ordinary way, with its
-    errors), the response is ``_Encoded`` too: its text is the same bytes
+    hold (what clients send; other ids take the ordinary path, errors and
+    all), the response is ``_Encoded`` too: its text is the same bytes
     ``dumps`` would produce, built around the result's text.
     """
     if type(result) is not _Encoded or type(msg_id) is not int or not (
@@ -5986,7 +5987,7 @@ class McpDispatcher:
             if len(self._wires) >= _WIRE_CACHE_SIZE:
                 self._wires.clear()         # polled tasks come back at their next poll
             self._wires[task.id] = cached
-        wire = _Encoded(cached[1])          # a copy: whoever gets it may change it
+        wire = _Encoded(cached[1])          # a copy: a caller's change never reaches the cache
         wire.text = cached[2]
         return wire
 
