@@ -7572,6 +7572,57 @@ class McpDispatcherTests(unittest.TestCase):
         [answer] = answers.get(timeout=TIMEOUT)
         self.assertEqual((answer["id"], answer["result"]["content"][0]["text"]), (2, "Ada"))
 
+    def test_lines_decode_as_json_loads_decodes_them(self):
+        """receive_line's shortcut for UTF-8 objects reads every line as json.loads does."""
+        ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+        lines = [taskstore.dumps(ping).encode() + b"\n", b"  " + taskstore.dumps(ping).encode(),
+                 json.dumps(ping).encode("utf-16-le"), json.dumps(ping).encode("utf-16"),
+                 json.dumps(ping).encode("utf-32-le"), json.dumps(ping).encode("utf-8-sig"),
+                 '{"jsonrpc": "2.0", "id": "é", "method": "ping"}'.encode(),
+                 b'{"a": "\xed\xa0\x80"}', b'{"a": "\\ud800"}', b"{\xff}", b"{", b"{} x", b"{}"]
+        for line in lines:
+            with self.subTest(line=line):
+                try:
+                    expected = ("ok", json.loads(line))
+                except (ValueError, RecursionError) as exc:
+                    expected = ("error", type(exc), str(exc))
+                try:
+                    got = ("ok", taskstore._decode_line(line))
+                except (ValueError, RecursionError) as exc:
+                    got = ("error", type(exc), str(exc))
+                self.assertEqual(got, expected)
+
+    def test_tasks_get_answers_are_encoded_once_per_state_of_the_task(self):
+        """tasks/get keeps its answer's encoding per task state: never stale, same bytes."""
+        self.initialize()
+        [work] = self.receive(2, "tools/call", {"name": "sleep_then_echo", "task": {},
+                                                "arguments": {"seconds": 600, "text": "x"}})
+        task_id = work.run()[0]["result"]["task"]["taskId"]
+
+        def get(msg_id):
+            [answer] = self.receive(msg_id, "tasks/get", {"taskId": task_id})
+            line = taskstore.dumps(answer).encode("utf-8")
+            if isinstance(msg_id, int) and abs(msg_id) <= taskstore.MAX_SAFE_INTEGER:
+                self.assertEqual(answer.text, line)     # what the server writes: dumps' bytes
+            else:
+                self.assertFalse(hasattr(answer, "text"), "other ids are encoded as usual")
+            return answer["result"]
+
+        first = get(3)
+        first["status"] = "changed by the caller"   # a copy: the next answer is not
+        self.assertEqual(get(4)["status"], "working")
+        self.store.start(task_id)
+        self.store.set_progress(task_id, progress=1, total=2, message="étape 1/2")
+        self.assertEqual(get(5)["statusMessage"], "étape 1/2")
+        self.store.set_progress(task_id, progress=2, total=2, message="étape 2/2")
+        self.assertEqual(get(-taskstore.MAX_SAFE_INTEGER)["statusMessage"], "étape 2/2")
+        self.assertEqual(get(2**60)["statusMessage"], "étape 2/2")
+        self.store.cancel(task_id)
+        moved = get("seven")
+        self.assertEqual((moved["status"], moved["statusMessage"]),
+                         ("cancelled", taskstore.MCP_CANCELLED_MESSAGE))
+        self.assertEqual(get(8), moved)
+
 
 class ElicitationSchemaTests(unittest.TestCase):
     """elicitation_problems: what MCP's restricted requestedSchema can say, checked."""
