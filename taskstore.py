@@ -2484,7 +2484,10 @@ class PostgresEngine(SQLiteEngine):
         self._move_sql = {}
         self._transaction = _PgTransaction(self)
         self._reads = _PgReads(self)
-        self._empty_gen = 0
+        # None: oldest_queued has not come up empty yet, so a claim reads at
+        # once.  (0 would equal a fresh store's work generation: every claim of
+        # a process that queues nothing itself would first pay a probe read.)
+        self._empty_gen = None
         self._in_write = False        # inside transaction(): task rows read are locked
         self._notes = {}              # kind -> ids this transaction changed, for the notifier
         self._notifier = _PgNotifier(self)

@@ -4101,6 +4101,24 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         self.assertEqual([e.seq for e in events], list(range(603)))
         self.assertEqual(store.get(task.id).last_seq, 602)
 
+    def test_a_new_stores_first_claim_reads_the_queue_without_a_probe_first(self):
+        # A process that has queued nothing itself (a worker) has never found
+        # the queue empty: its claims go straight to the locking read.
+        other = self.open_store()
+        task = other.create("k")
+        store = self.open_store()
+        owner = store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        conn, statements = store._engine.conn, []
+        execute = conn.execute
+        conn.execute = lambda sql, params=(): statements.append(sql) or execute(sql, params)
+        self.assertEqual(store.claim(("k",), owner=owner).id, task.id)
+        self.assertFalse([sql for sql in statements if sql.startswith("SELECT 1 ")], statements)
+        self.assertIsNone(store.claim(("k",), owner=owner))
+        statements.clear()                  # found empty: now the cheap probe answers
+        self.assertIsNone(store.claim(("k",), owner=owner))
+        self.assertEqual([sql[:9] for sql in statements], ["SELECT 1 "])
+
     def test_a_transaction_paused_midway_does_not_lock_out_other_writers(self):
         # A process stopped inside a transaction (here: one that never goes on)
         # holds its row lock; the server ends its session after half the busy
