@@ -2117,7 +2117,11 @@ class SQLiteEngine:
 #   autocommit connection of its own), which sends the ids of every commit
 #   since its last send in one statement: a ``NOTIFY`` per kind of change
 #   (more when the ids would not fit a payload).  That transaction writes no
-#   WAL, so it waits for no flush and holds up no data commit.
+#   WAL, so it waits for no flush and holds up no data commit.  A commit
+#   after a quiet spell is sent at once; under a stream of commits sends are
+#   ``PG_NOTIFY_GAP_S`` apart, so a busy process costs itself, the server and
+#   every listening process a few sends and wake-ups a gap, not one a commit
+#   (another process then learns of a change up to that gap later).
 # - A daemon thread listens on a connection of its own and hands each burst
 #   of notifications to the store's ``on_remote`` callback, merged: one call
 #   per kind, so a busy database costs a few lock takes per burst, not one
@@ -2134,6 +2138,9 @@ PG_INSTALL = 'pip install "taskstore[postgres]"'
 PG_CHANNEL = "taskstore"               # the NOTIFY channel of every store on a database
 PG_NOTIFY_BYTES = 7000                 # under NOTIFY's 8,000-byte payload limit
 PG_LISTEN_RETRY_S = 1.0                # between attempts to reconnect the listener
+# Under a stream of commits the notifier sends at most once per this gap,
+# everything committed meanwhile together (see _PgNotifier).
+PG_NOTIFY_GAP_S = 0.005
 _PG_SCHEMA_LOCK = 0x7461736b           # advisory lock key of schema creation ("task")
 # The server's clock in epoch milliseconds: ownership is judged in database time.
 _PG_NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
@@ -2369,7 +2376,8 @@ class _PgNotifier(threading.Thread):
 
     ``add`` (after a commit) merges ids into what is pending; the thread
     sends all that is pending in one autocommit statement, so the commits
-    made while a send is under way go out together in the next one.  When
+    made while a send is under way, or within ``PG_NOTIFY_GAP_S`` of the
+    last send, go out together in the next one.  When
     the connection fails the ids stay pending and it reconnects; the poll
     covers the delay.
     """
@@ -2389,11 +2397,19 @@ class _PgNotifier(threading.Thread):
             self._cond.notify()
 
     def run(self):
+        sent_at = -math.inf
         while True:
             with self._cond:
                 while not self._pending and not self._stopping.is_set():
                     self._cond.wait()
+            # A commit after a quiet spell goes out at once; under a stream of
+            # commits the next send waits out the gap, gathering what comes.
+            gap = sent_at + PG_NOTIFY_GAP_S - time.monotonic()
+            if gap > 0:
+                self._stopping.wait(gap)                  # stop() sends at once
+            with self._cond:
                 notes, self._pending = self._pending, {}
+            sent_at = time.monotonic()
             if not notes:
                 break                               # stopping, everything sent
             try:

@@ -4119,6 +4119,27 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         self.assertIsNone(store.claim(("k",), owner=owner))
         self.assertEqual([sql[:9] for sql in statements], ["SELECT 1 "])
 
+    def test_a_commit_is_notified_at_once_and_the_next_ones_together_after_the_gap(self):
+        import psycopg
+        heard = psycopg.connect(self.path, autocommit=True)
+        self.addCleanup(heard.close)
+        heard.execute(f"LISTEN {taskstore.PG_CHANNEL}")
+        store = taskstore.TaskStore(self.path)
+        self.addCleanup(store.close)
+        token = store._engine.token
+
+        def next_payload():
+            notes = list(heard.notifies(timeout=TIMEOUT, stop_after=1))
+            self.assertTrue(notes, "no notification")
+            return notes[0].payload
+        with unittest.mock.patch.object(taskstore, "PG_NOTIFY_GAP_S", 3600):
+            first = store.create("k")          # after a quiet spell: sent at once
+            self.assertEqual(next_payload(), f"{token} queued {first.id},")
+            second, third = store.create("k"), store.create("k")     # within the gap
+            store.close()                      # which sends what is pending at once
+            self.assertEqual(next_payload(), f"{token} queued {second.id},{third.id},")
+            self.assertEqual(list(heard.notifies(timeout=0)), [])
+
     def test_a_transaction_paused_midway_does_not_lock_out_other_writers(self):
         # A process stopped inside a transaction (here: one that never goes on)
         # holds its row lock; the server ends its session after half the busy
