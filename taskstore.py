@@ -2125,7 +2125,9 @@ class SQLiteEngine:
 # - A daemon thread listens on a connection of its own and hands each burst
 #   of notifications to the store's ``on_remote`` callback, merged: one call
 #   per kind, so a busy database costs a few lock takes per burst, not one
-#   per commit.
+#   per commit.  After a delivery it rests ``PG_NOTIFY_GAP_S`` before it
+#   reads again: however many processes send, a listener wakes at most once
+#   a gap (a notification after a quiet spell is delivered at once).
 # - A notification can be lost: a crash between a commit and its notify, a
 #   dropped notifier connection.  The store's ``poll_interval`` re-read is the
 #   safety net that bounds how late a waiter then learns of the change.
@@ -2139,7 +2141,8 @@ PG_CHANNEL = "taskstore"               # the NOTIFY channel of every store on a 
 PG_NOTIFY_BYTES = 7000                 # under NOTIFY's 8,000-byte payload limit
 PG_LISTEN_RETRY_S = 1.0                # between attempts to reconnect the listener
 # Under a stream of commits the notifier sends at most once per this gap,
-# everything committed meanwhile together (see _PgNotifier).
+# everything committed meanwhile together (see _PgNotifier); and after a
+# delivery the listener rests as long before it reads again (_PgListener).
 PG_NOTIFY_GAP_S = 0.005
 _PG_SCHEMA_LOCK = 0x7461736b           # advisory lock key of schema creation ("task")
 # The server's clock in epoch milliseconds: ownership is judged in database time.
@@ -2305,7 +2308,9 @@ class _PgListener(threading.Thread):
 
     A payload is ``token kind id,id,``: a notification this engine sent
     itself (its token) is dropped, the store having woken its own waiters
-    already.  What arrived together is delivered as one call per kind.
+    already.  What arrived together is delivered as one call per kind;
+    after a delivery it rests ``PG_NOTIFY_GAP_S``, so what arrives
+    meanwhile is delivered together at the end of the rest.
     When the connection drops, it reconnects and wakes everybody once
     (``callback("lost", ())``): they re-read what they wait for.
     """
@@ -2339,6 +2344,8 @@ class _PgListener(threading.Thread):
                         notes += self._conn.notifies(timeout=0)
                     # stop()'s wake-up (its own channel) only ends the wait.
                     self._deliver([n.payload for n in notes if n.channel == PG_CHANNEL])
+                    if notes:        # rest: what arrives meanwhile is one burst, one wake-up
+                        self._stopping.wait(PG_NOTIFY_GAP_S)
             except Exception as exc:             # psycopg's errors, or the closed connection
                 if self._stopping.is_set():
                     return

@@ -4140,6 +4140,20 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
             self.assertEqual(next_payload(), f"{token} queued {second.id},{third.id},")
             self.assertEqual(list(heard.notifies(timeout=0)), [])
 
+    def test_the_listener_delivers_at_once_then_what_comes_during_its_rest_together(self):
+        store = self.open_store()
+        calls = queue.Queue()
+        listener = taskstore._PgListener(store._engine, lambda kind, ids: calls.put((kind, ids)))
+        listener.listen()
+        listener.start()
+        self.addCleanup(listener.stop, lambda: self.sql(f"NOTIFY {listener.own_channel}"))
+        with unittest.mock.patch.object(taskstore, "PG_NOTIFY_GAP_S", 2.0):
+            self.sql("SELECT pg_notify(?, 'other queued a,')", (taskstore.PG_CHANNEL,))
+            self.assertEqual(calls.get(timeout=TIMEOUT), ("queued", ["a"]))     # at once
+            for payload in ("other queued b,", "other queued c,"):       # during the rest
+                self.sql("SELECT pg_notify(?, ?)", (taskstore.PG_CHANNEL, payload))
+            self.assertEqual(calls.get(timeout=TIMEOUT), ("queued", ["b", "c"]))
+
     def test_a_transaction_paused_midway_does_not_lock_out_other_writers(self):
         # A process stopped inside a transaction (here: one that never goes on)
         # holds its row lock; the server ends its session after half the busy
