@@ -2121,7 +2121,8 @@ class SQLiteEngine:
 #   after a quiet spell is sent at once; under a stream of commits sends are
 #   ``PG_NOTIFY_GAP_S`` apart, so a busy process costs itself, the server and
 #   every listening process a few sends and wake-ups a gap, not one a commit
-#   (another process then learns of a change up to that gap later).
+#   (another process then learns of a change up to two gaps later, the
+#   sender's and its listener's rest: a fifth of the default poll_interval).
 # - A daemon thread listens on a connection of its own and hands each burst
 #   of notifications to the store's ``on_remote`` callback, merged: one call
 #   per kind, so a busy database costs a few lock takes per burst, not one
@@ -2143,7 +2144,7 @@ PG_LISTEN_RETRY_S = 1.0                # between attempts to reconnect the liste
 # Under a stream of commits the notifier sends at most once per this gap,
 # everything committed meanwhile together (see _PgNotifier); and after a
 # delivery the listener rests as long before it reads again (_PgListener).
-PG_NOTIFY_GAP_S = 0.005
+PG_NOTIFY_GAP_S = 0.010
 _PG_SCHEMA_LOCK = 0x7461736b           # advisory lock key of schema creation ("task")
 # The server's clock in epoch milliseconds: ownership is judged in database time.
 _PG_NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
