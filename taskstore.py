@@ -2204,13 +2204,24 @@ class _PgConnection:
 
     Statements are written with ``?`` (the inherited ones are SQLite's);
     each is translated once.  ``total_changes`` counts rows written, as
-    sqlite3's does, for the engine's ``changes()``.
+    sqlite3's does, for the engine's ``changes()``.  A transaction's
+    ``BEGIN``, ``COMMIT`` and ``ROLLBACK`` (no parameters, no rows: half the
+    statements of a claim or a move) go to libpq's plain exec, which costs
+    the process a fraction of a psycopg cursor's execute; they return None
+    and fail with psycopg's errors, as the others do.
     """
+
+    # (The last is PostgresEngine._SNAPSHOT_BEGIN; any other text takes the usual path.)
+    _COMMANDS = {sql: sql.encode() for sql in (
+        "BEGIN", "COMMIT", "ROLLBACK", "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")}
 
     def __init__(self, raw):
         self.raw = raw
         self.total_changes = 0
         self._sql = {}
+        from psycopg import errors, pq          # imported already: the engine connected
+        self._command_ok = pq.ExecStatus.COMMAND_OK
+        self._error_from_result = errors.error_from_result
 
     def _text(self, sql):
         text = self._sql.get(sql)
@@ -2219,6 +2230,12 @@ class _PgConnection:
         return text
 
     def execute(self, sql, params=()):
+        command = self._COMMANDS.get(sql)
+        if command is not None:
+            result = self.raw.pgconn.exec_(command)    # the GIL is released while it waits
+            if result.status != self._command_ok:
+                raise self._error_from_result(result, self.raw.info.encoding)
+            return None
         text = self._text(sql)
         _refuse_nul(params)
         cursor = self.raw.execute(text, params)

@@ -4154,6 +4154,18 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
                 self.sql("SELECT pg_notify(?, ?)", (taskstore.PG_CHANNEL, payload))
             self.assertEqual(calls.get(timeout=TIMEOUT), ("queued", ["b", "c"]))
 
+    def test_a_session_ended_by_the_server_fails_one_write_and_the_next_reconnects(self):
+        # BEGIN goes to libpq directly (not through a psycopg cursor): its
+        # failure must still be StoreUnavailable and discard the connection.
+        store = self.open_store()
+        task = store.create("k")
+        self.sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                 "WHERE pid = ?", (store._engine.conn.raw.info.backend_pid,))
+        with self.assertRaises(StoreUnavailable):
+            store.cancel(task.id)
+        self.assertEqual(store.cancel(task.id).status, CANCELLED)
+        self.assertIsNone(store._engine.conn.execute("COMMIT"))    # outside a transaction: a warning
+
     def test_a_transaction_paused_midway_does_not_lock_out_other_writers(self):
         # A process stopped inside a transaction (here: one that never goes on)
         # holds its row lock; the server ends its session after half the busy
