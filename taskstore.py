@@ -2142,11 +2142,18 @@ class SQLiteEngine:
 #   autocommit connection of its own), which sends the ids of every commit
 #   since its last send in one statement: a ``NOTIFY`` per kind of change
 #   (more when the ids would not fit a payload).  That transaction writes no
-#   WAL, so it waits for no flush and holds up no data commit.
+#   WAL, so it waits for no flush and holds up no data commit.  A commit
+#   after a quiet spell is sent at once; under a stream of commits sends are
+#   ``PG_NOTIFY_GAP_S`` apart, so a busy process costs itself, the server and
+#   every listening process a few sends and wake-ups a gap, not one a commit
+#   (another process then learns of a change up to two gaps later, the
+#   sender's and its listener's rest: a fifth of the default poll_interval).
 # - A daemon thread listens on a connection of its own and hands each burst
 #   of notifications to the store's ``on_remote`` callback, merged: one call
 #   per kind, so a busy database costs a few lock takes per burst, not one
-#   per commit.
+#   per commit.  After a delivery it rests ``PG_NOTIFY_GAP_S`` before it
+#   reads again: however many processes send, a listener wakes at most once
+#   a gap (a notification after a quiet spell is delivered at once).
 # - A notification can be lost: a crash between a commit and its notify, a
 #   dropped notifier connection.  The store's ``poll_interval`` re-read is the
 #   safety net that bounds how late a waiter then learns of the change.
@@ -2159,6 +2166,10 @@ PG_INSTALL = 'pip install "taskstore[postgres]"'
 PG_CHANNEL = "taskstore"               # the NOTIFY channel of every store on a database
 PG_NOTIFY_BYTES = 7000                 # under NOTIFY's 8,000-byte payload limit
 PG_LISTEN_RETRY_S = 1.0                # between attempts to reconnect the listener
+# Under a stream of commits the notifier sends at most once per this gap,
+# everything committed meanwhile together (see _PgNotifier); and after a
+# delivery the listener rests as long before it reads again (_PgListener).
+PG_NOTIFY_GAP_S = 0.010
 _PG_SCHEMA_LOCK = 0x7461736b           # advisory lock key of schema creation ("task")
 # The server's clock in epoch milliseconds: ownership is judged in database time.
 _PG_NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
@@ -2218,13 +2229,24 @@ class _PgConnection:
 
     Statements are written with ``?`` (the inherited ones are SQLite's);
     each is translated once.  ``total_changes`` counts rows written, as
-    sqlite3's does, for the engine's ``changes()``.
+    sqlite3's does, for the engine's ``changes()``.  A transaction's
+    ``BEGIN``, ``COMMIT`` and ``ROLLBACK`` (no parameters, no rows: half the
+    statements of a claim or a move) go to libpq's plain exec, which costs
+    the process a fraction of a psycopg cursor's execute; they return None
+    and fail with psycopg's errors, as the others do.
     """
+
+    # (The last is PostgresEngine._SNAPSHOT_BEGIN; any other text takes the usual path.)
+    _COMMANDS = {sql: sql.encode() for sql in (
+        "BEGIN", "COMMIT", "ROLLBACK", "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")}
 
     def __init__(self, raw):
         self.raw = raw
         self.total_changes = 0
         self._sql = {}
+        from psycopg import errors, pq          # imported already: the engine connected
+        self._command_ok = pq.ExecStatus.COMMAND_OK
+        self._error_from_result = errors.error_from_result
 
     def _text(self, sql):
         text = self._sql.get(sql)
@@ -2233,6 +2255,12 @@ class _PgConnection:
         return text
 
     def execute(self, sql, params=()):
+        command = self._COMMANDS.get(sql)
+        if command is not None:
+            result = self.raw.pgconn.exec_(command)    # the GIL is released while it waits
+            if result.status != self._command_ok:
+                raise self._error_from_result(result, self.raw.info.encoding)
+            return None
         text = self._text(sql)
         _refuse_nul(params)
         cursor = self.raw.execute(text, params)
@@ -2323,7 +2351,9 @@ class _PgListener(threading.Thread):
 
     A payload is ``token kind id,id,``: a notification this engine sent
     itself (its token) is dropped, the store having woken its own waiters
-    already.  What arrived together is delivered as one call per kind.
+    already.  What arrived together is delivered as one call per kind;
+    after a delivery it rests ``PG_NOTIFY_GAP_S``, so what arrives
+    meanwhile is delivered together at the end of the rest.
     When the connection drops, it reconnects and wakes everybody once
     (``callback("lost", ())``): they re-read what they wait for.
     """
@@ -2357,6 +2387,8 @@ class _PgListener(threading.Thread):
                         notes += self._conn.notifies(timeout=0)
                     # stop()'s wake-up (its own channel) only ends the wait.
                     self._deliver([n.payload for n in notes if n.channel == PG_CHANNEL])
+                    if notes:        # rest: what arrives meanwhile is one burst, one wake-up
+                        self._stopping.wait(PG_NOTIFY_GAP_S)
             except Exception as exc:             # psycopg's errors, or the closed connection
                 if self._stopping.is_set():
                     return
@@ -2394,7 +2426,8 @@ class _PgNotifier(threading.Thread):
 
     ``add`` (after a commit) merges ids into what is pending; the thread
     sends all that is pending in one autocommit statement, so the commits
-    made while a send is under way go out together in the next one.  When
+    made while a send is under way, or within ``PG_NOTIFY_GAP_S`` of the
+    last send, go out together in the next one.  When
     the connection fails the ids stay pending and it reconnects; the poll
     covers the delay.
     """
@@ -2414,11 +2447,19 @@ class _PgNotifier(threading.Thread):
             self._cond.notify()
 
     def run(self):
+        sent_at = -math.inf
         while True:
             with self._cond:
                 while not self._pending and not self._stopping.is_set():
                     self._cond.wait()
+            # A commit after a quiet spell goes out at once; under a stream of
+            # commits the next send waits out the gap, gathering what comes.
+            gap = sent_at + PG_NOTIFY_GAP_S - time.monotonic()
+            if gap > 0:
+                self._stopping.wait(gap)                  # stop() sends at once
+            with self._cond:
                 notes, self._pending = self._pending, {}
+            sent_at = time.monotonic()
             if not notes:
                 break                               # stopping, everything sent
             try:
@@ -2509,7 +2550,10 @@ class PostgresEngine(SQLiteEngine):
         self._move_sql = {}
         self._transaction = _PgTransaction(self)
         self._reads = _PgReads(self)
-        self._empty_gen = 0
+        # None: oldest_queued has not come up empty yet, so a claim reads at
+        # once.  (0 would equal a fresh store's work generation: every claim of
+        # a process that queues nothing itself would first pay a probe read.)
+        self._empty_gen = None
         self._in_write = False        # inside transaction(): task rows read are locked
         self._notes = {}              # kind -> ids this transaction changed, for the notifier
         self._notifier = _PgNotifier(self)

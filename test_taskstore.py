@@ -4135,6 +4135,71 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         self.assertEqual([e.seq for e in events], list(range(603)))
         self.assertEqual(store.get(task.id).last_seq, 602)
 
+    def test_a_new_stores_first_claim_reads_the_queue_without_a_probe_first(self):
+        # A process that has queued nothing itself (a worker) has never found
+        # the queue empty: its claims go straight to the locking read.
+        other = self.open_store()
+        task = other.create("k")
+        store = self.open_store()
+        owner = store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        conn, statements = store._engine.conn, []
+        execute = conn.execute
+        conn.execute = lambda sql, params=(): statements.append(sql) or execute(sql, params)
+        self.assertEqual(store.claim(("k",), owner=owner).id, task.id)
+        self.assertFalse([sql for sql in statements if sql.startswith("SELECT 1 ")], statements)
+        self.assertIsNone(store.claim(("k",), owner=owner))
+        statements.clear()                  # found empty: now the cheap probe answers
+        self.assertIsNone(store.claim(("k",), owner=owner))
+        self.assertEqual([sql[:9] for sql in statements], ["SELECT 1 "])
+
+    def test_a_commit_is_notified_at_once_and_the_next_ones_together_after_the_gap(self):
+        import psycopg
+        heard = psycopg.connect(self.path, autocommit=True)
+        self.addCleanup(heard.close)
+        heard.execute(f"LISTEN {taskstore.PG_CHANNEL}")
+        store = taskstore.TaskStore(self.path)
+        self.addCleanup(store.close)
+        token = store._engine.token
+
+        def next_payload():
+            notes = list(heard.notifies(timeout=TIMEOUT, stop_after=1))
+            self.assertTrue(notes, "no notification")
+            return notes[0].payload
+        with unittest.mock.patch.object(taskstore, "PG_NOTIFY_GAP_S", 3600):
+            first = store.create("k")          # after a quiet spell: sent at once
+            self.assertEqual(next_payload(), f"{token} queued {first.id},")
+            second, third = store.create("k"), store.create("k")     # within the gap
+            store.close()                      # which sends what is pending at once
+            self.assertEqual(next_payload(), f"{token} queued {second.id},{third.id},")
+            self.assertEqual(list(heard.notifies(timeout=0)), [])
+
+    def test_the_listener_delivers_at_once_then_what_comes_during_its_rest_together(self):
+        store = self.open_store()
+        calls = queue.Queue()
+        listener = taskstore._PgListener(store._engine, lambda kind, ids: calls.put((kind, ids)))
+        listener.listen()
+        listener.start()
+        self.addCleanup(listener.stop, lambda: self.sql(f"NOTIFY {listener.own_channel}"))
+        with unittest.mock.patch.object(taskstore, "PG_NOTIFY_GAP_S", 2.0):
+            self.sql("SELECT pg_notify(?, 'other queued a,')", (taskstore.PG_CHANNEL,))
+            self.assertEqual(calls.get(timeout=TIMEOUT), ("queued", ["a"]))     # at once
+            for payload in ("other queued b,", "other queued c,"):       # during the rest
+                self.sql("SELECT pg_notify(?, ?)", (taskstore.PG_CHANNEL, payload))
+            self.assertEqual(calls.get(timeout=TIMEOUT), ("queued", ["b", "c"]))
+
+    def test_a_session_ended_by_the_server_fails_one_write_and_the_next_reconnects(self):
+        # BEGIN goes to libpq directly (not through a psycopg cursor): its
+        # failure must still be StoreUnavailable and discard the connection.
+        store = self.open_store()
+        task = store.create("k")
+        self.sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                 "WHERE pid = ?", (store._engine.conn.raw.info.backend_pid,))
+        with self.assertRaises(StoreUnavailable):
+            store.cancel(task.id)
+        self.assertEqual(store.cancel(task.id).status, CANCELLED)
+        self.assertIsNone(store._engine.conn.execute("COMMIT"))    # outside a transaction: a warning
+
     def test_a_transaction_paused_midway_does_not_lock_out_other_writers(self):
         # A process stopped inside a transaction (here: one that never goes on)
         # holds its row lock; the server ends its session after half the busy
