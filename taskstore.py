@@ -62,7 +62,7 @@ __version__ = "0.1.0"
 # and the servers, not argparse plumbing.  pyproject.toml's console script names
 # taskstore:main directly.
 __all__ = [
-    "TaskStore", "Task", "Event", "Runner", "TaskContext", "Reaper",
+    "TaskStore", "Task", "TaskSummary", "Event", "Runner", "TaskContext", "Reaper",
     "TaskStoreError", "InvalidParams", "InvalidCursor", "TaskNotFound", "TaskExpired",
     "InvalidTransition", "NotCancelable", "IdempotencyMismatch", "EventsExpired",
     "StoreClosed", "StoreUnavailable", "TaskFailed", "Cancelled",
@@ -629,6 +629,33 @@ class Task(typing.NamedTuple):
         return self._asdict()
 
 
+class TaskSummary(typing.NamedTuple):
+    """A task without its payload, result, metadata and input: what a status poll needs.
+
+    ``TaskStore.summary`` reads it.  Each field means what Task's field of
+    the same name means; ``error`` is decoded.  A client polling a task asks
+    for its status again and again, and reading and decoding the whole row
+    for that was most of what answering it cost.
+    """
+
+    id: str
+    kind: str
+    status: str
+    status_message: object
+    progress: object
+    progress_total: object
+    error: object
+    principal: object
+    ttl_ms: object
+    created_at: int
+    updated_at: int
+    finished_at: object
+    last_seq: int
+    version: int
+
+    terminal = Task.terminal
+
+
 class Event(typing.NamedTuple):
     """One row of a task's event log; ``seq`` counts from 0 without gaps.
 
@@ -654,6 +681,7 @@ _TASK_COLUMNS = Task._fields[:-1]
 _JSON_INDEXES = tuple(i for i, name in enumerate(_TASK_COLUMNS) if name in (
     "payload", "result", "error", "meta", "input_request", "input_answer"))
 _SELECT_TASK = "SELECT " + ", ".join(_TASK_COLUMNS) + " FROM tasks"
+_ERROR_INDEX = TaskSummary._fields.index("error")
 
 
 def _task_from_row(row, replayed=False):
@@ -678,6 +706,15 @@ def _task_from_row(row, replayed=False):
 
 
 _new_tuple = tuple.__new__
+
+
+def _summary_from_row(row):
+    """A TaskSummary from its row (TaskSummary's columns, in order); only ``error`` is JSON."""
+    if row[_ERROR_INDEX] is None:
+        return _new_tuple(TaskSummary, row)
+    row = list(row)
+    row[_ERROR_INDEX] = _loads(row[_ERROR_INDEX])
+    return _new_tuple(TaskSummary, row)
 
 # One encoder for the whole module: json.dumps() with options builds a new one
 # per call, and the hot paths serialise several values per operation.
@@ -934,7 +971,8 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #                         (kinds: changed, queued, cancelling, lost); SQLite has no such
 #                         news and calls it never: its waiters poll
 #   read_task(task_id)    the Task, or None
-#   task_row_at(task_id, now)  the task's row with an "expired" flag last, or None
+#   task_row_at(task_id, now, summary=False)  the task's row (summary: TaskSummary's
+#                         columns) with an "expired" flag last, or None
 #   tombstoned(task_id)   whether the id names a task that was purged
 #   insert_tasks(rows, events)  new tasks and their first events
 #   move_task(task_id, status, values, event_json, now)  compare-and-set one task and its event
@@ -1041,6 +1079,8 @@ _EXPIRED = "purge_at IS NOT NULL AND purge_at <= ?"
 _SELECT_TASK_BY_ID = _SELECT_TASK + " WHERE id = ?"
 # A task and whether it has expired (the row's last column): (now, id).
 _SELECT_TASK_AT = f"SELECT {', '.join(_TASK_COLUMNS)}, {_EXPIRED} FROM tasks WHERE id = ?"
+_SELECT_SUMMARY_AT = (f"SELECT {', '.join(TaskSummary._fields)}, {_EXPIRED} "
+                      "FROM tasks WHERE id = ?")
 _WRITABLE_COLUMNS = frozenset(_TASK_COLUMNS) | {"snapshot"}
 _HOST = socket.gethostname
 _LIVE_PROCESS_IDS = set()    # registrations of runners alive in this process (the store's)
@@ -1746,8 +1786,9 @@ class SQLiteEngine:
         row = self.conn.execute(_SELECT_TASK_BY_ID, (task_id,)).fetchone()
         return None if row is None else _task_from_row(row)
 
-    def task_row_at(self, task_id, now):
-        return self.conn.execute(_SELECT_TASK_AT, (now, task_id)).fetchone()
+    def task_row_at(self, task_id, now, summary=False):
+        return self.conn.execute(_SELECT_SUMMARY_AT if summary else _SELECT_TASK_AT,
+                                 (now, task_id)).fetchone()
 
     def tombstoned(self, task_id):
         return self.conn.execute("SELECT 1 FROM tombstones WHERE id = ?",
@@ -2708,10 +2749,11 @@ class PostgresEngine(SQLiteEngine):
         row = self.conn.execute(self._locking(_SELECT_TASK_BY_ID), (task_id,)).fetchone()
         return None if row is None else _task_from_row(row)
 
-    def task_row_at(self, task_id, now):
+    def task_row_at(self, task_id, now, summary=False):
         if "\x00" in task_id:
             return None
-        return self.conn.execute(self._locking(_SELECT_TASK_AT), (now, task_id)).fetchone()
+        return self.conn.execute(self._locking(_SELECT_SUMMARY_AT if summary else _SELECT_TASK_AT),
+                                 (now, task_id)).fetchone()
 
     def tombstoned(self, task_id):
         return "\x00" not in task_id and super().tombstoned(task_id)
@@ -2909,6 +2951,7 @@ def open_engine(path, **options):
 _MISSING = object()
 _JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
 _PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
+_SUMMARY_PRINCIPAL_INDEX = TaskSummary._fields.index("principal")
 _RECOVERABLE = (QUEUED, *ACTIVE_STATES)   # an owner's tasks recovery hands to their policy
 
 
@@ -3194,20 +3237,26 @@ class TaskStore:
             if event is not None:
                 event.set()
 
-    def _get_locked(self, task_id, principal=None, decode=True):
-        """The task as *principal* may see it, else the right error; *decode* False: its row."""
+    def _get_locked(self, task_id, principal=None, decode=True, summary=False):
+        """The task as *principal* may see it, else the right error; *decode* False: its row.
+
+        *summary*: the row holds TaskSummary's columns instead of Task's.
+        """
         if not isinstance(task_id, str):
             raise InvalidParams("task id must be a string", param="task_id")
         if not task_id.isascii():
             raise TaskNotFound(task_id)     # never an id; the message escapes it
-        row = self._engine.task_row_at(task_id, int(self.clock() * 1000))
-        if row is None or (principal is not None and row[_PRINCIPAL_INDEX] != principal):
+        row = self._engine.task_row_at(task_id, int(self.clock() * 1000), summary)
+        if row is None or (principal is not None and row[
+                _SUMMARY_PRINCIPAL_INDEX if summary else _PRINCIPAL_INDEX] != principal):
             if row is None and self._engine.tombstoned(task_id):
                 raise TaskExpired(task_id)
             raise TaskNotFound(task_id)
         if row[-1]:
             raise TaskExpired(task_id)     # not reaped yet, expired all the same
-        return _task_from_row(row[:-1]) if decode else row[:-1]
+        if not decode:
+            return row[:-1]
+        return _summary_from_row(row[:-1]) if summary else _task_from_row(row[:-1])
 
     def _transition_locked(self, notices, task, event, now, *, attempt=None, fields=None,
                            message=None, error=None):
@@ -3401,6 +3450,16 @@ class TaskStore:
         with self._engine.reading():
             row = self._get_locked(task_id, principal, decode=False)
         return _task_from_row(row)       # decoded outside the lock
+
+    def summary(self, task_id, *, principal=None):
+        """Return the task's ``TaskSummary``: ``get`` without the payload, result, meta and input.
+
+        For polling a task's status: it reads and decodes a fraction of what
+        ``get`` does.  Raises what ``get`` raises.
+        """
+        with self._engine.reading():
+            row = self._get_locked(task_id, principal, decode=False, summary=True)
+        return _summary_from_row(row)
 
     def list(self, *, status=None, kind=None, principal=None, limit=50, cursor=None):
         """Return ``(tasks, next_cursor)``, newest first; filters combine with AND.
@@ -5606,7 +5665,7 @@ class McpDispatcher:
         params = params if isinstance(params, dict) else {}
         if method == "tasks/result":
             try:
-                finished = mcp_status(self._get_task(params)) in _MCP_TERMINAL
+                finished = mcp_status(self._get_task(params, summary=True)) in _MCP_TERMINAL
             except TaskStoreError:
                 return None                 # answered at once with the same error
             return None if finished else "wait"
@@ -6028,7 +6087,8 @@ class McpDispatcher:
             raise TaskFailed(error, result=result)
         return result
 
-    def _get_task(self, params, names=("taskId",)):
+    def _get_task(self, params, names=("taskId",), summary=False):
+        """The MCP task *params* name; *summary*: its TaskSummary (a status is all it needs)."""
         for name in names:                  # a loop, not next(genexpr): every tasks/get
             if name in params:
                 task_id = params[name]
@@ -6037,16 +6097,17 @@ class McpDispatcher:
             task_id = None
         if not isinstance(task_id, str):
             raise InvalidParams("taskId must be a string", param="taskId")
-        task = self.store.get(task_id)
+        task = self.store.summary(task_id) if summary else self.store.get(task_id)
         if task.kind != MCP_TASK_KIND:      # another adapter's task is not an MCP task
             raise TaskNotFound(task_id)
         return task
 
     def _tasks_get(self, params, _):
         # The wire Task, encoded once per state of the task: a client polls
-        # an unchanged task many times (see _Encoded).  The key is every field
-        # mcp_task_to_wire reads, so a changed task is never answered stale.
-        task = self._get_task(params)
+        # an unchanged task many times (see _Encoded), and a summary is all
+        # it shows.  The key is every field mcp_task_to_wire reads, so a
+        # changed task is never answered stale.
+        task = self._get_task(params, summary=True)
         key = (task.status, task.created_at, task.updated_at, task.ttl_ms, task.status_message,
                task.error, self.poll_interval_ms)
         cached = self._wires.get(task.id)
@@ -6062,7 +6123,8 @@ class McpDispatcher:
 
     def _tasks_status(self, params, _):
         # The lesson's poll method: tasks/get plus its id/state mirror fields.
-        wire = mcp_task_to_wire(self._get_task(params, _LESSON_ID_KEYS), self.poll_interval_ms)
+        wire = mcp_task_to_wire(self._get_task(params, _LESSON_ID_KEYS, summary=True),
+                                self.poll_interval_ms)
         return {**wire, "id": wire["taskId"], "state": wire["status"]}
 
     def _tasks_result(self, params, _):

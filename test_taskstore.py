@@ -612,6 +612,30 @@ class LifecycleTests(StoreTestCase):
             self.store.get("task_nope")
         self.assertEqual(str(cm.exception), "no task with id task_nope")
 
+    def test_a_summary_is_the_task_without_its_payload_result_meta_and_input(self):
+        task = self.store.create("k", {"big": "x" * 1000}, ttl_ms=60_000, principal="alice",
+                                 meta={"m": 1})
+        claimed = self.store.claim(("k",), owner="proc_x")
+        self.store.set_progress(task.id, progress=3, total=10, message="step 3")
+        self.store.fail(task.id, {"code": "boom", "message": "it broke"}, attempt=claimed.attempt)
+        full = self.store.get(task.id)
+        summary = self.store.summary(task.id, principal="alice")
+        self.assertIsInstance(summary, taskstore.TaskSummary)
+        self.assertEqual(summary, tuple(getattr(full, name) for name in summary._fields))
+        self.assertEqual(summary.error, {"code": "boom", "message": "it broke"})
+        self.assertTrue(summary.terminal)
+        self.assertFalse(self.store.summary(self.store.create("k").id).terminal)
+        # The same answers as get when there is nothing to show.
+        with self.assertRaises(taskstore.TaskNotFound):
+            self.store.summary(task.id, principal="bob")
+        with self.assertRaises(taskstore.TaskNotFound):
+            self.store.summary("task_nope")
+        with self.assertRaises(taskstore.InvalidParams):
+            self.store.summary(7)
+        self.clock.advance(61)
+        with self.assertRaises(taskstore.TaskExpired):
+            self.store.summary(task.id)
+
     def test_other_principal_sees_nothing(self):
         task = self.store.create("k", principal="alice")
         with self.assertRaises(taskstore.TaskNotFound):
@@ -7247,7 +7271,7 @@ class McpProtocolTests(McpTestBase):
 
         def broken_get(*args, **kwargs):
             raise sqlite3.OperationalError("no such table: SELECT secret FROM tasks")
-        store.get = broken_get
+        store.get = store.summary = broken_get      # tasks/get reads a summary
         with self.assertLogs("taskstore", "ERROR") as logs:
             response = client.call("tasks/get", {"taskId": "task_x"})
         self.assertIn("SELECT secret", "\n".join(logs.output), "the log has the details")
