@@ -1255,8 +1255,11 @@ class _GroupCommit:
     Nobody returns before its change is committed.
     """
 
-    def __init__(self, changes):
+    def __init__(self, changes, commit_syncs=True):
         self._changes = changes       # the engine's changes(): did a body write anything?
+        # Whether a commit waits for the disk (an fsync): only then is company
+        # worth waiting for (see _join_late).
+        self._commit_syncs = commit_syncs
         # Its own lock, because the leader holds the engine's lock while the
         # others wait.  (Each waiting member sleeps on a lock of its own.)
         self._group = threading.Lock()                     # the queue and who leads
@@ -1435,7 +1438,9 @@ class _GroupCommit:
         queued so far (inside SQLite, which releases the GIL, so the others
         come back meanwhile), then takes whoever queued since, and waits
         for the rest (at most ``GROUP_DELAY_S``) only if they are not all
-        there yet.  A lone writer (last batch of one) never waits.
+        there yet and a commit is an fsync: a commit that only writes costs
+        less than the wait and the thread switches would save.  A lone
+        writer (last batch of one) never waits.
         """
         if size >= self._group_last and not self._group_queue:
             return None             # alone, or all there: nothing to take (a lone writer's case)
@@ -1444,7 +1449,7 @@ class _GroupCommit:
             if size >= want:
                 return self._take_locked()
             missing = want - size
-            if len(self._group_queue) < missing:
+            if len(self._group_queue) < missing and self._commit_syncs:
                 deadline = time.monotonic() + GROUP_DELAY_S
                 # Woken once, when the last of them queues: a wake-up per
                 # arrival would cost as much as the wait saves.
@@ -1565,7 +1570,8 @@ class SQLiteEngine:
         self._busy_timeout = float(busy_timeout)
         self.lock = threading.Lock()
         self.closed = False
-        self._group = _GroupCommit(self.changes)
+        # With synchronous=NORMAL a WAL commit is a write, not an fsync.
+        self._group = _GroupCommit(self.changes, commit_syncs=synchronous == "full")
         self._move_sql = {}
         self._transaction = _Transaction(self)
         self._reads = _Reads(self)

@@ -1412,7 +1412,11 @@ class GroupCommitTests(StoreTestCase):
         # Threads that stop early leave leaders waiting for company that
         # never comes; with a wait this short they give up often, and hand
         # overs and chained wake-ups interleave every way.  A lost wake-up
-        # leaves a thread asleep for good: the join fails.
+        # leaves a thread asleep for good: the join fails.  (Leaders wait
+        # only when a commit is an fsync: SQLite's with synchronous="full".)
+        if type(self.store._engine) is taskstore.SQLiteEngine:
+            self.path = os.path.join(self.dir, "full.db")
+            self.store = self.open_store(synchronous="full")
         gave_up = []
         real = taskstore._GroupCommit._join_late
 
@@ -1425,6 +1429,24 @@ class GroupCommitTests(StoreTestCase):
                 unittest.mock.patch.object(taskstore._GroupCommit, "_join_late", join_late):
             self.create_from_threads(counts=[40 + 20 * n for n in range(8)])
         self.assertTrue(any(gave_up), "no leader ever stopped waiting for company")
+
+    def test_a_leader_waits_for_company_only_when_a_commit_is_an_fsync(self):
+        for syncs in (False, True):
+            group = taskstore._GroupCommit(lambda: 0, commit_syncs=syncs)
+            group._group_last = 4           # the last batch had company: 3 more are coming
+            waits = []
+            real_wait = group._gather.wait
+            group._gather.wait = lambda timeout: waits.append(timeout) or real_wait(timeout)
+            with unittest.mock.patch.object(taskstore, "GROUP_DELAY_S", 0.001):
+                self.assertEqual(group._join_late(1), [])      # none came
+            self.assertEqual(bool(waits), syncs, f"commit_syncs={syncs}")
+            self.assertTrue(all(0 < t <= 0.001 for t in waits), waits)
+        # SQLite's commit is an fsync with synchronous="full" only; PostgreSQL's always.
+        engine = self.store._engine
+        self.assertEqual(engine._group._commit_syncs, type(engine) is not taskstore.SQLiteEngine)
+        if type(engine) is taskstore.SQLiteEngine:
+            self.path = os.path.join(self.dir, "full.db")
+            self.assertTrue(self.open_store(synchronous="full")._engine._group._commit_syncs)
 
     def test_a_commit_wakes_its_sleeping_writers_one_after_another(self):
         ops = [taskstore._GroupOp(None) for _ in range(4)]
