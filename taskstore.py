@@ -1561,6 +1561,8 @@ class SQLiteEngine:
     # How recovery_view opens its one snapshot: SQLite's read transaction is
     # one; PostgreSQL's plain BEGIN is not (section 7).
     _SNAPSHOT_BEGIN = "BEGIN"
+    # move_task's compare-and-set; {sets} is the columns' "name = ?" list.
+    _MOVE = "UPDATE tasks SET {sets}, version = version + 1 WHERE id = ? AND status = ?"
 
     def __init__(self, path, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
                  max_bytes=None, readonly=False):
@@ -1579,7 +1581,11 @@ class SQLiteEngine:
         self._checkpointer = None
         self._checkpoint_mark = 0     # conn.total_changes at the last checkpoint request
         self._bulk_depth = 0
-        self._empty_gen = 0           # the work generation oldest_queued last found none at
+        # The work generation oldest_queued last found none at.  It starts
+        # equal to a fresh store's generation, so even a new store's first
+        # claim probes before it takes the write lock: on SQLite an idle
+        # worker must never hold up another process's writers.
+        self._empty_gen = 0
         self.conn = None
         try:
             if self.readonly:
@@ -1814,20 +1820,24 @@ class SQLiteEngine:
             "INSERT INTO events (task_id, seq, type, data, created_at) "
             "VALUES (?, 0, 'created', ?, ?)", events)
 
+    def _move_statement(self, values):
+        """``_MOVE`` for the columns of *values*: a few combinations, each built once."""
+        names = tuple(values)
+        sql = self._move_sql.get(names)
+        if sql is None:
+            assert _WRITABLE_COLUMNS.issuperset(names), names    # names are ours, never input
+            sql = self._move_sql[names] = self._MOVE.format(
+                sets=", ".join(f"{name} = ?" for name in names))
+        return sql
+
     def move_task(self, task_id, status, values, event_json, now):
         """Compare-and-set one task from *status* to *values*; append its status event.
 
         *values* are the columns to write (``last_seq`` among them: the
         event's seq).  Returns False when the task was not in *status*.
         """
-        names = tuple(values)
-        sql = self._move_sql.get(names)
-        if sql is None:          # a few combinations of columns, each built once
-            assert _WRITABLE_COLUMNS.issuperset(names), names    # names are ours, never input
-            sql = self._move_sql[names] = (
-                f"UPDATE tasks SET {', '.join(f'{name} = ?' for name in names)}, "
-                "version = version + 1 WHERE id = ? AND status = ?")
-        cursor = self.conn.execute(sql, (*values.values(), task_id, status))
+        cursor = self.conn.execute(self._move_statement(values),
+                                   (*values.values(), task_id, status))
         if cursor.rowcount != 1:
             return False
         self.conn.execute(
@@ -2217,6 +2227,8 @@ PG_LISTEN_RETRY_S = 1.0                # between attempts to reconnect the liste
 # everything committed meanwhile together (see _PgNotifier); and after a
 # delivery the listener rests as long before it reads again (_PgListener).
 PG_NOTIFY_GAP_S = 0.010
+# How PostgreSQL's recovery_view opens its one snapshot (a plain BEGIN is not one).
+_PG_SNAPSHOT_BEGIN = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
 _PG_SCHEMA_LOCK = 0x7461736b           # advisory lock key of schema creation ("task")
 # The server's clock in epoch milliseconds: ownership is judged in database time.
 _PG_NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
@@ -2283,9 +2295,8 @@ class _PgConnection:
     and fail with psycopg's errors, as the others do.
     """
 
-    # (The last is PostgresEngine._SNAPSHOT_BEGIN; any other text takes the usual path.)
-    _COMMANDS = {sql: sql.encode() for sql in (
-        "BEGIN", "COMMIT", "ROLLBACK", "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")}
+    # Any other text takes the usual path.
+    _COMMANDS = {sql: sql.encode() for sql in ("BEGIN", "COMMIT", "ROLLBACK", _PG_SNAPSHOT_BEGIN)}
 
     def __init__(self, raw):
         self.raw = raw
@@ -2572,7 +2583,12 @@ class PostgresEngine(SQLiteEngine):
 
     shared = True
     _BATCH_LOCK = " FOR UPDATE SKIP LOCKED"      # reapers on several hosts take other rows
-    _SNAPSHOT_BEGIN = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
+    _SNAPSHOT_BEGIN = _PG_SNAPSHOT_BEGIN
+    # The compare-and-set and its event row in one statement (see move_task).
+    _MOVE = ("WITH moved AS (UPDATE tasks SET {sets}, version = version + 1 "
+             "WHERE id = ? AND status = ? RETURNING last_seq) "
+             "INSERT INTO events (task_id, seq, type, data, created_at) "
+             "SELECT ?, last_seq, 'status', ?, ? FROM moved")
 
     def __init__(self, url, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
                  max_bytes=None, readonly=False):
@@ -2597,9 +2613,9 @@ class PostgresEngine(SQLiteEngine):
         self._move_sql = {}
         self._transaction = _PgTransaction(self)
         self._reads = _PgReads(self)
-        # None: oldest_queued has not come up empty yet, so a claim reads at
-        # once.  (0 would equal a fresh store's work generation: every claim of
-        # a process that queues nothing itself would first pay a probe read.)
+        # None: a claim reads at once until oldest_queued has come up empty.
+        # Here a write transaction holds up no other writer (rows are locked,
+        # not the database), so the probe SQLite needs would only cost a read.
         self._empty_gen = None
         self._in_write = False        # inside transaction(): task rows read are locked
         self._notes = {}              # kind -> ids this transaction changed, for the notifier
@@ -2785,17 +2801,8 @@ class PostgresEngine(SQLiteEngine):
         so it is written exactly when the compare-and-set took; the row
         lock the ``UPDATE`` takes keeps the seq dense as before.
         """
-        names = tuple(values)
-        sql = self._move_sql.get(names)
-        if sql is None:          # a few combinations of columns, each built once
-            assert _WRITABLE_COLUMNS.issuperset(names), names    # names are ours, never input
-            sql = self._move_sql[names] = (
-                f"WITH moved AS (UPDATE tasks SET {', '.join(f'{name} = ?' for name in names)}, "
-                "version = version + 1 WHERE id = ? AND status = ? RETURNING last_seq) "
-                "INSERT INTO events (task_id, seq, type, data, created_at) "
-                "SELECT ?, last_seq, 'status', ?, ? FROM moved")
-        moved = self.conn.execute(
-            sql, (*values.values(), task_id, status, task_id, event_json, now)).rowcount == 1
+        moved = self.conn.execute(self._move_statement(values), (
+            *values.values(), task_id, status, task_id, event_json, now)).rowcount == 1
         if moved:
             new = values["status"]
             self._note("queued" if new == QUEUED else "changed", (task_id,))
