@@ -6928,8 +6928,11 @@ def _origins_regex(patterns):
     return re.compile("|".join(parts))
 
 
+@functools.lru_cache(maxsize=64)
 def _loopback_host(value):
     """True if a ``Host`` header names a loopback name or address (any port)."""
+    # Cached: every request of a loopback server asks, nearly always about
+    # the same value, and parsing an address costs a tenth of a GET's work.
     host = value.strip().lower()
     if host.startswith("["):                        # [::1]:8765
         name, closed, port = host[1:].partition("]")
