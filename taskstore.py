@@ -1563,6 +1563,12 @@ class SQLiteEngine:
     _SNAPSHOT_BEGIN = "BEGIN"
     # move_task's compare-and-set; {sets} is the columns' "name = ?" list.
     _MOVE = "UPDATE tasks SET {sets}, version = version + 1 WHERE id = ? AND status = ?"
+    # How a recovery batch names its owner when the batch's key range holds
+    # little but its tasks (owner_batch): the unary plus keeps SQLite's
+    # planner, which has no statistics, off tasks_owner, so each statement
+    # walks the range in the table itself instead of looking every row up
+    # from the index, about half the cost a row.  None: always by the index.
+    _OWNER_IN_RANGE = "+owner"
 
     def __init__(self, path, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
                  max_bytes=None, readonly=False):
@@ -2069,17 +2075,35 @@ class SQLiteEngine:
         A batch is a key range of the tasks_owner index: this owner's ids
         after the previous batch, up to the size-th one (finished or not,
         which makes the bound a walk of the index alone, with no row read),
-        so the statements find it by the index, with no id list built in
-        Python.  None: this is the last batch.
+        so the statements find it with no id list built in Python.  Where
+        the range holds fewer than twice *size* rows, whoever owns them, the
+        statements walk it in the table (``_OWNER_IN_RANGE``), else the
+        owner's entries in the index.  None: this is the last batch.
         """
-        last = self.conn.execute(
+        conn = self.conn
+        last = conn.execute(
             "SELECT id FROM tasks WHERE owner = ? AND id > ? ORDER BY id LIMIT 1 OFFSET ?",
             (owner, after, size - 1)).fetchone()
+        column, bound = "owner", None if last is None else last[0]
+        if self._OWNER_IN_RANGE is not None:
+            if bound is None:       # the last batch ends at the owner's last task
+                bound = conn.execute("SELECT max(id) FROM tasks WHERE owner = ? AND id > ?",
+                                     (owner, after)).fetchone()[0]
+            # Fewer than twice size rows in the range, counted by a walk of
+            # at most that many keys.  A runner's tasks are usually most of
+            # the ids of their time (one runner, or a few taking turns), and
+            # a walk of a full batch's range then costs no more than the
+            # lookups it saves (a row walked about 0.35 us, one looked up
+            # from the index about 0.8 us).
+            if bound is not None and conn.execute(
+                    "SELECT count(*) FROM (SELECT 1 FROM tasks WHERE id > ? AND id <= ? LIMIT ?)",
+                    (after, bound, 2 * size)).fetchone()[0] < 2 * size:
+                column = self._OWNER_IN_RANGE
         # The statuses are this module's constants, written as literals.
-        owned = f"owner = ? AND status IN ({', '.join(repr(s) for s in statuses)}) AND id > ?"
-        if last is None:
-            return (owned, (owner, after)), None
-        return (owned + " AND id <= ?", (owner, after, last[0])), last[0]
+        owned = f"{column} = ? AND status IN ({', '.join(repr(s) for s in statuses)}) AND id > ?"
+        selector = ((owned, (owner, after)) if bound is None else
+                    (owned + " AND id <= ?", (owner, after, bound)))
+        return selector, None if last is None else last[0]
 
     @staticmethod
     def owner_dead(proc, now, lease_ms):
@@ -2584,6 +2608,7 @@ class PostgresEngine(SQLiteEngine):
     shared = True
     _BATCH_LOCK = " FOR UPDATE SKIP LOCKED"      # reapers on several hosts take other rows
     _SNAPSHOT_BEGIN = _PG_SNAPSHOT_BEGIN
+    _OWNER_IN_RANGE = None       # a planner with statistics picks the path itself
     # The compare-and-set and its event row in one statement (see move_task).
     _MOVE = ("WITH moved AS (UPDATE tasks SET {sets}, version = version + 1 "
              "WHERE id = ? AND status = ? RETURNING last_seq) "

@@ -1826,6 +1826,53 @@ class RecoveryTests(OwnedTaskTestCase):
         self.assertEqual(len(self.store.events(done)), 3)     # created, running, succeeded
         self.assertEqual(self.store.recover(), 0)
 
+    def interleaved(self, dead, live, between):
+        """Claimed tasks, ids in order: *between* of *live*'s after each of *dead*'s."""
+        mine, others = [], []
+        for count in between:
+            self.clock.advance(0.001)                 # ids sort by creation
+            mine.append(self.claimed("fail", dead))
+            for _ in range(count):
+                self.clock.advance(0.001)
+                others.append(self.claimed("retry", live))
+        return mine, others
+
+    def test_a_batch_moves_only_its_owners_tasks_whatever_else_its_key_range_holds(self):
+        dead, live = self.dead_owner(), self.store.register_process()
+        # Batches of 2: the first key range holds one other task (walked in
+        # the table), the next two more (read by the owner index).
+        mine, others = self.interleaved(dead, live, [1, 1, 1, 9, 1, 0])
+        self.clock.advance(0.001)
+        others.append(self.store.create("never-claimed", policy="fail").id)
+        before = {task_id: len(self.store.events(task_id)) for task_id in others}
+        with unittest.mock.patch.object(taskstore, "RELEASE_BATCH", 2):
+            self.assertEqual(self.store.recover(), len(mine))
+        for task_id in mine:
+            self.assertEqual(self.store.get(task_id).status, FAILED)
+            self.assertEqual(sum(1 for e in self.assertContiguous(task_id)
+                                 if e.data.get("from") == RUNNING), 1)
+        for task_id in others:
+            self.assertEqual(len(self.store.events(task_id)), before[task_id])
+        self.assertEqual({self.store.get(t).status for t in others[:-1]}, {RUNNING})
+        self.assertEqual(self.store.recover(), 0)
+
+    def test_a_batch_walks_its_key_range_in_the_table_only_when_little_else_is_in_it(self):
+        dead, live = self.dead_owner(), self.store.register_process()
+        self.interleaved(dead, live, [1, 1, 9, 0])
+        engine = self.store._engine
+        plans = []
+        with self.store._writing():
+            after = ""
+            while after is not None:
+                (where, args), after = engine.owner_batch(dead, after, 2, taskstore._RECOVERABLE)
+                plans.append(" ".join(str(r) for r in engine.conn.execute(
+                    f"EXPLAIN QUERY PLAN SELECT id FROM tasks WHERE {where}", args)))
+        # 3 rows for 2 tasks: the table's key; 12 rows for 2 tasks: the owner
+        # index; then the empty rest.
+        self.assertEqual(len(plans), 3)
+        self.assertIn("PRIMARY KEY", plans[0])
+        self.assertIn("tasks_owner", plans[1])
+
     def test_a_status_that_appears_after_recovery_looked_is_left_to_the_next_recover(self):
         owner = self.dead_owner()
         running = self.claimed("fail", owner)
@@ -2170,6 +2217,8 @@ class PgRecoveryTests(PostgresStoreMixin, RecoveryTests):
     sqlite_only = {
         "test_release_in_many_small_batches_moves_each_task_once": _TRACES,
         "test_expired_lease_is_recovered_even_if_the_pid_lives": _FAKE_LEASE,
+        "test_a_batch_walks_its_key_range_in_the_table_only_when_little_else_is_in_it":
+            "it reads SQLite's query plans",
     }
 
 
