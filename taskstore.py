@@ -160,7 +160,7 @@ EVENTS = (CLAIM, START, REQUIRE_INPUT, PROVIDE_INPUT, SUCCEED, FAIL, CANCEL,
 
 POLICIES = ("fail", "retry", "resume")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 APPLICATION_ID = 0x7A5C5701        # PRAGMA application_id: "this is a taskstore file"
 
 DEFAULT_DB = "taskstore.db"
@@ -1066,7 +1066,13 @@ _SCHEMA_V1 = (
 
 # Forward migrations: MIGRATIONS[n] takes a database from version n-1 to n.
 # A file at version v gets MIGRATIONS[v+1..SCHEMA_VERSION] in one transaction.
-MIGRATIONS = {1: _SCHEMA_V1}
+# Version 2: an owner's cancelling tasks, found without reading its history.
+# Each runner asks with every heartbeat (cancelling_of), and through
+# tasks_owner that read every task the owner had run that the store still
+# keeps (a day's worth by default), under the lock.  This index holds
+# cancelling tasks only: a claim or a finish never writes to it.
+_SCHEMA_V2 = ("CREATE INDEX tasks_cancelling ON tasks (owner) WHERE status = 'cancelling'",)
+MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
 
 
 # Expired: the one rule, in SQL (its parameter is now, in epoch ms).  Only a
@@ -2066,8 +2072,9 @@ class SQLiteEngine:
         return procs, present
 
     def cancelling_of(self, owner):
+        # The status is a literal: only then is the partial index tasks_cancelling used.
         return {r[0] for r in self.conn.execute(
-            "SELECT id FROM tasks WHERE owner = ? AND status = ?", (owner, CANCELLING))}
+            f"SELECT id FROM tasks WHERE owner = ? AND status = '{CANCELLING}'", (owner,))}
 
     def owner_batch(self, owner, after, size, statuses):
         """Select the owner's next tasks in *statuses*: ``(selector, last id or None)``.
@@ -2281,7 +2288,8 @@ _PG_PURGE_AT = f"""CREATE OR REPLACE FUNCTION taskstore_purge_at(now BIGINT, cre
 # PG_MIGRATIONS[n] takes a database from version n-1 to n, like MIGRATIONS.
 PG_MIGRATIONS = {1: ("CREATE TABLE taskstore_schema (version BIGINT NOT NULL)",
                      "INSERT INTO taskstore_schema VALUES (0)",
-                     *(_pg_ddl(ddl) for ddl in _SCHEMA_V1))}
+                     *(_pg_ddl(ddl) for ddl in _SCHEMA_V1)),
+                 2: tuple(_pg_ddl(ddl) for ddl in _SCHEMA_V2)}
 
 
 def is_postgres_url(path):

@@ -1873,6 +1873,28 @@ class RecoveryTests(OwnedTaskTestCase):
         self.assertIn("PRIMARY KEY", plans[0])
         self.assertIn("tasks_owner", plans[1])
 
+    def test_the_heartbeats_cancel_check_reads_cancelling_tasks_only(self):
+        # Each runner asks with every heartbeat: what it reads must not grow
+        # with the tasks the owner has run (the store keeps them for a day).
+        owner = self.store.register_process()
+        for _ in range(3):
+            task = self.store.create("k")
+            self.store.claim(("k",), owner=owner)
+            self.store.succeed(task.id, {})
+        task = self.store.create("k")
+        self.store.claim(("k",), owner=owner)
+        self.store.cancel(task.id)
+        statements = []
+        engine = self.store._engine
+        engine.conn.set_trace_callback(statements.append)
+        try:
+            self.assertEqual(self.store.cancelling_owned(owner), {task.id})
+        finally:
+            engine.conn.set_trace_callback(None)
+        (query,) = [sql for sql in statements if sql.startswith("SELECT")]
+        plan = " ".join(str(row) for row in engine.conn.execute("EXPLAIN QUERY PLAN " + query))
+        self.assertIn("tasks_cancelling", plan)
+
     def test_a_status_that_appears_after_recovery_looked_is_left_to_the_next_recover(self):
         owner = self.dead_owner()
         running = self.claimed("fail", owner)
@@ -2219,6 +2241,8 @@ class PgRecoveryTests(PostgresStoreMixin, RecoveryTests):
         "test_expired_lease_is_recovered_even_if_the_pid_lives": _FAKE_LEASE,
         "test_a_batch_walks_its_key_range_in_the_table_only_when_little_else_is_in_it":
             "it reads SQLite's query plans",
+        "test_the_heartbeats_cancel_check_reads_cancelling_tasks_only":
+            "it reads SQLite's query plans",
     }
 
 
@@ -2370,6 +2394,22 @@ class OpenErrorTests(StoreTestCase):
             taskstore.TaskStore(self.path)
         self.assertIn("newer taskstore", str(cm.exception))
         self.assertIn(self.path, str(cm.exception))
+
+    def test_a_version_1_file_is_migrated_at_open_and_keeps_its_tasks(self):
+        owner = self.store.register_process()
+        task = self.store.create("k")
+        self.store.claim(("k",), owner=owner)
+        self.store.cancel(task.id)
+        self.store.close()
+        with contextlib.closing(sqlite3.connect(self.path)) as conn:   # as version 1 wrote it
+            conn.execute("DROP INDEX tasks_cancelling")
+            conn.execute("PRAGMA user_version=1")
+        store = self.open_store()
+        self.assertEqual(store.cancelling_owned(owner), {task.id})
+        with contextlib.closing(sqlite3.connect(self.path)) as conn:
+            self.assertEqual(conn.execute("PRAGMA user_version").fetchone()[0], 2)
+            self.assertEqual(conn.execute("SELECT count(*) FROM sqlite_master WHERE name = "
+                                          "'tasks_cancelling'").fetchone()[0], 1)
 
     def test_migrations_bring_an_empty_file_to_the_current_version(self):
         with contextlib.closing(sqlite3.connect(self.path)) as conn:
@@ -4377,6 +4417,20 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         self.assertEqual(self.sql("SELECT version FROM taskstore_schema"),
                          [(taskstore.SCHEMA_VERSION,)])
         self.assertEqual(self.sql("SELECT count(*) FROM tasks"), [(3,)])
+
+    def test_a_version_1_database_is_migrated_at_open_and_keeps_its_tasks(self):
+        store = self.open_store()
+        owner = store.register_process()
+        task = store.create("k")
+        store.claim(("k",), owner=owner)
+        store.cancel(task.id)
+        store.close()
+        self.sql("DROP INDEX tasks_cancelling")              # as version 1 wrote it
+        self.sql("UPDATE taskstore_schema SET version = 1")
+        self.assertEqual(self.open_store().cancelling_owned(owner), {task.id})
+        self.assertEqual(self.sql("SELECT version FROM taskstore_schema"), [(2,)])
+        self.assertEqual(self.sql("SELECT count(*) FROM pg_indexes "
+                                  "WHERE indexname = 'tasks_cancelling'"), [(1,)])
 
     def test_a_newer_schema_is_refused(self):
         self.open_store().close()
