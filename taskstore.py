@@ -6965,7 +6965,8 @@ def _origins_regex(patterns):
 def _loopback_host(value):
     """True if a ``Host`` header names a loopback name or address (any port)."""
     # Cached: every request of a loopback server asks, nearly always about
-    # the same value, and parsing an address costs a tenth of a GET's work.
+    # the same value, and parsing the address was about a tenth of the
+    # app's own time for a GET.
     host = value.strip().lower()
     if host.startswith("["):                        # [::1]:8765
         name, closed, port = host[1:].partition("]")
