@@ -2404,6 +2404,8 @@ class OpenErrorTests(StoreTestCase):
         with contextlib.closing(sqlite3.connect(self.path)) as conn:   # as version 1 wrote it
             conn.execute("DROP INDEX tasks_cancelling")
             conn.execute("PRAGMA user_version=1")
+        with self.assertRaisesRegex(taskstore.StoreUnavailable, "not at schema 2"):
+            taskstore.TaskStore(self.path, readonly=True)      # it cannot migrate
         store = self.open_store()
         self.assertEqual(store.cancelling_owned(owner), {task.id})
         with contextlib.closing(sqlite3.connect(self.path)) as conn:
@@ -4427,6 +4429,8 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         store.close()
         self.sql("DROP INDEX tasks_cancelling")              # as version 1 wrote it
         self.sql("UPDATE taskstore_schema SET version = 1")
+        with self.assertRaisesRegex(taskstore.StoreUnavailable, "not at schema 2"):
+            taskstore.TaskStore(self.path, readonly=True)      # it cannot migrate
         self.assertEqual(self.open_store().cancelling_owned(owner), {task.id})
         self.assertEqual(self.sql("SELECT version FROM taskstore_schema"), [(2,)])
         self.assertEqual(self.sql("SELECT count(*) FROM pg_indexes "
