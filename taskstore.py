@@ -5573,7 +5573,7 @@ class McpDispatcher:
         self._followed = set()              # this session's tasks not yet told terminal
         self._notify_lock = threading.Lock()    # one teller at a time; taken before _lock
         self._requests_sent = 0             # our requests' ids are "srv-1", "srv-2", ...
-        self._wires = {}                    # task id -> (its state, wire Task, its JSON): _tasks_get
+        self._wires = {}                    # task id -> (version, wire Task, its JSON): _tasks_get
         # method -> fn(params, request_id) -> result
         self._methods = {
             "initialize": self._initialize,
@@ -6151,15 +6151,14 @@ class McpDispatcher:
     def _tasks_get(self, params, _):
         # The wire Task, encoded once per state of the task: a client polls
         # an unchanged task many times (see _Encoded), and a summary is all
-        # it shows.  The key is every field mcp_task_to_wire reads, so a
-        # changed task is never answered stale.
+        # it shows.  The state is the task's version, which every write
+        # bumps (wait(since_version=) relies on it too), so a changed task
+        # is never answered stale.
         task = self._get_task(params, summary=True)
-        key = (task.status, task.created_at, task.updated_at, task.ttl_ms, task.status_message,
-               task.error, self.poll_interval_ms)
         cached = self._wires.get(task.id)
-        if cached is None or cached[0] != key:
+        if cached is None or cached[0] != task.version:
             wire = mcp_task_to_wire(task, self.poll_interval_ms)
-            cached = (key, wire, dumps(wire).encode("utf-8"))
+            cached = (task.version, wire, dumps(wire).encode("utf-8"))
             if len(self._wires) >= _WIRE_CACHE_SIZE:
                 self._wires.clear()         # polled tasks come back at their next poll
             self._wires[task.id] = cached
