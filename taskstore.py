@@ -8338,21 +8338,9 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
         self._body_read = False
         super().handle_one_request()
 
-    _date = (None, "")          # (second, Date header value), shared by every connection
-
     def version_string(self):
         """The Server header: name and version (http.server adds " Python/x.y")."""
         return self.server_version
-
-    def date_time_string(self, timestamp=None):
-        """http.server's Date value, formatted once a second instead of once a request."""
-        if timestamp is not None:
-            return super().date_time_string(timestamp)
-        second = int(time.time())       # the header has whole seconds: same text
-        date = LMSPRequestHandler._date
-        if date[0] != second:
-            date = LMSPRequestHandler._date = (second, super().date_time_string(second))
-        return date[1]
 
     def log_message(self, format, *args):   # noqa: A002 -- http.server's signature
         # The request line only: headers (and so tokens) are never logged.
