@@ -4,28 +4,37 @@
 Long-running work (a report, a CI run, a model generation) gets a life of its
 own: the caller gets a task id at once, polls or streams its progress, fetches
 the result later, can cancel it, and nothing is lost when the process crashes.
-One SQLite-backed state machine speaks two protocols: the MCP "tasks" methods
-over stdio JSON-RPC and the LMSP 1.0 task routes over HTTP with resumable
-server-sent events.
+One state machine, on SQLite or on PostgreSQL, speaks two protocols: the
+MCP "tasks" methods over stdio JSON-RPC and the LMSP 1.0 task routes over
+HTTP with resumable server-sent events.
 
 Theory of operation
 -------------------
-Layers, in the order of this file::
+The file reads in three parts.  The kernel: the lifecycle tables, errors,
+the data model, the ``Engine`` interface and the SQLite engine, the store,
+the runner; a reader who stops there has met the whole machine.  The
+fronts: the MCP server and the LMSP HTTP server.  The appendices: the
+PostgreSQL engine, the task board page, the OpenAI backend, the terminal
+watch and the command line.  Layers::
 
     stdio lines (MCP JSON-RPC)          HTTP requests (LMSP routes, SSE)
            |                                      |
-      MCP adapter                           LMSP adapter     protocol vocabularies,
+      MCP server                            LMSP server      protocol vocabularies,
            \\                                    /             wire shapes, errors
             +----------- Runner ------------+                worker threads, handler
                             |                                context, leases
                         TaskStore                            the verbs and rules: transitions,
                             |                                events, retention, recovery
-                      SQLite engine                          connection, transactions, group
-                            |                                commit, checkpoints, pid liveness
-                    lifecycle tables
+                     Engine (a class)                        the interface the store calls
+                      /            \\
+             SQLiteEngine        PostgresEngine              SQLite (the default, stdlib):
+                                                             BEGIN IMMEDIATE, WAL, group commit,
+               lifecycle tables                              pid liveness.  PostgreSQL (psycopg,
+                                                             for a postgresql:// URL): SKIP LOCKED,
+                                                             LISTEN/NOTIFY, leases in server time
 
 One lifecycle, two vocabularies.  The store keeps one status set, the union
-of what both protocols need; each adapter shows it in its own words through
+of what both protocols need; each front shows it in its own words through
 one function (``mcp_status``, ``lmsp_status``)::
 
     queued --> loading --> running <--> input_required
@@ -35,16 +44,17 @@ one function (``mcp_status``, ``lmsp_status``)::
       +------------------------------> cancelled / failed
 
 Every status change goes through ``TRANSITIONS`` (a literal dict) and one
-compare-and-set ``UPDATE ... WHERE id=? AND status=?`` inside one
-``BEGIN IMMEDIATE`` transaction that also appends the task's event-log row.
-Terminal states never change: the first committed transition wins.
+compare-and-set ``UPDATE ... WHERE id=? AND status=?`` inside one write
+transaction that also appends the task's event-log row.  Terminal states
+never change: the first committed transition wins.
 
-Threads.  A ``TaskStore`` owns its engine: one SQLite connection, one lock;
-``_changed`` (a Condition on that lock) wakes waiters in this process after
-every commit, and waiters re-read the database every ``poll_interval`` to see
-other processes' writes.  A ``Runner`` owns its worker threads and one
-maintenance thread (heartbeat, coalesced progress, cancel detection).  The
-optional reaper thread belongs to the store.  Nothing runs at import.
+Threads.  A ``TaskStore`` owns its engine: one connection, one lock; after
+every commit the writing thread wakes this process's waiters, and waiters
+re-read the database every ``poll_interval`` to see other processes' writes
+(on PostgreSQL, LISTEN/NOTIFY wakes them at once).  A ``Runner`` owns its
+worker threads and one maintenance thread (heartbeat, coalesced progress,
+cancel detection).  The optional reaper thread belongs to the store.
+Nothing runs at import.
 
 Run it::
 
