@@ -950,7 +950,8 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #   engine's ``_Dialect``.  Nothing of SQLite's is inherited by PostgreSQL.
 # - An engine is built with ``(path, synchronous=, busy_timeout=, max_bytes=,
 #   readonly=)`` and raises StoreUnavailable when the database cannot serve.
-#   ``open_engine`` (section 7) picks the engine for a path or URL.
+#   ``open_engine``, at the end of this section, picks the engine for a path
+#   or URL: the only place the kernel names the PostgreSQL engine.
 
 
 class Registration(typing.NamedTuple):
@@ -964,9 +965,9 @@ class Registration(typing.NamedTuple):
     id: str                  # the registration's id (a task's owner)
     pid: int
     host: str
-    proc_start: typing.Optional[str]   # the pid's start time on its host (SQLite); else None
+    proc_start: typing.Optional[str]   # the pid's start time on its host (SQLite), or None
     heartbeat_at: int        # epoch ms of the last heartbeat, by the clock that wrote it
-    age_ms: typing.Optional[int]       # ms since then by the database's clock (PostgreSQL); else None
+    age_ms: typing.Optional[int]       # ms since, by the database's clock (PostgreSQL), or None
 
 
 class Engine:
@@ -1061,7 +1062,10 @@ class Engine:
         raise NotImplementedError
 
     def task_row_at(self, task_id, now, summary=False):
-        """The task's row (``Task``'s columns, or ``TaskSummary``'s), then ``expired`` at *now*; or None."""
+        """The task's row (``Task``'s or ``TaskSummary``'s columns), then ``expired``; or None.
+
+        ``expired``, the last column, is 1 if the task had expired at *now*, else 0.
+        """
         raise NotImplementedError
 
     def tombstoned(self, task_id):
@@ -1135,15 +1139,18 @@ class Engine:
         raise NotImplementedError
 
     def set_progress(self, task_id, values, statuses, attempt, now):
-        """Write the columns *values* if the task is in *statuses* (and *attempt*); whether it was."""
+        """Write the columns *values* if the task is in *statuses* (and *attempt*); if it was."""
         raise NotImplementedError
 
     def event_head(self, task_id):
-        """``(status, last_seq, attempt)``, or None.  In a write transaction, the row is the caller's."""
+        """``(status, last_seq, attempt)``, or None.
+
+        In a write transaction, the row is the caller's until commit.
+        """
         raise NotImplementedError
 
     def append_event(self, task_id, seq, etype, data_json, snapshot_json, now):
-        """Append event *seq* and make it the task's ``last_seq`` (and *snapshot_json*, if not None)."""
+        """Append event *seq*, now the task's ``last_seq`` (and *snapshot_json* its snapshot)."""
         raise NotImplementedError
 
     def save_snapshot(self, task_id, snapshot_json, statuses, attempt):
@@ -1193,7 +1200,7 @@ class Engine:
         raise NotImplementedError
 
     def recovery_view(self, statuses):
-        """``(processes(), {owner: [(status, policy)]})`` of owned tasks in *statuses*, one snapshot."""
+        """``(processes(), {owner: [(status, policy)]})`` of owned tasks in *statuses*, at once."""
         raise NotImplementedError
 
     def cancelling_of(self, owner):
@@ -1221,7 +1228,7 @@ class Engine:
     # -- retention -------------------------------------------------------------
 
     def reap_tasks_once(self, now, budget, counts, tombstone_ms):
-        """Delete one batch of expired tasks, their events, leave tombstones; ``(more, deleted ids)``.
+        """Delete a batch of expired tasks and their events, leaving tombstones; ``(more, ids)``.
 
         A batch is at most *budget* tasks and ``10 * budget`` event rows (a
         longer log goes in slices); *counts* ``["tasks"]`` and ``["events"]``
@@ -1849,7 +1856,7 @@ class _Statements:
 
     @staticmethod
     def upsert(d, table, key, columns, source):
-        """``INSERT`` of *columns* from *source* (VALUES or a SELECT), a row of the same *key* replaced."""
+        """``INSERT`` of *columns* from *source* (VALUES or a SELECT), replacing a row of *key*."""
         if d.upsert_replaces:
             return f"INSERT OR REPLACE INTO {table} ({', '.join(columns)}) {source}"
         return (f"INSERT INTO {table} ({', '.join(columns)}) {source} "
@@ -1860,11 +1867,13 @@ class _Statements:
 class _SqlEngine(Engine):
     """What both engines do the same way: their shared statements and the Python around them.
 
-    An engine sets ``_dialect`` and ``_sql`` (its ``_Statements``), and
-    ``conn``: a connection whose ``execute(sql, params)`` returns a cursor
-    (iterable, ``fetchone``, ``fetchall``, ``rowcount``) and which has
-    sqlite3's ``executemany`` and ``total_changes``.  An engine with more to
-    do around a statement (lock a row, tell other processes) overrides the
+    An engine sets ``_dialect`` and ``_sql`` (its ``_Statements``) on its
+    class; on each instance ``conn``, a connection whose ``execute(sql,
+    params)`` returns a cursor (iterable, ``fetchone``, ``fetchall``,
+    ``rowcount``) and which has sqlite3's ``executemany`` and
+    ``total_changes``, ``closed``, ``_move_sql`` (an empty dict) and
+    ``_empty_gen`` (see ``may_have_queued``).  An engine with more to do
+    around a statement (lock a row, tell other processes) overrides the
     method and calls this one.  Locking is as ``Engine`` says.
     """
 
@@ -1905,7 +1914,7 @@ class _SqlEngine(Engine):
         self.conn.executemany(self._sql.insert_created, events)
 
     def _move_statement(self, values):
-        """The dialect's ``move`` for the columns of *values*: a few combinations, each built once."""
+        """The dialect's ``move`` for the columns of *values*: few combinations, each built once."""
         names = tuple(values)
         sql = self._move_sql.get(names)
         if sql is None:
@@ -1915,15 +1924,18 @@ class _SqlEngine(Engine):
                 sets=", ".join(f"{name} = {p}" for name in names))
         return sql
 
-    def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
-                   bump_attempt=False, finish=False):
+    def _guard(self, selector, status, policy):
+        """``(where, args)`` of *selector*'s tasks in *status* (and with *policy*, unless None)."""
         where, args = selector
         p = self._dialect.param
-        guard = f"({where}) AND status = {p}"
-        args = (*args, status)
-        if policy is not None:
-            guard += f" AND policy = {p}"
-            args += (policy,)
+        if policy is None:
+            return f"({where}) AND status = {p}", (*args, status)
+        return f"({where}) AND status = {p} AND policy = {p}", (*args, status, policy)
+
+    def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
+                   bump_attempt=False, finish=False):
+        guard, args = self._guard(selector, status, policy)
+        p = self._dialect.param
         moved_ids = None
         if ids:
             moved_ids = [r[0] for r in self.conn.execute(
@@ -2028,7 +2040,8 @@ class _SqlEngine(Engine):
 
     def save_snapshot(self, task_id, snapshot_json, statuses, attempt):
         p = self._dialect.param
-        sql = f"UPDATE tasks SET snapshot = {p} WHERE id = {p} AND status IN ({self._marks(statuses)})"
+        sql = (f"UPDATE tasks SET snapshot = {p} WHERE id = {p} "
+               f"AND status IN ({self._marks(statuses)})")
         args = [snapshot_json, task_id, *statuses]
         if attempt is not None:
             sql += f" AND attempt = {p}"
@@ -2495,6 +2508,21 @@ class SQLiteEngine(_SqlEngine):
         return len(rows) == budget or take < len(rows), [row[0] for row in rows[:take]]
 
 
+PG_URL_SCHEMES = ("postgresql://", "postgres://")
+
+
+def is_postgres_url(path):
+    """Whether *path* names a PostgreSQL database rather than a SQLite file."""
+    return isinstance(path, str) and path.startswith(PG_URL_SCHEMES)
+
+
+def open_engine(path, **options):
+    """The engine for *path*: PostgresEngine (section 7) for a PostgreSQL URL, else SQLiteEngine."""
+    if is_postgres_url(path):
+        return PostgresEngine(path, **options)
+    return SQLiteEngine(path, **options)
+
+
 # =============================================================================
 # 7. PostgreSQL engine
 # =============================================================================
@@ -2541,7 +2569,6 @@ class SQLiteEngine(_SqlEngine):
 #   the next use reconnects.  ``synchronous`` and ``max_bytes`` mean nothing
 #   here: durability is the server's ``synchronous_commit``.
 
-PG_URL_SCHEMES = ("postgresql://", "postgres://")
 PG_INSTALL = 'pip install "taskstore[postgres]"'
 PG_CHANNEL = "taskstore"               # the NOTIFY channel of every store on a database
 PG_NOTIFY_BYTES = 7000                 # under NOTIFY's 8,000-byte payload limit
@@ -2582,11 +2609,6 @@ PG_MIGRATIONS = {1: ("CREATE TABLE taskstore_schema (version BIGINT NOT NULL)",
                      "INSERT INTO taskstore_schema VALUES (0)",
                      *(_pg_ddl(ddl) for ddl in _SCHEMA_V1)),
                  2: tuple(_pg_ddl(ddl) for ddl in _SCHEMA_V2)}
-
-
-def is_postgres_url(path):
-    """Whether *path* names a PostgreSQL database rather than a SQLite file."""
-    return isinstance(path, str) and path.startswith(PG_URL_SCHEMES)
 
 
 def _redact_url(url):
@@ -3145,10 +3167,7 @@ class PostgresEngine(_SqlEngine):
     def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
                    bump_attempt=False, finish=False):
         """The shared ``move_tasks``, the rows locked first (two recoverers of one owner wait)."""
-        where, args = selector
-        guard, args = f"({where}) AND status = %s", (*args, status)
-        if policy is not None:
-            guard, args = guard + " AND policy = %s", (*args, policy)
+        guard, args = self._guard(selector, status, policy)
         locked = [r[0] for r in self.conn.execute(
             f"SELECT id FROM tasks WHERE {guard} ORDER BY id FOR UPDATE", args)]
         done, moved_ids = super().move_tasks(selector, status, values, event_json, now,
@@ -3245,13 +3264,6 @@ class PostgresEngine(_SqlEngine):
             counts["tasks"] += self.conn.execute(
                 "DELETE FROM tasks WHERE id = ANY(%s)", (ids,)).rowcount
         return len(rows) == budget or take < len(rows), ids
-
-
-def open_engine(path, **options):
-    """The engine for *path*: PostgresEngine for a ``postgresql://`` URL, else SQLiteEngine."""
-    if is_postgres_url(path):
-        return PostgresEngine(path, **options)
-    return SQLiteEngine(path, **options)
 
 
 # =============================================================================

@@ -2260,7 +2260,7 @@ class PgPublicWorkerLoopTests(PostgresStoreMixin, PublicWorkerLoopTests):
 
 
 class EngineSeamTests(unittest.TestCase):
-    """``Engine`` is the seam: the store calls only its names, and both engines implement all of it."""
+    """``Engine`` is the seam: the store calls only its names; both engines implement all of it."""
 
     ENGINES = (taskstore.SQLiteEngine, taskstore.PostgresEngine)
     ATTRIBUTES = {"lock", "readonly", "shared", "path"}     # read, not called
