@@ -1828,10 +1828,13 @@ class _Statements:
                             f"WHERE task_id = {p} AND seq >= {p} ORDER BY seq LIMIT {p}")
         self.idempotency_get = ("SELECT fingerprint, task_id, expires_at FROM idempotency "
                                 f"WHERE scope = {p} AND key = {p}")
-        self.idempotency_put = self.upsert(
-            d, "idempotency", ("scope", "key"),
-            ("scope", "key", "fingerprint", "task_id", "created_at", "expires_at"),
-            f"VALUES ({', '.join([p] * 6)})")
+        key_row = ("idempotency (scope, key, fingerprint, task_id, created_at, expires_at) "
+                   f"VALUES ({', '.join([p] * 6)})")
+        self.idempotency_put = (
+            f"INSERT OR REPLACE INTO {key_row}" if d.upsert_replaces else
+            f"INSERT INTO {key_row} ON CONFLICT (scope, key) DO UPDATE SET "
+            "fingerprint = EXCLUDED.fingerprint, task_id = EXCLUDED.task_id, "
+            "created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at")
         self.unregister = f"DELETE FROM processes WHERE id = {p}"
         self.processes = (f"SELECT id, pid, host, proc_start, heartbeat_at, "
                           f"{d.registration_age} FROM processes")
@@ -1853,15 +1856,6 @@ class _Statements:
             table: (f"DELETE FROM {table} WHERE ({key}) IN (SELECT {key} FROM {table} "
                     f"WHERE expires_at <= {p} LIMIT {p}{d.batch_lock})")
             for table, key in (("idempotency", "scope, key"), ("tombstones", "id"))}
-
-    @staticmethod
-    def upsert(d, table, key, columns, source):
-        """``INSERT`` of *columns* from *source* (VALUES or a SELECT), replacing a row of *key*."""
-        if d.upsert_replaces:
-            return f"INSERT OR REPLACE INTO {table} ({', '.join(columns)}) {source}"
-        return (f"INSERT INTO {table} ({', '.join(columns)}) {source} "
-                f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET "
-                + ", ".join(f"{c} = EXCLUDED.{c}" for c in columns if c not in key))
 
 
 class _SqlEngine(Engine):
@@ -3273,7 +3267,7 @@ class PostgresEngine(_SqlEngine):
 # - The verbs and the rules, written once: transitions, the event log,
 #   idempotency, retention, recovery decisions, waiting.  Everything that is
 #   SQLite's or PostgreSQL's is the engine's (sections 6 and 7), reached only
-#   through the names section 6's banner lists; no SQL text lives here.
+#   through the methods of ``Engine`` (section 6); no SQL text lives here.
 # - One lock (the engine's, ``_lock``).  Public methods take it: reads through
 #   the engine's ``reading()``, writes through ``_writing``; helpers whose
 #   names end in ``_locked`` expect it held.  It is not re-entrant.
