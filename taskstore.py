@@ -977,7 +977,7 @@ class Engine:
     (``now``) are epoch milliseconds.  Rows are plain tuples in the column
     order each method names, the same on every engine.
 
-    Attributes the store reads:
+    Attributes (the store reads the first three):
         lock: the ``threading.Lock`` that guards the engine; the store's
             conditions share it.  Methods whose names end in ``_locked``
             and every data method below expect it held, and data methods
