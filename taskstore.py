@@ -947,73 +947,313 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 # Rules:
 # - Everything that is SQLite's lives here: the connection and its lock, the
 #   schema and its migrations, ``BEGIN IMMEDIATE`` transactions, group
-#   commit, WAL checkpoints, bulk jobs, every SQL statement, and whether a
-#   process on this host is alive.  The store (section 8) decides; the engine
-#   reads and writes what it is told, and decides nothing about the lifecycle.
-# - The store calls an engine only through the names listed below; a second
-#   engine (PostgreSQL, say) is written against this list without touching a
-#   verb.  A test holds the store to it.
-# - ``lock`` guards the connection.  Methods whose names end in ``_locked``
-#   and every data method below expect it held, and data methods that write
-#   expect a ``transaction()`` open.  ``now`` is epoch milliseconds.
-# - A selector (``owner_batch``) is the engine's own description of a set
-#   of tasks; the store passes it back unread.
+#   commit, WAL checkpoints, bulk jobs, and whether a process on this host is
+#   alive.  The store (section 8) decides; the engine reads and writes what
+#   it is told, and decides nothing about the lifecycle.
+# - The store calls an engine only through ``Engine``, the interface written
+#   as a class: every method, its signature, what it returns and what it
+#   expects held.  ``SQLiteEngine`` and the PostgreSQL engine (section 7)
+#   both implement it, siblings; a test holds them and the store to it.
+# - SQL both engines run is written once, in ``_SqlEngine`` and its
+#   ``_Statements``: the few words the two databases say differently (the
+#   placeholder, locking clauses, the upsert, the clock) come from each
+#   engine's ``_Dialect``.  Nothing of SQLite's is inherited by PostgreSQL.
 # - An engine is built with ``(path, synchronous=, busy_timeout=, max_bytes=,
 #   readonly=)`` and raises StoreUnavailable when the database cannot serve.
-#   ``open_engine`` (section 7) picks the engine for a path or URL.
-#
-# What an engine provides:
-#   lock                  the lock that guards the engine; conditions may share it
-#   readonly              whether the database was opened for reading only
-#   transaction()         context: one write transaction, committed or rolled back
-#   reading()             context: the lock held for reads whose errors become StoreUnavailable
-#   shut()                refuse new work: transaction() and reading() raise StoreClosed
-#   group_write(body, writing, insert)  run body(notices) with other threads' writes in one
-#                         writing() (the store's context); records (bodies that are not
-#                         callable) go to insert(notices, records) together; committed on return
-#   changes()             a counter of rows written: did a body write anything?
-#   bulk()                context: a long job of many transactions (reap, recovery)
-#   checkpoint()          copy the log into the database file now; (log, copied)
-#   close()               stop the engine's threads and close the connection
-#   shared                whether other hosts share the database (then live processes
-#                         recover dead ones' tasks with every heartbeat)
-#   on_remote(callback)   call callback(kind, ids) for other processes' commits
-#                         (kinds: changed, queued, cancelling, lost); SQLite has no such
-#                         news and calls it never: its waiters poll
-#   read_task(task_id)    the Task, or None
-#   task_row_at(task_id, now, summary=False)  the task's row (summary: TaskSummary's
-#                         columns) with an "expired" flag last, or None
-#   tombstoned(task_id)   whether the id names a task that was purged
-#   insert_tasks(rows, events)  new tasks and their first events
-#   move_task(task_id, status, values, event_json, now)  compare-and-set one task and its event
-#   move_tasks(selector, status, values, event_json, now, ids=, policy=, bump_attempt=, finish=)
-#                         the same, set-based (with the policy given: its tasks only)
-#   restart_groups(selector)  [(status, policy, count)] of a batch's unfinished tasks
-#   disown(selector, statuses)  clear the owner of a batch's tasks in those statuses
-#   list_tasks(now, statuses, kinds, principal, before, limit)  rows, newest first
-#   event_bounds(task_id, now)  (principal, last_seq, first_seq, expired), or None
-#   read_events(task_id, start, limit)  [(seq, type, data, created_at)]
-#   tasks_past(last_seqs, idle)  {id: Task or None} past those seqs, else idle() with the lock held
-#   load_snapshot(task_id)  (True, snapshot text or None), or (False, None)
-#   set_progress(task_id, values, statuses, attempt, now)  whether the task took it
-#   event_head(task_id)   (status, last_seq, attempt), or None
-#   append_event(task_id, seq, etype, data_json, snapshot_json, now)  one event row
-#   save_snapshot(task_id, snapshot_json, statuses, attempt)  whether the task took it
-#   may_have_queued(kinds, gen)  whether a queued task of these kinds may exist (no write lock)
-#   oldest_queued(kinds, gen)  the oldest queued Task of these kinds, or None
-#   idempotency_get(scope, key)  (fingerprint, task_id, expires_at), or None
-#   idempotency_put(scope, key, fingerprint, task_id, now, expires_at)
-#   register(proc_id, now)  a process registration for this process
-#   heartbeat(proc_id, now)  renew it; False when it is gone
-#   unregister(proc_id)   delete it
-#   processes()           {proc_id: registration}
-#   recovery_view(statuses)  (processes(), {owner: [(status, policy)]}) read at one instant
-#   cancelling_of(owner)  ids of the owner's cancelling tasks
-#   owner_batch(owner, after, size, statuses)  (selector, last id or None): the owner's next tasks
-#   owner_dead(registration, now, lease_ms)  whether a processes() value (or None) is dead
-#   reap_tasks_once(now, budget, counts, tombstone_ms)  delete one batch; (more, deleted ids)
-#   prune_events_once(finished_before, budget, counts)  prune one batch; more?
-#   delete_expired(table, now, limit)  drop expired idempotency keys or tombstones
+#   ``open_engine``, at the end of this section, picks the engine for a path
+#   or URL: the only place the kernel names the PostgreSQL engine.
+
+
+class Registration(typing.NamedTuple):
+    """A process registration, as ``Engine.processes()`` gives it on every engine.
+
+    Each engine fills the field its liveness rule reads (``owner_dead``)
+    and leaves the other None: SQLite has no clock of its own, PostgreSQL
+    cannot see another host's pids.
+    """
+
+    id: str                  # the registration's id (a task's owner)
+    pid: int
+    host: str
+    proc_start: typing.Optional[str]   # the pid's start time on its host (SQLite), or None
+    heartbeat_at: int        # epoch ms of the last heartbeat, by the clock that wrote it
+    age_ms: typing.Optional[int]       # ms since, by the database's clock (PostgreSQL), or None
+
+
+class Engine:
+    """What the store (section 8) calls on a database: the whole seam, in code.
+
+    The store decides; an engine reads and writes what it is told.  Times
+    (``now``) are epoch milliseconds.  Rows are plain tuples in the column
+    order each method names, the same on every engine.
+
+    Attributes (the store reads the first three):
+        lock: the ``threading.Lock`` that guards the engine; the store's
+            conditions share it.  Methods whose names end in ``_locked``
+            and every data method below expect it held, and data methods
+            that write expect a ``transaction()`` open, unless a method
+            says otherwise.
+        readonly: whether the database was opened for reading only (every
+            write raises StoreUnavailable).
+        shared: whether other hosts share the database; then a live
+            process also recovers dead ones' tasks with every heartbeat.
+        path: the database's name for messages (a URL without its password).
+
+    A selector (``owner_batch``) is the engine's own description of a set
+    of tasks; the store passes it back unread.
+    """
+
+    lock = None
+    readonly = False
+    shared = False
+    path = None
+
+    # -- transactions ----------------------------------------------------------
+
+    def transaction(self):
+        """Context for one write transaction (lock held): committed on exit, or rolled back.
+
+        Raises StoreClosed once ``shut()``, StoreUnavailable for a database
+        error.  Transactions never nest.
+        """
+        raise NotImplementedError
+
+    def reading(self):
+        """Context that takes the lock for reads; yields the engine.
+
+        Raises StoreClosed once ``shut()``; a database error inside becomes
+        StoreUnavailable.
+        """
+        raise NotImplementedError
+
+    def shut(self):
+        """Refuse new work (lock held): ``transaction()`` and ``reading()`` raise StoreClosed."""
+        raise NotImplementedError
+
+    def group_write(self, body, writing, insert):
+        """Run ``body(notices)`` with other threads' writes in one ``writing()``; its result.
+
+        *writing* is the store's context (the lock, one ``transaction()``,
+        the notice list).  A body that is not callable is a record: the
+        batch's records go to ``insert(notices, records)`` together, which
+        returns their results.  Called without the lock; committed on return.
+        """
+        raise NotImplementedError
+
+    def changes(self):
+        """Rows written on the engine's connection so far: did a body write anything?"""
+        raise NotImplementedError
+
+    def bulk(self):
+        """Context for a long job of many transactions (reap, recovery); takes the lock itself."""
+        raise NotImplementedError
+
+    def checkpoint(self):
+        """Copy the log into the database file now (lock held); ``(log pages, copied pages)``."""
+        raise NotImplementedError
+
+    def close(self):
+        """Stop the engine's threads and close the connection (the caller stopped all writers)."""
+        raise NotImplementedError
+
+    def on_remote(self, callback):
+        """Call ``callback(kind, ids)`` for other processes' commits, from now on.
+
+        Kinds: ``changed``, ``queued``, ``cancelling``, and ``lost`` (news
+        may have been missed: re-read everything).  An engine with no such
+        news (SQLite) never calls it: its waiters poll.  Called once, at open.
+        """
+        raise NotImplementedError
+
+    # -- tasks -----------------------------------------------------------------
+
+    def read_task(self, task_id):
+        """The Task, or None.  In a write transaction, its row is the caller's until commit."""
+        raise NotImplementedError
+
+    def task_row_at(self, task_id, now, summary=False):
+        """The task's row (``Task``'s or ``TaskSummary``'s columns), then ``expired``; or None.
+
+        ``expired``, the last column, is 1 if the task had expired at *now*, else 0.
+        """
+        raise NotImplementedError
+
+    def tombstoned(self, task_id):
+        """Whether *task_id* names a task that was purged (its tombstone has not expired)."""
+        raise NotImplementedError
+
+    def insert_tasks(self, rows, events):
+        """Insert new tasks and their ``created`` events.
+
+        *rows*: ``(id, kind, status, payload, status_message, principal,
+        policy, ttl_ms, retention_ms, created_at, updated_at, meta, owner)``;
+        *events*: ``(task_id, data, created_at)``.
+        """
+        raise NotImplementedError
+
+    def move_task(self, task_id, status, values, event_json, now):
+        """Compare-and-set one task from *status* to the columns *values*; append its status event.
+
+        ``values["last_seq"]`` is the event's seq.  Returns whether the task
+        was in *status* (False: nothing was written).
+        """
+        raise NotImplementedError
+
+    def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
+                   bump_attempt=False, finish=False):
+        """Set-based ``move_task``: every task of *selector* in *status*; ``(moved, ids or None)``.
+
+        *ids*: also return the moved ids.  *policy*: only the tasks with
+        that restart policy.  *bump_attempt*: count a new attempt.
+        *finish*: the move ends the tasks (``finished_at``, ``purge_at`` by
+        the one formula, no input request).  ``moved`` is -1 if the tasks
+        changed under the transaction (it cannot happen; the caller raises).
+        """
+        raise NotImplementedError
+
+    def restart_groups(self, selector):
+        """``[(status, policy, count)]`` of *selector*'s tasks."""
+        raise NotImplementedError
+
+    def disown(self, selector, statuses):
+        """Clear the owner of *selector*'s tasks in *statuses*."""
+        raise NotImplementedError
+
+    def list_tasks(self, now, statuses, kinds, principal, before, limit):
+        """Rows (``Task``'s columns) of unexpired tasks, newest first, ids below *before*.
+
+        *statuses*, *kinds*: None for any; *principal*: None for any.
+        """
+        raise NotImplementedError
+
+    def event_bounds(self, task_id, now):
+        """``(principal, last_seq, first_seq, expired)`` of the task at *now*, or None."""
+        raise NotImplementedError
+
+    def read_events(self, task_id, start, limit):
+        """``[(seq, type, data, created_at)]`` from seq *start* on, at most *limit* (None: all)."""
+        raise NotImplementedError
+
+    def tasks_past(self, last_seqs, idle):
+        """``{task_id: Task or None}`` of the tasks whose ``last_seq`` is past *last_seqs*'s.
+
+        None: the task no longer exists.  Takes the lock itself (a chunk of
+        ids at a time).  When none has moved, ``idle()`` runs with the lock
+        still held since the last read, so no commit of this process slips
+        between the read and the caller's wait.
+        """
+        raise NotImplementedError
+
+    def load_snapshot(self, task_id):
+        """``(True, snapshot text or None)`` for a task, ``(False, None)`` when there is none."""
+        raise NotImplementedError
+
+    def set_progress(self, task_id, values, statuses, attempt, now):
+        """Write the columns *values* if the task is in *statuses* (and *attempt*); if it was."""
+        raise NotImplementedError
+
+    def event_head(self, task_id):
+        """``(status, last_seq, attempt)``, or None.
+
+        In a write transaction, the row is the caller's until commit.
+        """
+        raise NotImplementedError
+
+    def append_event(self, task_id, seq, etype, data_json, snapshot_json, now):
+        """Append event *seq*, now the task's ``last_seq`` (and *snapshot_json* its snapshot)."""
+        raise NotImplementedError
+
+    def save_snapshot(self, task_id, snapshot_json, statuses, attempt):
+        """Write the task's snapshot if it is in *statuses* (and *attempt*); whether it was."""
+        raise NotImplementedError
+
+    def may_have_queued(self, kinds, gen):
+        """Whether a queued task of *kinds* may exist; takes the lock itself, never the write lock.
+
+        *gen* is the store's count of work queued in its process: unchanged
+        since ``oldest_queued`` last found none, a cheap read answers.
+        """
+        raise NotImplementedError
+
+    def oldest_queued(self, kinds, gen):
+        """The oldest queued Task of *kinds* this transaction may claim, or None (noting *gen*)."""
+        raise NotImplementedError
+
+    def idempotency_get(self, scope, key):
+        """``(fingerprint, task_id, expires_at)`` of a key, or None.
+
+        In a write transaction, a second writer of the same key waits here
+        until the first commits.
+        """
+        raise NotImplementedError
+
+    def idempotency_put(self, scope, key, fingerprint, task_id, now, expires_at):
+        """Record a key (replacing an expired one)."""
+        raise NotImplementedError
+
+    # -- processes -------------------------------------------------------------
+
+    def register(self, proc_id, now):
+        """Register this process as *proc_id*, its heartbeat at *now* (or the database's clock)."""
+        raise NotImplementedError
+
+    def heartbeat(self, proc_id, now):
+        """Renew the registration; False when it is gone."""
+        raise NotImplementedError
+
+    def unregister(self, proc_id):
+        """Delete the registration."""
+        raise NotImplementedError
+
+    def processes(self):
+        """``{proc_id: Registration}`` of every registered process."""
+        raise NotImplementedError
+
+    def recovery_view(self, statuses):
+        """``(processes(), {owner: [(status, policy)]})`` of owned tasks in *statuses*, at once."""
+        raise NotImplementedError
+
+    def cancelling_of(self, owner):
+        """The set of ids of the owner's cancelling tasks."""
+        raise NotImplementedError
+
+    def owner_batch(self, owner, after, size, statuses):
+        """``(selector, last id or None)``: the owner's next *size* tasks after id *after*.
+
+        The selector holds those of them in *statuses*; None as the last
+        id: this was the last batch.
+        """
+        raise NotImplementedError
+
+    @staticmethod
+    def owner_dead(proc, now, lease_ms):
+        """Whether the ``Registration`` *proc* (or None: nobody registered) is dead at *now*.
+
+        Dead: unregistered, its lease expired, or (where the engine can
+        tell) its process is gone.  A registration of this very process is
+        alive while a runner holds it (``_LIVE_PROCESS_IDS``).  Needs no lock.
+        """
+        raise NotImplementedError
+
+    # -- retention -------------------------------------------------------------
+
+    def reap_tasks_once(self, now, budget, counts, tombstone_ms):
+        """Delete a batch of expired tasks and their events, leaving tombstones; ``(more, ids)``.
+
+        A batch is at most *budget* tasks and ``10 * budget`` event rows (a
+        longer log goes in slices); *counts* ``["tasks"]`` and ``["events"]``
+        grow by what was deleted.
+        """
+        raise NotImplementedError
+
+    def prune_events_once(self, finished_before, budget, counts):
+        """Prune one batch of events of tasks finished before then; whether there may be more."""
+        raise NotImplementedError
+
+    def delete_expired(self, table, now, limit):
+        """Drop up to *limit* expired rows of ``idempotency`` or ``tombstones``; how many."""
+        raise NotImplementedError
+
 
 # Tunables of the write path (section 2 holds the documented defaults).
 CHECKPOINT_ROWS = 500              # rows written between background checkpoints (~1,000 WAL pages)
@@ -1085,18 +1325,6 @@ _SCHEMA_V2 = ("CREATE INDEX tasks_cancelling ON tasks (owner) WHERE status = 'ca
 MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
 
 
-# Expired: the one rule, in SQL (its parameter is now, in epoch ms).  Only a
-# terminal task has a purge_at, so an unfinished task never expires, and a
-# late finisher's grace period is in its purge_at.  reap() deletes exactly
-# these rows, in batches; until it does, every read (get, list, events, wait,
-# cancel) answers as if it had: expiry shows when it happens, not when the
-# reaper comes by.
-_EXPIRED = "purge_at IS NOT NULL AND purge_at <= ?"
-_SELECT_TASK_BY_ID = _SELECT_TASK + " WHERE id = ?"
-# A task and whether it has expired (the row's last column): (now, id).
-_SELECT_TASK_AT = f"SELECT {', '.join(_TASK_COLUMNS)}, {_EXPIRED} FROM tasks WHERE id = ?"
-_SELECT_SUMMARY_AT = (f"SELECT {', '.join(TaskSummary._fields)}, {_EXPIRED} "
-                      "FROM tasks WHERE id = ?")
 _WRITABLE_COLUMNS = frozenset(_TASK_COLUMNS) | {"snapshot"}
 _HOST = socket.gethostname
 _LIVE_PROCESS_IDS = set()    # registrations of runners alive in this process (the store's)
@@ -1111,10 +1339,6 @@ def _reap_take(rows, budget):
         take += 1
         events += count
     return take
-
-
-def _marks(values):
-    return ", ".join("?" * len(values))
 
 
 def _proc_stat(pid):
@@ -1555,7 +1779,397 @@ class _Reads:
         return False
 
 
-class SQLiteEngine:
+class _Dialect(typing.NamedTuple):
+    """What one database says differently in the SQL both engines run (``_Statements``)."""
+
+    param: str               # a parameter's placeholder
+    no_limit: object         # LIMIT's parameter for "every row"
+    batch_lock: str          # ends a retention batch's SELECT: what other processes' reapers skip
+    snapshot_begin: str      # opens one read snapshot (recovery_view)
+    registration_age: str    # processes()'s age_ms: by the database's clock, or NULL
+    upsert_replaces: bool    # True: INSERT OR REPLACE; False: INSERT ... ON CONFLICT DO UPDATE
+    # How a recovery batch names its owner when the batch's key range holds
+    # little but its tasks (owner_batch); None: always by the owner index.
+    owner_in_range: typing.Optional[str]
+    move: str                # move_task's compare-and-set; {sets} is the columns' "name = ?" list
+
+
+class _Statements:
+    """The fixed statements both engines run, written once, in a dialect's words.
+
+    Built once per engine class.  Statements whose shape depends on the
+    call (a list of ids, of columns) are built by ``_SqlEngine``'s methods.
+    """
+
+    def __init__(self, d):
+        p = d.param
+        # Expired: the one rule, in SQL (its parameter is now, in epoch ms).
+        # Only a terminal task has a purge_at, so an unfinished task never
+        # expires, and a late finisher's grace period is in its purge_at.
+        # reap() deletes exactly these rows, in batches; until it does, every
+        # read (get, list, events, wait, cancel) answers as if it had: expiry
+        # shows when it happens, not when the reaper comes by.
+        self.expired = expired = f"purge_at IS NOT NULL AND purge_at <= {p}"
+        self.read_task = f"{_SELECT_TASK} WHERE id = {p}"
+        # A task and whether it has expired (the row's last column, 1 or 0 on
+        # every engine: PostgreSQL's comparison alone is a bool): (now, id).
+        flag = f"CASE WHEN {expired} THEN 1 ELSE 0 END"
+        self.task_at = f"SELECT {', '.join(_TASK_COLUMNS)}, {flag} FROM tasks WHERE id = {p}"
+        self.summary_at = (f"SELECT {', '.join(TaskSummary._fields)}, {flag} "
+                           f"FROM tasks WHERE id = {p}")
+        self.tombstoned = f"SELECT 1 FROM tombstones WHERE id = {p}"
+        self.event_bounds = (f"SELECT principal, last_seq, first_seq, {flag} FROM tasks "
+                             f"WHERE id = {p}")
+        self.event_head = f"SELECT status, last_seq, attempt FROM tasks WHERE id = {p}"
+        self.load_snapshot = f"SELECT snapshot FROM tasks WHERE id = {p}"
+        self.insert_tasks = (
+            "INSERT INTO tasks (id, kind, status, payload, status_message, principal, policy, "
+            "ttl_ms, retention_ms, created_at, updated_at, meta, owner) "
+            f"VALUES ({', '.join([p] * 13)})")
+        self.insert_created = ("INSERT INTO events (task_id, seq, type, data, created_at) "
+                               f"VALUES ({p}, 0, 'created', {p}, {p})")
+        self.insert_event = ("INSERT INTO events (task_id, seq, type, data, created_at) "
+                             f"VALUES ({p}, {p}, {p}, {p}, {p})")
+        self.append_event = (f"UPDATE tasks SET last_seq = {p}, updated_at = {p}, "
+                             f"version = version + 1 WHERE id = {p}")
+        self.append_event_snapshot = (f"UPDATE tasks SET last_seq = {p}, updated_at = {p}, "
+                                      f"version = version + 1, snapshot = {p} WHERE id = {p}")
+        self.read_events = ("SELECT seq, type, data, created_at FROM events "
+                            f"WHERE task_id = {p} AND seq >= {p} ORDER BY seq LIMIT {p}")
+        self.idempotency_get = ("SELECT fingerprint, task_id, expires_at FROM idempotency "
+                                f"WHERE scope = {p} AND key = {p}")
+        key_row = ("idempotency (scope, key, fingerprint, task_id, created_at, expires_at) "
+                   f"VALUES ({', '.join([p] * 6)})")
+        self.idempotency_put = (
+            f"INSERT OR REPLACE INTO {key_row}" if d.upsert_replaces else
+            f"INSERT INTO {key_row} ON CONFLICT (scope, key) DO UPDATE SET "
+            "fingerprint = EXCLUDED.fingerprint, task_id = EXCLUDED.task_id, "
+            "created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at")
+        self.unregister = f"DELETE FROM processes WHERE id = {p}"
+        self.processes = (f"SELECT id, pid, host, proc_start, heartbeat_at, "
+                          f"{d.registration_age} FROM processes")
+        # The status is a literal: only then is the partial index tasks_cancelling used.
+        self.cancelling_of = f"SELECT id FROM tasks WHERE owner = {p} AND status = '{CANCELLING}'"
+        self.owner_batch_end = (f"SELECT id FROM tasks WHERE owner = {p} AND id > {p} "
+                                f"ORDER BY id LIMIT 1 OFFSET {p}")
+        self.owner_last = f"SELECT max(id) FROM tasks WHERE owner = {p} AND id > {p}"
+        self.range_count = (f"SELECT count(*) FROM (SELECT 1 FROM tasks WHERE id > {p} "
+                            f"AND id <= {p} LIMIT {p}) AS range_rows")
+        # No index serves this scan on purpose: an index on finished_at would
+        # cost every task one more write for a query run once a minute.
+        self.prunable = ("SELECT id, first_seq, last_seq FROM tasks WHERE finished_at IS NOT NULL "
+                         f"AND first_seq <= last_seq AND finished_at <= {p} LIMIT {p}"
+                         + d.batch_lock)
+        self.delete_events_before = f"DELETE FROM events WHERE task_id = {p} AND seq < {p}"
+        self.set_first_seq = f"UPDATE tasks SET first_seq = {p} WHERE id = {p}"
+        self.delete_expired = {
+            table: (f"DELETE FROM {table} WHERE ({key}) IN (SELECT {key} FROM {table} "
+                    f"WHERE expires_at <= {p} LIMIT {p}{d.batch_lock})")
+            for table, key in (("idempotency", "scope, key"), ("tombstones", "id"))}
+
+
+class _SqlEngine(Engine):
+    """What both engines do the same way: their shared statements and the Python around them.
+
+    An engine sets ``_dialect`` and ``_sql`` (its ``_Statements``) on its
+    class; on each instance ``conn``, a connection whose ``execute(sql,
+    params)`` returns a cursor (iterable, ``fetchone``, ``fetchall``,
+    ``rowcount``) and which has sqlite3's ``executemany`` and
+    ``total_changes``, ``closed``, ``_move_sql`` (an empty dict) and
+    ``_empty_gen`` (see ``may_have_queued``).  An engine with more to do
+    around a statement (lock a row, tell other processes) overrides the
+    method and calls this one.  Locking is as ``Engine`` says.
+    """
+
+    _dialect = None
+    _sql = None
+
+    def _marks(self, values):
+        return ", ".join([self._dialect.param] * len(values))
+
+    def shut(self):
+        """Refuse new work (lock held): transaction() and reading() raise StoreClosed from now."""
+        self.closed = True
+
+    def changes(self):
+        """Rows written on this connection so far (a body that wrote moved it)."""
+        return self.conn.total_changes
+
+    # -- tasks -----------------------------------------------------------------
+
+    def read_task(self, task_id):
+        row = self.conn.execute(self._sql.read_task, (task_id,)).fetchone()
+        return None if row is None else _task_from_row(row)
+
+    def task_row_at(self, task_id, now, summary=False):
+        return self.conn.execute(self._sql.summary_at if summary else self._sql.task_at,
+                                 (now, task_id)).fetchone()
+
+    def tombstoned(self, task_id):
+        return self.conn.execute(self._sql.tombstoned, (task_id,)).fetchone() is not None
+
+    def insert_tasks(self, rows, events):
+        """Insert task rows and their ``created`` events (one statement per table for the lot).
+
+        In a group commit of several creates, each statement is also a moment
+        the leader hands the GIL to the threads waiting for it, so fewer is faster.
+        """
+        self.conn.executemany(self._sql.insert_tasks, rows)
+        self.conn.executemany(self._sql.insert_created, events)
+
+    def _move_statement(self, values):
+        """The dialect's ``move`` for the columns of *values*: few combinations, each built once."""
+        names = tuple(values)
+        sql = self._move_sql.get(names)
+        if sql is None:
+            assert _WRITABLE_COLUMNS.issuperset(names), names    # names are ours, never input
+            p = self._dialect.param
+            sql = self._move_sql[names] = self._dialect.move.format(
+                sets=", ".join(f"{name} = {p}" for name in names))
+        return sql
+
+    def _guard(self, selector, status, policy):
+        """``(where, args)`` of *selector*'s tasks in *status* (and with *policy*, unless None)."""
+        where, args = selector
+        p = self._dialect.param
+        if policy is None:
+            return f"({where}) AND status = {p}", (*args, status)
+        return f"({where}) AND status = {p} AND policy = {p}", (*args, status, policy)
+
+    def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
+                   bump_attempt=False, finish=False):
+        guard, args = self._guard(selector, status, policy)
+        p = self._dialect.param
+        moved_ids = None
+        if ids:
+            moved_ids = [r[0] for r in self.conn.execute(
+                f"SELECT id FROM tasks WHERE {guard}", args)]
+        sets = [f"updated_at = {p}", "last_seq = last_seq + 1", "version = version + 1"]
+        params = [now]
+        for name, value in values.items():
+            assert name in _WRITABLE_COLUMNS, name       # names are ours, never input
+            sets.append(f"{name} = {p}")
+            params.append(value)
+        if bump_attempt:
+            sets.append("attempt = attempt + 1")
+        if finish:
+            sets += [f"finished_at = {p}", "input_request = NULL",
+                     "purge_at = CASE WHEN ttl_ms IS NULL AND retention_ms IS NULL THEN NULL "
+                     f"ELSE taskstore_purge_at({p}, created_at, ttl_ms, retention_ms) END"]
+            params += [now, now]
+        inserted = self.conn.execute(
+            "INSERT INTO events (task_id, seq, type, data, created_at) "
+            f"SELECT id, last_seq + 1, 'status', {p}, {p} FROM tasks WHERE {guard}",
+            (event_json, now, *args)).rowcount
+        updated = self.conn.execute(f"UPDATE tasks SET {', '.join(sets)} WHERE {guard}",
+                                    (*params, *args)).rowcount
+        if updated != inserted:      # cannot happen inside the write transaction
+            return -1, moved_ids
+        return inserted, moved_ids
+
+    def restart_groups(self, selector):
+        where, args = selector
+        return self.conn.execute(
+            f"SELECT status, policy, count(*) FROM tasks WHERE {where} GROUP BY status, policy",
+            args).fetchall()
+
+    def disown(self, selector, statuses):
+        where, args = selector
+        self.conn.execute(f"UPDATE tasks SET owner = NULL WHERE ({where}) AND status IN "
+                          f"({self._marks(statuses)})", (*args, *statuses))
+
+    def list_tasks(self, now, statuses, kinds, principal, before, limit):
+        p = self._dialect.param
+        where, args = [f"NOT ({self._sql.expired})"], [now]
+        for column, values in (("status", statuses), ("kind", kinds)):
+            if values is not None:
+                where.append(f"{column} IN ({self._marks(values)})")
+                args.extend(values)
+        if principal is not None:
+            where.append(f"principal = {p}")
+            args.append(principal)
+        if before is not None:
+            where.append(f"id < {p}")
+            args.append(before)
+        sql = f"{_SELECT_TASK} WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT {p}"
+        return self.conn.execute(sql, (*args, limit)).fetchall()
+
+    def event_bounds(self, task_id, now):
+        return self.conn.execute(self._sql.event_bounds, (now, task_id)).fetchone()
+
+    def read_events(self, task_id, start, limit):
+        return self.conn.execute(self._sql.read_events, (
+            task_id, start, self._dialect.no_limit if limit is None else limit)).fetchall()
+
+    def tasks_past(self, last_seqs, idle):
+        # 500 ids at a time, so that a long list never holds up writers.
+        ids, moved = list(last_seqs), {}
+        for start in range(0, max(len(ids), 1), 500):
+            chunk = ids[start:start + 500]
+            with self.reading():
+                seqs = dict(self.conn.execute(
+                    f"SELECT id, last_seq FROM tasks WHERE id IN ({self._marks(chunk)})", chunk))
+                for task_id in chunk:
+                    seq = seqs.get(task_id)
+                    if seq is None or seq > last_seqs[task_id]:
+                        moved[task_id] = None if seq is None else self.read_task(task_id)
+                if not moved and start + 500 >= len(ids):
+                    idle()
+        return moved
+
+    def load_snapshot(self, task_id):
+        row = self.conn.execute(self._sql.load_snapshot, (task_id,)).fetchone()
+        return (False, None) if row is None else (True, row[0])
+
+    def set_progress(self, task_id, values, statuses, attempt, now):
+        p = self._dialect.param
+        sets = [f"updated_at = {p}", "version = version + 1"] + [f"{n} = {p}" for n in values]
+        sql = (f"UPDATE tasks SET {', '.join(sets)} WHERE id = {p} "
+               f"AND status IN ({self._marks(statuses)})")
+        args = [now, *values.values(), task_id, *statuses]
+        if attempt is not None:
+            sql += f" AND attempt = {p}"
+            args.append(attempt)
+        return self.conn.execute(sql, args).rowcount == 1
+
+    def event_head(self, task_id):
+        return self.conn.execute(self._sql.event_head, (task_id,)).fetchone()
+
+    def append_event(self, task_id, seq, etype, data_json, snapshot_json, now):
+        if snapshot_json is None:
+            self.conn.execute(self._sql.append_event, (seq, now, task_id))
+        else:
+            self.conn.execute(self._sql.append_event_snapshot, (seq, now, snapshot_json, task_id))
+        self.conn.execute(self._sql.insert_event, (task_id, seq, etype, data_json, now))
+
+    def save_snapshot(self, task_id, snapshot_json, statuses, attempt):
+        p = self._dialect.param
+        sql = (f"UPDATE tasks SET snapshot = {p} WHERE id = {p} "
+               f"AND status IN ({self._marks(statuses)})")
+        args = [snapshot_json, task_id, *statuses]
+        if attempt is not None:
+            sql += f" AND attempt = {p}"
+            args.append(attempt)
+        return self.conn.execute(sql, args).rowcount == 1
+
+    # The status is a literal, not a parameter: only then can SQLite use the
+    # partial index (WHERE status = 'queued') instead of a table scan.
+    def _queued(self, kinds):
+        return f"WHERE status = '{QUEUED}' AND kind IN ({self._marks(kinds)})"
+
+    def may_have_queued(self, kinds, gen):
+        """Whether a queued task of *kinds* may exist, without the write lock.
+
+        *gen* is the store's count of work queued in its process.  Unchanged
+        since ``oldest_queued`` last found none, a cheap read (taking the
+        lock) answers, so idle polling never takes the write lock; changed,
+        there is most likely something to take, and the answer is True.
+        """
+        if gen != self._empty_gen:
+            return True
+        with self.reading():
+            return self.conn.execute(f"SELECT 1 FROM tasks {self._queued(kinds)} LIMIT 1",
+                                     kinds).fetchone() is not None
+
+    def idempotency_get(self, scope, key):
+        return self.conn.execute(self._sql.idempotency_get, (scope, key)).fetchone()
+
+    def idempotency_put(self, scope, key, fingerprint, task_id, now, expires_at):
+        self.conn.execute(self._sql.idempotency_put,
+                          (scope, key, fingerprint, task_id, now, expires_at))
+
+    # -- processes -------------------------------------------------------------
+
+    def unregister(self, proc_id):
+        self.conn.execute(self._sql.unregister, (proc_id,))
+
+    def processes(self):
+        return {r[0]: Registration._make(r) for r in self.conn.execute(self._sql.processes)}
+
+    def recovery_view(self, statuses):
+        conn = self.conn
+        # One read transaction, one snapshot: read apart, a runner that
+        # registers and claims between the two reads looks unregistered.
+        conn.execute(self._dialect.snapshot_begin)
+        try:
+            procs = self.processes()
+            # Which statuses and policies each owner has cost no more to
+            # read than the owners alone (the rows are read either way).
+            present = {}
+            for owner, status, policy in conn.execute(
+                    "SELECT DISTINCT owner, status, policy FROM tasks WHERE owner IS NOT NULL "
+                    f"AND status IN ({self._marks(statuses)})", statuses):
+                present.setdefault(owner, []).append((status, policy))
+        finally:
+            conn.execute("COMMIT")
+        return procs, present
+
+    def cancelling_of(self, owner):
+        return {r[0] for r in self.conn.execute(self._sql.cancelling_of, (owner,))}
+
+    def owner_batch(self, owner, after, size, statuses):
+        """Select the owner's next tasks in *statuses*: ``(selector, last id or None)``.
+
+        A batch is a key range of the tasks_owner index: this owner's ids
+        after the previous batch, up to the size-th one (finished or not,
+        which makes the bound a walk of the index alone, with no row read),
+        so the statements find it with no id list built in Python.  Where
+        the range holds fewer than twice *size* rows, whoever owns them, the
+        statements walk it in the table (the dialect's ``owner_in_range``),
+        else the owner's entries in the index.  None: this is the last batch.
+        """
+        conn, sql, p = self.conn, self._sql, self._dialect.param
+        last = conn.execute(sql.owner_batch_end, (owner, after, size - 1)).fetchone()
+        column, bound = "owner", None if last is None else last[0]
+        in_range = self._dialect.owner_in_range
+        if in_range is not None:
+            if bound is None:       # the last batch ends at the owner's last task
+                bound = conn.execute(sql.owner_last, (owner, after)).fetchone()[0]
+            # Fewer than twice size rows in the range, counted by a walk of
+            # at most that many keys.  A runner's tasks are usually most of
+            # the ids of their time (one runner, or a few taking turns), and
+            # a walk of a full batch's range then costs no more than the
+            # lookups it saves (a row walked about 0.35 us, one looked up
+            # from the index about 0.8 us).
+            if bound is not None and conn.execute(
+                    sql.range_count, (after, bound, 2 * size)).fetchone()[0] < 2 * size:
+                column = in_range
+        # The statuses are this module's constants, written as literals.
+        owned = (f"{column} = {p} AND status IN ({', '.join(repr(s) for s in statuses)}) "
+                 f"AND id > {p}")
+        selector = ((owned, (owner, after)) if bound is None else
+                    (owned + f" AND id <= {p}", (owner, after, bound)))
+        return selector, None if last is None else last[0]
+
+    # -- retention -------------------------------------------------------------
+
+    def _reap_slice(self, task_id, first, budget, counts):
+        """Delete the oldest ``10 * budget`` events of one task: a very long log
+        goes in slices, so no transaction runs long.  Returns reap's ``(True, ())``."""
+        cut = first + 10 * budget
+        counts["events"] += self.conn.execute(
+            self._sql.delete_events_before, (task_id, cut)).rowcount
+        self.conn.execute(self._sql.set_first_seq, (cut, task_id))
+        return True, ()
+
+    def prune_events_once(self, finished_before, budget, counts):
+        rows = self.conn.execute(self._sql.prunable, (finished_before, budget)).fetchall()
+        spent = 0
+        for task_id, first_seq, last_seq in rows:
+            cut = min(last_seq + 1, first_seq + max(1, 10 * budget - spent))
+            counts["events"] += self.conn.execute(
+                self._sql.delete_events_before, (task_id, cut)).rowcount
+            self.conn.execute(self._sql.set_first_seq, (cut, task_id))
+            spent += cut - first_seq
+            if spent >= 10 * budget:
+                return True
+        return len(rows) == budget
+
+    def delete_expired(self, table, now, limit):
+        return self.conn.execute(self._sql.delete_expired[table], (now, limit)).rowcount
+
+
+class SQLiteEngine(_SqlEngine):
     """The default engine: one SQLite file in WAL mode, one connection, one lock.
 
     Args:
@@ -1571,20 +2185,19 @@ class SQLiteEngine:
     """
 
     shared = False
-    # Appended to the select of a retention batch: a writer here has the file
-    # to itself; PostgreSQL's reapers skip each other's rows (section 7).
-    _BATCH_LOCK = ""
-    # How recovery_view opens its one snapshot: SQLite's read transaction is
-    # one; PostgreSQL's plain BEGIN is not (section 7).
-    _SNAPSHOT_BEGIN = "BEGIN"
-    # move_task's compare-and-set; {sets} is the columns' "name = ?" list.
-    _MOVE = "UPDATE tasks SET {sets}, version = version + 1 WHERE id = ? AND status = ?"
-    # How a recovery batch names its owner when the batch's key range holds
-    # little but its tasks (owner_batch): the unary plus keeps SQLite's
-    # planner, which has no statistics, off tasks_owner, so each statement
-    # walks the range in the table itself instead of looking every row up
-    # from the index, about half the cost a row.  None: always by the index.
-    _OWNER_IN_RANGE = "+owner"
+    _dialect = _Dialect(
+        param="?", no_limit=-1,
+        batch_lock="",                  # a writer here has the file to itself
+        snapshot_begin="BEGIN",         # SQLite's read transaction is one snapshot
+        registration_age="NULL",        # no clock of its own: owner_dead judges by the caller's
+        upsert_replaces=True,
+        # The unary plus keeps SQLite's planner, which has no statistics, off
+        # tasks_owner, so each statement walks the range in the table itself
+        # instead of looking every row up from the index, about half the
+        # cost a row.
+        owner_in_range="+owner",
+        move="UPDATE tasks SET {sets}, version = version + 1 WHERE id = ? AND status = ?")
+    _sql = _Statements(_dialect)
 
     def __init__(self, path, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
                  max_bytes=None, readonly=False):
@@ -1735,20 +2348,12 @@ class SQLiteEngine:
         """Hold the lock for reads whose sqlite3 errors become StoreUnavailable; yield the engine."""
         return self._reads
 
-    def shut(self):
-        """Refuse new work (lock held): transaction() and reading() raise StoreClosed from now."""
-        self.closed = True
-
     def group_write(self, body, writing, insert):
         """Run *body* in a batch with other threads' writes (``_GroupCommit.write``)."""
         return self._group.write(body, writing, insert)   # replaced per instance, see __init__
 
     def on_remote(self, callback):
         """Never call *callback*: SQLite tells nobody of a commit, so waiters poll the file."""
-
-    def changes(self):
-        """Rows written on this connection so far (a body that wrote moved it)."""
-        return self.conn.total_changes
 
     def _checkpoint_soon_locked(self):
         self._checkpoint_mark = self.conn.total_changes
@@ -1816,42 +2421,6 @@ class SQLiteEngine:
 
     # -- tasks -----------------------------------------------------------------
 
-    def read_task(self, task_id):
-        row = self.conn.execute(_SELECT_TASK_BY_ID, (task_id,)).fetchone()
-        return None if row is None else _task_from_row(row)
-
-    def task_row_at(self, task_id, now, summary=False):
-        return self.conn.execute(_SELECT_SUMMARY_AT if summary else _SELECT_TASK_AT,
-                                 (now, task_id)).fetchone()
-
-    def tombstoned(self, task_id):
-        return self.conn.execute("SELECT 1 FROM tombstones WHERE id = ?",
-                                 (task_id,)).fetchone() is not None
-
-    def insert_tasks(self, rows, events):
-        """Insert task rows and their ``created`` events (one statement per table for the lot).
-
-        In a group commit of several creates, each statement is also a moment
-        the leader hands the GIL to the threads waiting for it, so fewer is faster.
-        """
-        self.conn.executemany(
-            "INSERT INTO tasks (id, kind, status, payload, status_message, principal, policy, "
-            "ttl_ms, retention_ms, created_at, updated_at, meta, owner) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
-        self.conn.executemany(
-            "INSERT INTO events (task_id, seq, type, data, created_at) "
-            "VALUES (?, 0, 'created', ?, ?)", events)
-
-    def _move_statement(self, values):
-        """``_MOVE`` for the columns of *values*: a few combinations, each built once."""
-        names = tuple(values)
-        sql = self._move_sql.get(names)
-        if sql is None:
-            assert _WRITABLE_COLUMNS.issuperset(names), names    # names are ours, never input
-            sql = self._move_sql[names] = self._MOVE.format(
-                sets=", ".join(f"{name} = ?" for name in names))
-        return sql
-
     def move_task(self, task_id, status, values, event_json, now):
         """Compare-and-set one task from *status* to *values*; append its status event.
 
@@ -1867,161 +2436,6 @@ class SQLiteEngine:
             (task_id, values["last_seq"], event_json, now))
         return True
 
-    def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
-                   bump_attempt=False, finish=False):
-        """Set-based ``move_task``: every task of *selector* in *status*; return (moved, ids).
-
-        *ids*: also return the moved ids (else None).  *policy*: only the
-        tasks with that restart policy.  *bump_attempt*: count
-        a new attempt.  *finish*: the move ends the tasks (finished_at,
-        purge_at by the one formula, no input request).
-        """
-        where, args = selector
-        guard = f"({where}) AND status = ?"
-        args = (*args, status)
-        if policy is not None:
-            guard += " AND policy = ?"
-            args += (policy,)
-        moved_ids = None
-        if ids:
-            moved_ids = [r[0] for r in self.conn.execute(
-                f"SELECT id FROM tasks WHERE {guard}", args)]
-        sets = ["updated_at = ?", "last_seq = last_seq + 1", "version = version + 1"]
-        params = [now]
-        for name, value in values.items():
-            assert name in _WRITABLE_COLUMNS, name       # names are ours, never input
-            sets.append(f"{name} = ?")
-            params.append(value)
-        if bump_attempt:
-            sets.append("attempt = attempt + 1")
-        if finish:
-            sets += ["finished_at = ?", "input_request = NULL",
-                     "purge_at = CASE WHEN ttl_ms IS NULL AND retention_ms IS NULL THEN NULL "
-                     "ELSE taskstore_purge_at(?, created_at, ttl_ms, retention_ms) END"]
-            params += [now, now]
-        inserted = self.conn.execute(
-            "INSERT INTO events (task_id, seq, type, data, created_at) "
-            f"SELECT id, last_seq + 1, 'status', ?, ? FROM tasks WHERE {guard}",
-            (event_json, now, *args)).rowcount
-        updated = self.conn.execute(f"UPDATE tasks SET {', '.join(sets)} WHERE {guard}",
-                                    (*params, *args)).rowcount
-        if updated != inserted:      # cannot happen inside BEGIN IMMEDIATE
-            return -1, moved_ids
-        return inserted, moved_ids
-
-    def restart_groups(self, selector):
-        where, args = selector
-        return self.conn.execute(
-            f"SELECT status, policy, count(*) FROM tasks WHERE {where} GROUP BY status, policy",
-            args).fetchall()
-
-    def disown(self, selector, statuses):
-        where, args = selector
-        self.conn.execute(f"UPDATE tasks SET owner = NULL WHERE ({where}) AND status IN "
-                          f"({_marks(statuses)})", (*args, *statuses))
-
-    def list_tasks(self, now, statuses, kinds, principal, before, limit):
-        where, args = [f"NOT ({_EXPIRED})"], [now]
-        for column, values in (("status", statuses), ("kind", kinds)):
-            if values is not None:
-                where.append(f"{column} IN ({_marks(values)})")
-                args.extend(values)
-        if principal is not None:
-            where.append("principal = ?")
-            args.append(principal)
-        if before is not None:
-            where.append("id < ?")
-            args.append(before)
-        sql = _SELECT_TASK + " WHERE " + " AND ".join(where) + " ORDER BY id DESC LIMIT ?"
-        return self.conn.execute(sql, (*args, limit)).fetchall()
-
-    def event_bounds(self, task_id, now):
-        return self.conn.execute(f"SELECT principal, last_seq, first_seq, {_EXPIRED} FROM tasks "
-                                 "WHERE id = ?", (now, task_id)).fetchone()
-
-    def read_events(self, task_id, start, limit):
-        return self.conn.execute(
-            "SELECT seq, type, data, created_at FROM events WHERE task_id = ? AND seq >= ? "
-            "ORDER BY seq LIMIT ?", (task_id, start, -1 if limit is None else limit)).fetchall()
-
-    def tasks_past(self, last_seqs, idle):
-        """``{task_id: Task or None}`` of the tasks whose ``last_seq`` is past *last_seqs*'s.
-
-        None: the task no longer exists.  Takes the lock (``reading()``),
-        500 ids at a time, so that a long list never holds up writers.  When
-        none has moved, ``idle()`` runs with the lock still held since the
-        last read: a store waits on a condition of the lock there, and no
-        commit of its process slips between.
-        """
-        ids, moved = list(last_seqs), {}
-        for start in range(0, max(len(ids), 1), 500):
-            chunk = ids[start:start + 500]
-            with self._reads:
-                seqs = dict(self.conn.execute(
-                    f"SELECT id, last_seq FROM tasks WHERE id IN ({_marks(chunk)})", chunk))
-                for task_id in chunk:
-                    seq = seqs.get(task_id)
-                    if seq is None or seq > last_seqs[task_id]:
-                        moved[task_id] = None if seq is None else self.read_task(task_id)
-                if not moved and start + 500 >= len(ids):
-                    idle()
-        return moved
-
-    def load_snapshot(self, task_id):
-        row = self.conn.execute("SELECT snapshot FROM tasks WHERE id = ?", (task_id,)).fetchone()
-        return (False, None) if row is None else (True, row[0])
-
-    def set_progress(self, task_id, values, statuses, attempt, now):
-        sets = ["updated_at = ?", "version = version + 1"] + [f"{n} = ?" for n in values]
-        sql = (f"UPDATE tasks SET {', '.join(sets)} WHERE id = ? "
-               f"AND status IN ({_marks(statuses)})")
-        args = [now, *values.values(), task_id, *statuses]
-        if attempt is not None:
-            sql += " AND attempt = ?"
-            args.append(attempt)
-        return self.conn.execute(sql, args).rowcount == 1
-
-    def event_head(self, task_id):
-        return self.conn.execute("SELECT status, last_seq, attempt FROM tasks WHERE id = ?",
-                                 (task_id,)).fetchone()
-
-    def append_event(self, task_id, seq, etype, data_json, snapshot_json, now):
-        self.conn.execute(
-            "UPDATE tasks SET last_seq = ?, updated_at = ?, version = version + 1"
-            + (", snapshot = ?" if snapshot_json is not None else "") + " WHERE id = ?",
-            (seq, now, snapshot_json, task_id) if snapshot_json is not None
-            else (seq, now, task_id))
-        self.conn.execute(
-            "INSERT INTO events (task_id, seq, type, data, created_at) VALUES (?, ?, ?, ?, ?)",
-            (task_id, seq, etype, data_json, now))
-
-    def save_snapshot(self, task_id, snapshot_json, statuses, attempt):
-        sql = f"UPDATE tasks SET snapshot = ? WHERE id = ? AND status IN ({_marks(statuses)})"
-        args = [snapshot_json, task_id, *statuses]
-        if attempt is not None:
-            sql += " AND attempt = ?"
-            args.append(attempt)
-        return self.conn.execute(sql, args).rowcount == 1
-
-    # The status is a literal, not a parameter: only then can SQLite use the
-    # partial index (WHERE status = 'queued') instead of a table scan.
-    def _queued(self, kinds):
-        return f"WHERE status = '{QUEUED}' AND kind IN ({_marks(kinds)})"
-
-    def may_have_queued(self, kinds, gen):
-        """Whether a queued task of *kinds* may exist, without the write lock.
-
-        *gen* is the store's count of work queued in its process.  Unchanged
-        since ``oldest_queued`` last found none, a cheap read (taking the
-        lock) answers, so idle polling never takes the write lock; changed,
-        there is most likely something to take, and the answer is True.
-        """
-        if gen != self._empty_gen:
-            return True
-        with self._reads:
-            return self.conn.execute(f"SELECT 1 FROM tasks {self._queued(kinds)} LIMIT 1",
-                                     kinds).fetchone() is not None
-
     def oldest_queued(self, kinds, gen):
         """The oldest queued Task of *kinds*, or None (then noting *gen*: see ``may_have_queued``)."""
         row = self.conn.execute(f"{_SELECT_TASK} {self._queued(kinds)} ORDER BY id LIMIT 1",
@@ -2030,17 +2444,6 @@ class SQLiteEngine:
             self._empty_gen = gen
             return None
         return _task_from_row(row)
-
-    def idempotency_get(self, scope, key):
-        return self.conn.execute(
-            "SELECT fingerprint, task_id, expires_at FROM idempotency "
-            "WHERE scope = ? AND key = ?", (scope, key)).fetchone()
-
-    def idempotency_put(self, scope, key, fprint, task_id, now, expires_at):
-        self.conn.execute(
-            "INSERT OR REPLACE INTO idempotency "
-            "(scope, key, fingerprint, task_id, created_at, expires_at) "
-            "VALUES (?, ?, ?, ?, ?, ?)", (scope, key, fprint, task_id, now, expires_at))
 
     # -- processes -------------------------------------------------------------
 
@@ -2054,77 +2457,9 @@ class SQLiteEngine:
         return self.conn.execute("UPDATE processes SET heartbeat_at = ? WHERE id = ?",
                                  (now, proc_id)).rowcount == 1
 
-    def unregister(self, proc_id):
-        self.conn.execute("DELETE FROM processes WHERE id = ?", (proc_id,))
-
-    def processes(self):
-        """``{proc_id: (proc_id, pid, host, proc_start, heartbeat_at)}``."""
-        return {r[0]: r for r in self.conn.execute(
-            "SELECT id, pid, host, proc_start, heartbeat_at FROM processes")}
-
-    def recovery_view(self, statuses):
-        """``(processes(), {owner: [(status, policy)]})`` of owned tasks in *statuses*, one snapshot."""
-        conn = self.conn
-        # One read transaction, one snapshot: read apart, a runner that
-        # registers and claims between the two reads looks unregistered.
-        conn.execute(self._SNAPSHOT_BEGIN)
-        try:
-            procs = self.processes()
-            # Which statuses and policies each owner has cost no more to
-            # read than the owners alone (the rows are read either way).
-            present = {}
-            for owner, status, policy in conn.execute(
-                    "SELECT DISTINCT owner, status, policy FROM tasks WHERE owner IS NOT NULL "
-                    f"AND status IN ({_marks(statuses)})", statuses):
-                present.setdefault(owner, []).append((status, policy))
-        finally:
-            conn.execute("COMMIT")
-        return procs, present
-
-    def cancelling_of(self, owner):
-        # The status is a literal: only then is the partial index tasks_cancelling used.
-        return {r[0] for r in self.conn.execute(
-            f"SELECT id FROM tasks WHERE owner = ? AND status = '{CANCELLING}'", (owner,))}
-
-    def owner_batch(self, owner, after, size, statuses):
-        """Select the owner's next tasks in *statuses*: ``(selector, last id or None)``.
-
-        A batch is a key range of the tasks_owner index: this owner's ids
-        after the previous batch, up to the size-th one (finished or not,
-        which makes the bound a walk of the index alone, with no row read),
-        so the statements find it with no id list built in Python.  Where
-        the range holds fewer than twice *size* rows, whoever owns them, the
-        statements walk it in the table (``_OWNER_IN_RANGE``), else the
-        owner's entries in the index.  None: this is the last batch.
-        """
-        conn = self.conn
-        last = conn.execute(
-            "SELECT id FROM tasks WHERE owner = ? AND id > ? ORDER BY id LIMIT 1 OFFSET ?",
-            (owner, after, size - 1)).fetchone()
-        column, bound = "owner", None if last is None else last[0]
-        if self._OWNER_IN_RANGE is not None:
-            if bound is None:       # the last batch ends at the owner's last task
-                bound = conn.execute("SELECT max(id) FROM tasks WHERE owner = ? AND id > ?",
-                                     (owner, after)).fetchone()[0]
-            # Fewer than twice size rows in the range, counted by a walk of
-            # at most that many keys.  A runner's tasks are usually most of
-            # the ids of their time (one runner, or a few taking turns), and
-            # a walk of a full batch's range then costs no more than the
-            # lookups it saves (a row walked about 0.35 us, one looked up
-            # from the index about 0.8 us).
-            if bound is not None and conn.execute(
-                    "SELECT count(*) FROM (SELECT 1 FROM tasks WHERE id > ? AND id <= ? LIMIT ?)",
-                    (after, bound, 2 * size)).fetchone()[0] < 2 * size:
-                column = self._OWNER_IN_RANGE
-        # The statuses are this module's constants, written as literals.
-        owned = f"{column} = ? AND status IN ({', '.join(repr(s) for s in statuses)}) AND id > ?"
-        selector = ((owned, (owner, after)) if bound is None else
-                    (owned + " AND id <= ?", (owner, after, bound)))
-        return selector, None if last is None else last[0]
-
     @staticmethod
     def owner_dead(proc, now, lease_ms):
-        """Is the registration *proc* (a ``processes()`` value, or None) dead at *now*?
+        """Is the ``Registration`` *proc* (or None) dead at *now*, by the caller's clock?
 
         Dead: nobody is registered to heartbeat it; its lease expired (dead or
         cut off, either way not running it); or, on this host, its pid is
@@ -2134,14 +2469,13 @@ class SQLiteEngine:
         """
         if proc is None:
             return True
-        proc_id, pid, host, proc_start, heartbeat_at = proc
-        if heartbeat_at + lease_ms < now:
+        if proc.heartbeat_at + lease_ms < now:
             return True
-        if host != _HOST():
+        if proc.host != _HOST():
             return False
-        if pid == os.getpid() and proc_start == _proc_start(pid):
-            return proc_id not in _LIVE_PROCESS_IDS
-        return not _pid_alive(pid, proc_start)
+        if proc.pid == os.getpid() and proc.proc_start == _proc_start(proc.pid):
+            return proc.id not in _LIVE_PROCESS_IDS
+        return not _pid_alive(proc.pid, proc.proc_start)
 
     # -- retention -------------------------------------------------------------
 
@@ -2155,7 +2489,7 @@ class SQLiteEngine:
         statements finds it by the index, with no id list built in Python.
         """
         rows = self.conn.execute(
-            f"SELECT id, purge_at, last_seq - first_seq + 1 FROM tasks WHERE {_EXPIRED} "
+            f"SELECT id, purge_at, last_seq - first_seq + 1 FROM tasks WHERE {self._sql.expired} "
             "ORDER BY purge_at, id LIMIT ?", (now, budget)).fetchall()
         take = _reap_take(rows, budget)
         if not take and rows:
@@ -2177,40 +2511,20 @@ class SQLiteEngine:
             counts["tasks"] += deleted
         return len(rows) == budget or take < len(rows), [row[0] for row in rows[:take]]
 
-    def _reap_slice(self, task_id, first, budget, counts):
-        """Delete the oldest ``10 * budget`` events of one task: a very long log
-        goes in slices, so no transaction runs long.  Returns reap's ``(True, ())``."""
-        cut = first + 10 * budget
-        counts["events"] += self.conn.execute(
-            "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
-        self.conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
-        return True, ()
 
-    def prune_events_once(self, finished_before, budget, counts):
-        """Prune one batch of finished tasks' events; True when there may be more."""
-        # No index serves this scan on purpose: an index on finished_at
-        # would cost every task one more write for a query run once a
-        # minute.
-        rows = self.conn.execute(
-            "SELECT id, first_seq, last_seq FROM tasks WHERE finished_at IS NOT NULL "
-            "AND first_seq <= last_seq AND finished_at <= ? LIMIT ?" + self._BATCH_LOCK,
-            (finished_before, budget)).fetchall()
-        spent = 0
-        for task_id, first_seq, last_seq in rows:
-            cut = min(last_seq + 1, first_seq + max(1, 10 * budget - spent))
-            counts["events"] += self.conn.execute(
-                "DELETE FROM events WHERE task_id = ? AND seq < ?", (task_id, cut)).rowcount
-            self.conn.execute("UPDATE tasks SET first_seq = ? WHERE id = ?", (cut, task_id))
-            spent += cut - first_seq
-            if spent >= 10 * budget:
-                return True
-        return len(rows) == budget
+PG_URL_SCHEMES = ("postgresql://", "postgres://")
 
-    def delete_expired(self, table, now, limit):
-        column = {"idempotency": "scope, key", "tombstones": "id"}[table]
-        return self.conn.execute(
-            f"DELETE FROM {table} WHERE ({column}) IN (SELECT {column} FROM "
-            f"{table} WHERE expires_at <= ? LIMIT ?{self._BATCH_LOCK})", (now, limit)).rowcount
+
+def is_postgres_url(path):
+    """Whether *path* names a PostgreSQL database rather than a SQLite file."""
+    return isinstance(path, str) and path.startswith(PG_URL_SCHEMES)
+
+
+def open_engine(path, **options):
+    """The engine for *path*: PostgresEngine (section 7) for a PostgreSQL URL, else SQLiteEngine."""
+    if is_postgres_url(path):
+        return PostgresEngine(path, **options)
+    return SQLiteEngine(path, **options)
 
 
 # =============================================================================
@@ -2218,17 +2532,17 @@ class SQLiteEngine:
 # =============================================================================
 # Rules:
 # - The second engine, for several processes on several hosts sharing one
-#   database: the same names with the same meanings as section 6's list
-#   (``on_remote`` and ``shared`` included), so the store (section 8) runs
-#   on it unchanged.  psycopg 3 is imported only here, when a
-#   ``postgresql://`` URL is given.
-# - It inherits SQLiteEngine's statements that are standard SQL; the
-#   connection (``_PgConnection``) turns their ``?`` into psycopg's ``%s``.
-#   What PostgreSQL does differently is overridden here: rows read inside a
-#   write transaction are locked (``FOR UPDATE``), so a concurrent writer in
-#   another process waits instead of reusing an event seq; claims and
-#   retention batches skip rows another process holds (``SKIP LOCKED``);
-#   an idempotency key is decided under a transaction-scoped advisory lock.
+#   database: ``Engine`` (section 6) implemented again, ``on_remote`` and
+#   ``shared`` included, so the store (section 8) runs on it unchanged.
+#   psycopg 3 is imported only here, when a ``postgresql://`` URL is given.
+# - The SQL both engines run is section 6's ``_SqlEngine``, in this
+#   engine's ``_Dialect`` (``%s`` placeholders, ``ON CONFLICT`` upserts,
+#   the server's clock, ``SKIP LOCKED`` batches).  What PostgreSQL does
+#   besides is here: rows read inside a write transaction are locked (``FOR
+#   UPDATE``), so a concurrent writer in another process waits instead of
+#   reusing an event seq; claims and retention batches skip rows another
+#   process holds (``SKIP LOCKED``); an idempotency key is decided under a
+#   transaction-scoped advisory lock; every write notes what it changed.
 # - Time that decides ownership is the server's: heartbeats are written with
 #   ``clock_timestamp()`` and a registration's age is computed by the server,
 #   so hosts' clocks do not matter.  There is no pid check across hosts.
@@ -2259,7 +2573,6 @@ class SQLiteEngine:
 #   the next use reconnects.  ``synchronous`` and ``max_bytes`` mean nothing
 #   here: durability is the server's ``synchronous_commit``.
 
-PG_URL_SCHEMES = ("postgresql://", "postgres://")
 PG_INSTALL = 'pip install "taskstore[postgres]"'
 PG_CHANNEL = "taskstore"               # the NOTIFY channel of every store on a database
 PG_NOTIFY_BYTES = 7000                 # under NOTIFY's 8,000-byte payload limit
@@ -2302,11 +2615,6 @@ PG_MIGRATIONS = {1: ("CREATE TABLE taskstore_schema (version BIGINT NOT NULL)",
                  2: tuple(_pg_ddl(ddl) for ddl in _SCHEMA_V2)}
 
 
-def is_postgres_url(path):
-    """Whether *path* names a PostgreSQL database rather than a SQLite file."""
-    return isinstance(path, str) and path.startswith(PG_URL_SCHEMES)
-
-
 def _redact_url(url):
     """*url* without its password, for messages."""
     return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
@@ -2326,10 +2634,10 @@ def _nul_free(text):
 
 
 class _PgConnection:
-    """A psycopg connection that speaks the ``execute`` of sqlite3's connections.
+    """A psycopg connection with the ``execute`` and ``executemany`` of sqlite3's connections.
 
-    Statements are written with ``?`` (the inherited ones are SQLite's);
-    each is translated once.  ``total_changes`` counts rows written, as
+    Statements are psycopg's (``%s`` placeholders), passed on as they are;
+    parameters with a NUL are refused.  ``total_changes`` counts rows written, as
     sqlite3's does, for the engine's ``changes()``.  A transaction's
     ``BEGIN``, ``COMMIT`` and ``ROLLBACK`` (no parameters, no rows: half the
     statements of a claim or a move) go to libpq's plain exec, which costs
@@ -2343,16 +2651,9 @@ class _PgConnection:
     def __init__(self, raw):
         self.raw = raw
         self.total_changes = 0
-        self._sql = {}
         from psycopg import errors, pq          # imported already: the engine connected
         self._command_ok = pq.ExecStatus.COMMAND_OK
         self._error_from_result = errors.error_from_result
-
-    def _text(self, sql):
-        text = self._sql.get(sql)
-        if text is None:
-            text = self._sql[sql] = sql.replace("%", "%%").replace("?", "%s")
-        return text
 
     def execute(self, sql, params=()):
         command = self._COMMANDS.get(sql)
@@ -2361,10 +2662,9 @@ class _PgConnection:
             if result.status != self._command_ok:
                 raise self._error_from_result(result, self.raw.info.encoding)
             return None
-        text = self._text(sql)
         _refuse_nul(params)
-        cursor = self.raw.execute(text, params)
-        if cursor.rowcount > 0 and not text.lstrip().startswith("SELECT"):
+        cursor = self.raw.execute(sql, params)
+        if cursor.rowcount > 0 and not sql.lstrip().startswith("SELECT"):
             self.total_changes += cursor.rowcount
         return cursor
 
@@ -2373,7 +2673,7 @@ class _PgConnection:
         for row in rows:
             _refuse_nul(row)
         with self.raw.cursor() as cursor:
-            cursor.executemany(self._text(sql), rows)
+            cursor.executemany(sql, rows)
         self.total_changes += len(rows)
 
     @property
@@ -2604,7 +2904,7 @@ class _PgNotifier(threading.Thread):
         self.join(timeout)
 
 
-class PostgresEngine(SQLiteEngine):
+class PostgresEngine(_SqlEngine):
     """The engine for several hosts: one PostgreSQL database, one connection per engine.
 
     Args:
@@ -2624,14 +2924,19 @@ class PostgresEngine(SQLiteEngine):
     """
 
     shared = True
-    _BATCH_LOCK = " FOR UPDATE SKIP LOCKED"      # reapers on several hosts take other rows
-    _SNAPSHOT_BEGIN = _PG_SNAPSHOT_BEGIN
-    _OWNER_IN_RANGE = None       # a planner with statistics picks the path itself
-    # The compare-and-set and its event row in one statement (see move_task).
-    _MOVE = ("WITH moved AS (UPDATE tasks SET {sets}, version = version + 1 "
-             "WHERE id = ? AND status = ? RETURNING last_seq) "
-             "INSERT INTO events (task_id, seq, type, data, created_at) "
-             "SELECT ?, last_seq, 'status', ?, ? FROM moved")
+    _dialect = _Dialect(
+        param="%s", no_limit=None,
+        batch_lock=" FOR UPDATE SKIP LOCKED",     # reapers on several hosts take other rows
+        snapshot_begin=_PG_SNAPSHOT_BEGIN,         # a plain BEGIN is not one snapshot
+        registration_age=f"{_PG_NOW_MS} - heartbeat_at",     # leases in database time
+        upsert_replaces=False,
+        owner_in_range=None,         # a planner with statistics picks the path itself
+        # The compare-and-set and its event row in one statement (see move_task).
+        move=("WITH moved AS (UPDATE tasks SET {sets}, version = version + 1 "
+              "WHERE id = %s AND status = %s RETURNING last_seq) "
+              "INSERT INTO events (task_id, seq, type, data, created_at) "
+              "SELECT %s, last_seq, 'status', %s, %s FROM moved"))
+    _sql = _Statements(_dialect)
 
     def __init__(self, url, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
                  max_bytes=None, readonly=False):
@@ -2652,7 +2957,7 @@ class PostgresEngine(SQLiteEngine):
         self.closed = False
         self.token = secrets.token_hex(6)      # names this engine's own notifications
         self._group = _GroupCommit(self.changes)
-        self.group_write = self._group.write
+        self.group_write = self._group.write          # the documented method, one call less
         self._move_sql = {}
         self._transaction = _PgTransaction(self)
         self._reads = _PgReads(self)
@@ -2720,13 +3025,13 @@ class PostgresEngine(SQLiteEngine):
         conn = self.conn
         conn.execute("BEGIN")
         try:
-            conn.execute("SELECT pg_advisory_xact_lock(?)", (_PG_SCHEMA_LOCK,))
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_SCHEMA_LOCK,))
             version = self._version_locked()
             if version <= SCHEMA_VERSION:      # a newer one is refused, untouched
                 for step in range(version + 1, SCHEMA_VERSION + 1):
                     for ddl in PG_MIGRATIONS[step]:
                         conn.execute(ddl)
-                conn.execute("UPDATE taskstore_schema SET version = ?", (SCHEMA_VERSION,))
+                conn.execute("UPDATE taskstore_schema SET version = %s", (SCHEMA_VERSION,))
                 conn.execute(_PG_PURGE_AT)
             conn.execute("COMMIT")
         except BaseException:
@@ -2749,6 +3054,18 @@ class PostgresEngine(SQLiteEngine):
             raise StoreUnavailable(f"{self.path}: read-only, and not at schema {SCHEMA_VERSION}")
 
     # -- transactions, notifications -------------------------------------------
+
+    def transaction(self):
+        """One transaction (lock held): committed, then its notes sent; or rolled back."""
+        return self._transaction
+
+    def reading(self):
+        """Hold the lock and a live connection for reads; psycopg errors become StoreUnavailable."""
+        return self._reads
+
+    def group_write(self, body, writing, insert):
+        """Run *body* in a batch with other threads' writes (``_GroupCommit.write``)."""
+        return self._group.write(body, writing, insert)   # replaced per instance, see __init__
 
     def on_remote(self, callback):
         """Call ``callback(kind, ids)`` for other processes' commits; starts the listener.
@@ -2811,14 +3128,14 @@ class PostgresEngine(SQLiteEngine):
     def read_task(self, task_id):
         if "\x00" in task_id:
             return None
-        row = self.conn.execute(self._locking(_SELECT_TASK_BY_ID), (task_id,)).fetchone()
+        row = self.conn.execute(self._locking(self._sql.read_task), (task_id,)).fetchone()
         return None if row is None else _task_from_row(row)
 
     def task_row_at(self, task_id, now, summary=False):
         if "\x00" in task_id:
             return None
-        return self.conn.execute(self._locking(_SELECT_SUMMARY_AT if summary else _SELECT_TASK_AT),
-                                 (now, task_id)).fetchone()
+        sql = self._sql.summary_at if summary else self._sql.task_at
+        return self.conn.execute(self._locking(sql), (now, task_id)).fetchone()
 
     def tombstoned(self, task_id):
         return "\x00" not in task_id and super().tombstoned(task_id)
@@ -2829,16 +3146,14 @@ class PostgresEngine(SQLiteEngine):
     def event_head(self, task_id):
         if "\x00" in task_id:
             return None
-        return self.conn.execute(
-            self._locking("SELECT status, last_seq, attempt FROM tasks WHERE id = ?"),
-            (task_id,)).fetchone()
+        return self.conn.execute(self._locking(self._sql.event_head), (task_id,)).fetchone()
 
     def insert_tasks(self, rows, events):
         super().insert_tasks(rows, events)
         self._note("queued", [row[0] for row in rows])
 
     def move_task(self, task_id, status, values, event_json, now):
-        """Section 6's compare-and-set and its event row in one statement: one round trip.
+        """The compare-and-set and its event row in one statement: one round trip.
 
         The event is inserted from the updated row (``WITH ... RETURNING``),
         so it is written exactly when the compare-and-set took; the row
@@ -2855,11 +3170,8 @@ class PostgresEngine(SQLiteEngine):
 
     def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
                    bump_attempt=False, finish=False):
-        """Section 6's ``move_tasks``, the rows locked first (two recoverers of one owner wait)."""
-        where, args = selector
-        guard, args = f"({where}) AND status = ?", (*args, status)
-        if policy is not None:
-            guard, args = guard + " AND policy = ?", (*args, policy)
+        """The shared ``move_tasks``, the rows locked first (two recoverers of one owner wait)."""
+        guard, args = self._guard(selector, status, policy)
         locked = [r[0] for r in self.conn.execute(
             f"SELECT id FROM tasks WHERE {guard} ORDER BY id FOR UPDATE", args)]
         done, moved_ids = super().move_tasks(selector, status, values, event_json, now,
@@ -2878,15 +3190,10 @@ class PostgresEngine(SQLiteEngine):
         super().append_event(task_id, seq, etype, data_json, snapshot_json, now)
         self._note("changed", (task_id,))
 
-    def read_events(self, task_id, start, limit):
-        return self.conn.execute(
-            "SELECT seq, type, data, created_at FROM events WHERE task_id = ? AND seq >= ? "
-            "ORDER BY seq LIMIT ?", (task_id, start, limit)).fetchall()
-
     def oldest_queued(self, kinds, gen):
         """The oldest queued Task of *kinds* no other process is claiming, or None (locked)."""
         row = self.conn.execute(
-            f"{_SELECT_TASK} WHERE status = '{QUEUED}' AND kind = ANY(?) "
+            f"{_SELECT_TASK} WHERE status = '{QUEUED}' AND kind = ANY(%s) "
             "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED", (list(kinds),)).fetchone()
         if row is None:
             self._empty_gen = gen
@@ -2898,37 +3205,29 @@ class PostgresEngine(SQLiteEngine):
         # first's commit, then reads its row (the unique key stays the backstop).
         scope, key = _nul_free(scope), _nul_free(key)
         if self._in_write:
-            self.conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(? || ' ' || ?, 0))",
+            self.conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s || ' ' || %s, 0))",
                               (scope, key))
         return super().idempotency_get(scope, key)
 
-    def idempotency_put(self, scope, key, fprint, task_id, now, expires_at):
-        self.conn.execute(
-            "INSERT INTO idempotency (scope, key, fingerprint, task_id, created_at, expires_at) "
-            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (scope, key) DO UPDATE SET "
-            "fingerprint = EXCLUDED.fingerprint, task_id = EXCLUDED.task_id, "
-            "created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at",
-            (_nul_free(scope), _nul_free(key), fprint, task_id, now, expires_at))
+    def idempotency_put(self, scope, key, fingerprint, task_id, now, expires_at):
+        super().idempotency_put(_nul_free(scope), _nul_free(key), fingerprint, task_id, now,
+                                expires_at)
 
     # -- processes -------------------------------------------------------------
 
     def register(self, proc_id, now):
         self.conn.execute(
             "INSERT INTO processes (id, pid, host, proc_start, started_at, heartbeat_at) "
-            f"VALUES (?, ?, ?, NULL, {_PG_NOW_MS}, {_PG_NOW_MS})", (proc_id, os.getpid(), _HOST()))
+            f"VALUES (%s, %s, %s, NULL, {_PG_NOW_MS}, {_PG_NOW_MS})",
+            (proc_id, os.getpid(), _HOST()))
 
     def heartbeat(self, proc_id, now):
-        return self.conn.execute(f"UPDATE processes SET heartbeat_at = {_PG_NOW_MS} WHERE id = ?",
+        return self.conn.execute(f"UPDATE processes SET heartbeat_at = {_PG_NOW_MS} WHERE id = %s",
                                  (proc_id,)).rowcount == 1
-
-    def processes(self):
-        """``{proc_id: (proc_id, pid, host, heartbeat_at, age_ms)}``; the age by the server."""
-        return {r[0]: r for r in self.conn.execute(
-            f"SELECT id, pid, host, heartbeat_at, {_PG_NOW_MS} - heartbeat_at FROM processes")}
 
     @staticmethod
     def owner_dead(proc, now, lease_ms):
-        """Is *proc* (a ``processes()`` value, or None) dead: unregistered, or its lease expired?
+        """Is the ``Registration`` *proc* (or None) dead: unregistered, or its lease expired?
 
         The lease is judged by the age the server computed, never by *now*
         (this host's clock).  A registration of this very process is alive
@@ -2936,11 +3235,10 @@ class PostgresEngine(SQLiteEngine):
         """
         if proc is None:
             return True
-        proc_id, pid, host, _, age_ms = proc
-        if age_ms > lease_ms:
+        if proc.age_ms > lease_ms:
             return True
-        if host == _HOST() and pid == os.getpid():
-            return proc_id not in _LIVE_PROCESS_IDS
+        if proc.host == _HOST() and proc.pid == os.getpid():
+            return proc.id not in _LIVE_PROCESS_IDS
         return False
 
     # -- retention -------------------------------------------------------------
@@ -2948,35 +3246,28 @@ class PostgresEngine(SQLiteEngine):
     def reap_tasks_once(self, now, budget, counts, tombstone_ms):
         """Delete one batch of expired tasks with their events; ``(more, deleted ids)``.
 
-        As section 6's, except that the batch is the rows this transaction
+        As SQLite's, except that the batch is the rows this transaction
         locked (``SKIP LOCKED``): reapers in several processes take
         different batches instead of deleting the same rows twice.
         """
         rows = self.conn.execute(
-            f"SELECT id, first_seq, last_seq - first_seq + 1 FROM tasks WHERE {_EXPIRED} "
-            "ORDER BY purge_at, id LIMIT ? FOR UPDATE SKIP LOCKED", (now, budget)).fetchall()
+            f"SELECT id, first_seq, last_seq - first_seq + 1 FROM tasks WHERE {self._sql.expired} "
+            "ORDER BY purge_at, id LIMIT %s FOR UPDATE SKIP LOCKED", (now, budget)).fetchall()
         take = _reap_take(rows, budget)
         if not take and rows:
             return self._reap_slice(rows[0][0], rows[0][1], budget, counts)
         ids = [row[0] for row in rows[:take]]
         if ids:
             counts["events"] += self.conn.execute(
-                "DELETE FROM events WHERE task_id = ANY(?)", (ids,)).rowcount
+                "DELETE FROM events WHERE task_id = ANY(%s)", (ids,)).rowcount
             self.conn.execute(
                 "INSERT INTO tombstones (id, deleted_at, expires_at) "
-                "SELECT unnest(?::text[]), ?, ? ON CONFLICT (id) DO UPDATE SET "
+                "SELECT unnest(%s::text[]), %s, %s ON CONFLICT (id) DO UPDATE SET "
                 "deleted_at = EXCLUDED.deleted_at, expires_at = EXCLUDED.expires_at",
                 (ids, now, now + tombstone_ms))
             counts["tasks"] += self.conn.execute(
-                "DELETE FROM tasks WHERE id = ANY(?)", (ids,)).rowcount
+                "DELETE FROM tasks WHERE id = ANY(%s)", (ids,)).rowcount
         return len(rows) == budget or take < len(rows), ids
-
-
-def open_engine(path, **options):
-    """The engine for *path*: PostgresEngine for a ``postgresql://`` URL, else SQLiteEngine."""
-    if is_postgres_url(path):
-        return PostgresEngine(path, **options)
-    return SQLiteEngine(path, **options)
 
 
 # =============================================================================
@@ -2986,7 +3277,7 @@ def open_engine(path, **options):
 # - The verbs and the rules, written once: transitions, the event log,
 #   idempotency, retention, recovery decisions, waiting.  Everything that is
 #   SQLite's or PostgreSQL's is the engine's (sections 6 and 7), reached only
-#   through the names section 6's banner lists; no SQL text lives here.
+#   through the methods of ``Engine`` (section 6); no SQL text lives here.
 # - One lock (the engine's, ``_lock``).  Public methods take it: reads through
 #   the engine's ``reading()``, writes through ``_writing``; helpers whose
 #   names end in ``_locked`` expect it held.  It is not re-entrant.

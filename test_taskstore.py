@@ -18,6 +18,7 @@ import glob
 import hashlib
 import http.client
 import http.server
+import inspect
 import io
 import itertools
 import json
@@ -374,7 +375,7 @@ class PostgresStoreMixin:
         owner = taskstore.new_id("proc", self.clock.ms)
         with self.store._writing():
             self.store._engine.conn.execute(
-                "INSERT INTO processes VALUES (?, ?, ?, NULL, 0, 0)",
+                "INSERT INTO processes VALUES (%s, %s, %s, NULL, 0, 0)",
                 (owner, 1, "elsewhere"))
         return owner
 
@@ -2259,46 +2260,86 @@ class PgPublicWorkerLoopTests(PostgresStoreMixin, PublicWorkerLoopTests):
 
 
 class EngineSeamTests(unittest.TestCase):
-    """The store reaches its engine only through the names the engine banner lists."""
+    """``Engine`` is the seam: the store calls only its names; both engines implement all of it."""
+
+    ENGINES = (taskstore.SQLiteEngine, taskstore.PostgresEngine)
+    ATTRIBUTES = {"lock", "readonly", "shared", "path"}     # read, not called
 
     @classmethod
     def setUpClass(cls):
+        import ast
         with open(TASKSTORE_PY, encoding="utf-8") as f:
             cls.source = f.read()
-        start = cls.source.index("# What an engine provides:")
-        banner = cls.source[start:cls.source.index("\n\n", start)]
-        cls.listed = set(re.findall(r"^#   (\w+)", banner, re.M))
-        import ast
-        cls.store = next(node for node in ast.parse(cls.source).body
+        cls.tree = ast.parse(cls.source)
+        cls.store = next(node for node in cls.tree.body
                          if isinstance(node, ast.ClassDef) and node.name == "TaskStore")
+        cls.declared = {name for name, value in vars(taskstore.Engine).items()
+                        if not name.startswith("_") and name not in cls.ATTRIBUTES}
 
-    def test_the_banner_lists_what_each_engine_provides(self):
-        self.assertGreater(len(self.listed), 20)
-        for engine in (taskstore.SQLiteEngine, taskstore.PostgresEngine):
-            self.assertIsInstance(engine.shared, bool)
-            for name in self.listed - {"lock", "readonly", "shared"}:
-                with self.subTest(engine=engine.__name__, name=name):
-                    self.assertTrue(callable(getattr(engine, name, None)))
+    @staticmethod
+    def public_methods(cls):
+        return {name for klass in cls.__mro__ if klass is not object
+                for name, value in vars(klass).items()
+                if not name.startswith("_") and (callable(value) or isinstance(
+                    value, (staticmethod, classmethod, property)))}
 
-    def test_the_postgres_engine_restates_what_it_must(self):
-        # Inherited SQL is only what PostgreSQL runs as written: whatever
-        # locks rows, uses database time, or tells other processes is its own.
-        own = vars(taskstore.PostgresEngine)
-        for name in ("read_task", "task_row_at", "event_head",
-                     "move_tasks", "oldest_queued", "idempotency_get", "idempotency_put",
-                     "register", "heartbeat", "processes", "_SNAPSHOT_BEGIN", "owner_dead",
-                     "reap_tasks_once", "_BATCH_LOCK", "on_remote",
-                     "bulk", "checkpoint", "close"):
+    def test_the_interface_names_each_method_with_a_docstring_and_no_body(self):
+        self.assertGreater(len(self.declared), 40)
+        engine = taskstore.Engine()
+        for name in sorted(self.declared):
             with self.subTest(name=name):
-                self.assertIn(name, own)
+                method = getattr(taskstore.Engine, name)
+                self.assertTrue(method.__doc__ and method.__doc__.strip())
+                params = inspect.signature(method).parameters.values()
+                args = [None for p in params if p.default is p.empty
+                        and p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "self"]
+                with self.assertRaises(NotImplementedError):
+                    getattr(engine, name)(*args)
 
-    def test_the_store_uses_only_listed_engine_names(self):
+    def test_both_engines_implement_every_method_with_its_signature(self):
+        for engine in self.ENGINES:
+            self.assertTrue(issubclass(engine, taskstore.Engine))
+            self.assertIsInstance(engine.shared, bool)
+            for name in sorted(self.declared):
+                with self.subTest(engine=engine.__name__, name=name):
+                    owner = next(k for k in engine.__mro__ if name in vars(k))
+                    self.assertIsNot(owner, taskstore.Engine, "inherits NotImplementedError")
+                    self.assertEqual(inspect.signature(getattr(engine, name)),
+                                     inspect.signature(getattr(taskstore.Engine, name)))
+                    self.assertIs(type(inspect.getattr_static(engine, name)),
+                                  type(inspect.getattr_static(taskstore.Engine, name)))
+
+    def test_the_engines_have_no_public_method_the_interface_lacks(self):
+        for engine in self.ENGINES:
+            with self.subTest(engine=engine.__name__):
+                self.assertLessEqual(self.public_methods(engine), self.declared)
+
+    def test_the_engines_are_siblings(self):
+        # Nothing of SQLite's reaches PostgreSQL: what both run is the shared base's.
+        self.assertNotIn(taskstore.SQLiteEngine, taskstore.PostgresEngine.__mro__)
+        self.assertNotIn(taskstore.PostgresEngine, taskstore.SQLiteEngine.__mro__)
+        self.assertEqual(taskstore.SQLiteEngine.__mro__[1:], taskstore.PostgresEngine.__mro__[1:])
+
+    def test_nothing_but_the_engines_uses_more_than_the_interface(self):
+        # The engines' own parts (the classes built with an engine) aside,
+        # every ``engine.name`` and ``_engine.name`` in the module: the
+        # store's, and any other caller's.
         import ast
-        text = ast.get_source_segment(self.source, self.store)
-        used = set(re.findall(r"(?<![\w.])(?:self\._)?engine\.(\w+)", text))
-        self.assertTrue(used)
-        self.assertLessEqual(used, self.listed)
-        self.assertNotIn("sqlite3", text)
+        parts = {name for name, value in vars(taskstore).items()
+                 if isinstance(value, type) and value.__module__ == "taskstore"
+                 and (issubclass(value, taskstore.Engine)
+                      or "engine" in inspect.signature(value.__init__).parameters)}
+        self.assertIn("_Transaction", parts)
+        used, lines = {}, self.source.splitlines()
+        for node in self.tree.body:
+            if not (isinstance(node, ast.ClassDef) and node.name in parts):
+                text = "\n".join(lines[node.lineno - 1:node.end_lineno])
+                for name in re.findall(r"\b_?engine\.(\w+)", text):
+                    used.setdefault(name, set()).add(getattr(node, "name", "(module)"))
+        self.assertGreater(len(used), 40)
+        self.assertEqual({name: users for name, users in used.items()
+                          if name not in self.declared | self.ATTRIBUTES}, {})
+        self.assertNotIn("sqlite3", ast.get_source_segment(self.source, self.store))
 
     def test_the_store_holds_no_sql(self):
         import ast
@@ -2311,6 +2352,96 @@ class EngineSeamTests(unittest.TestCase):
                     and id(node) not in docstrings:
                 with self.subTest(text=node.value[:60]):
                     self.assertIsNone(sql.search(node.value))
+
+
+class EngineRowTests(StoreTestCase):
+    """Every row an engine returns has one shape, whichever the engine (``Pg`` runs the same)."""
+
+    def shape(self, value):
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(self.shape(v) for v in value)
+        if isinstance(value, list):
+            return [self.shape(v) for v in value]
+        return type(value).__name__
+
+    def test_each_read_gives_the_same_columns_and_types(self):
+        store, engine = self.store, self.store._engine
+        owner = store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        task = store.create("k", {"a": 1}, ttl_ms=60_000, principal="alice",
+                            idempotency=("s", "key", "f", None))
+        store.claim(("k",), owner=owner)
+        store.emit(task.id, "note", {"n": 1})
+        now = self.clock.ms
+        with engine.reading():
+            rows = {
+                "task_row_at": engine.task_row_at(task.id, now),
+                "summary_at": engine.task_row_at(task.id, now, summary=True),
+                "event_bounds": engine.event_bounds(task.id, now),
+                "read_events": engine.read_events(task.id, 0, None),
+                "event_head": engine.event_head(task.id),
+                "load_snapshot": engine.load_snapshot(task.id),
+                "idempotency_get": engine.idempotency_get("s", "key"),
+                "list_tasks": engine.list_tasks(now, None, ["k"], "alice", None, 10),
+                "restart_groups": engine.restart_groups(
+                    engine.owner_batch(owner, "", 10, taskstore._RECOVERABLE)[0]),
+                "checkpoint": engine.checkpoint(),
+            }
+            procs, present = engine.recovery_view(taskstore._RECOVERABLE)
+        row = rows["task_row_at"]
+        self.assertEqual(len(row), len(taskstore.Task._fields))
+        self.assertEqual((row[0], row[-1]), (task.id, 0))
+        self.assertEqual(rows["summary_at"][-1], 0)
+        self.assertEqual(rows["event_bounds"], ("alice", 2, 0, 0))
+        self.assertEqual([r[:2] for r in rows["read_events"]],
+                         [(0, "created"), (1, "status"), (2, "note")])
+        self.assertEqual(rows["event_head"], (RUNNING, 2, 1))
+        self.assertEqual(rows["load_snapshot"], (True, None))
+        self.assertEqual(rows["idempotency_get"][:2], ("f", task.id))
+        self.assertEqual(rows["restart_groups"], [(RUNNING, "fail", 1)])
+        self.assertEqual(present, {owner: [(RUNNING, "fail")]})
+        self.assertEqual({name: self.shape(value) for name, value in rows.items()}, {
+            "task_row_at": self.shape(row[:-1]) + ("int",),
+            "summary_at": self.shape(rows["summary_at"][:-1]) + ("int",),
+            "event_bounds": ("str", "int", "int", "int"),
+            "read_events": [("int", "str", "str", "int")] * 3,
+            "event_head": ("str", "int", "int"),
+            "load_snapshot": ("bool", "NoneType"),
+            "idempotency_get": ("str", "str", "NoneType"),
+            "list_tasks": [self.shape(rows["list_tasks"][0])],
+            "restart_groups": [("str", "str", "int")],
+            "checkpoint": ("int", "int"),
+        })
+        self.assertEqual(self.shape(row[:-1]), self.shape(rows["list_tasks"][0]))
+
+    def test_a_registration_has_one_shape(self):
+        owner = self.store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        engine = self.store._engine
+        with engine.reading():
+            procs = engine.processes()
+            view, _ = engine.recovery_view(taskstore._RECOVERABLE)
+        # The same rows (the age aside: PostgreSQL's clock runs between the reads).
+        self.assertEqual({k: v._replace(age_ms=None) for k, v in procs.items()},
+                         {k: v._replace(age_ms=None) for k, v in view.items()})
+        proc = procs[owner]
+        self.assertIsInstance(proc, taskstore.Registration)
+        self.assertEqual((proc.id, proc.pid, proc.host), (owner, os.getpid(), taskstore._HOST()))
+        self.assertIsInstance(proc.heartbeat_at, int)
+        # Each engine fills what its liveness rule reads: the pid's start
+        # time (SQLite) or the age by the database's clock (PostgreSQL).
+        if engine.shared:
+            self.assertEqual((proc.proc_start, type(proc.age_ms)), (None, int))
+        else:
+            self.assertEqual((type(proc.proc_start), proc.age_ms), (str, None))
+        self.assertFalse(engine.owner_dead(proc, self.clock.ms, 60_000))
+        taskstore._LIVE_PROCESS_IDS.discard(owner)
+        self.assertTrue(engine.owner_dead(proc, self.clock.ms, 60_000))
+        self.assertTrue(engine.owner_dead(None, self.clock.ms, 60_000))
+
+
+class PgEngineRowTests(PostgresStoreMixin, EngineRowTests):
+    __doc__ = EngineRowTests.__doc__
 
 
 class SqlParameterTests(StoreTestCase):
