@@ -4728,11 +4728,18 @@ class Runner:
 # message in, the messages to send and the blocking work to run out; no
 # streams, no threads), McpServer moves lines (a reader thread, two bounded
 # pools that run the dispatcher's work, past which a request is refused, and
-# the only writer of the output stream).  Rules: no SQL and no store locking
-# here; errors reach the client only through to_jsonrpc_error, which carries
-# each class's extra data (or, for tasks/result, as the error stored when the
-# task failed); the reader thread never blocks on the store; in the modern era
-# the server never sends a request.
+# the only writer of the output stream).  The dispatcher is a composition of
+# parts with one job each: McpEras (the era and envelope of a request, the
+# handshakes), McpTaskMethods (tasks/*), McpToolCalls (the tools, tools/call),
+# McpClientRequests (our requests to the client) and McpTaskNotices (what the
+# client hears about its tasks).  Rules: each era has one method table
+# (McpDispatcher.methods), method -> handler and where it runs (the reader,
+# the waiting pool or the write pool), and nothing else decides either; no
+# SQL and no store locking here; every read of a task goes through
+# McpTaskMethods.task; errors reach the client only through to_jsonrpc_error,
+# which carries each class's extra data (or, for tasks/result, as the error
+# stored when the task failed); the reader thread never waits for work; in
+# the modern era the server never sends a request.
 
 MCP_PROTOCOL_VERSION = "2025-11-25"
 # Older revisions are served the way the 1.x SDK serves them: same
@@ -6462,10 +6469,10 @@ class McpServer:
     writes one per line to *outfile* until EOF or ``stop()``.  What each
     message means and what answers it is ``dispatcher``'s business (see
     McpDispatcher, which also says how the era is chosen); this class only
-    reads lines, runs the work the dispatcher describes on two bounded thread
-    pools (``max_waiting``; past either's limit a request is refused at once
-    with ServerBusy), follows this session's tasks in other processes, and
-    writes.  Tasks are run by this server's Runner (*workers* threads; it
+    reads lines, runs the work the dispatcher describes on the bounded thread
+    pool its method table names (``max_waiting``; past either pool's limit a
+    request is refused at once with ServerBusy), follows this session's tasks
+    in other processes, and writes.  Tasks are run by this server's Runner (*workers* threads; it
     renews this process's lease every *heartbeat_s* seconds).
 
     Example::
