@@ -7680,7 +7680,6 @@ class McpProtocolTests(McpTestBase):
         with self.assertRaises(taskstore.InvalidParams):
             server.add_tool("bad", square, task_support="sometimes")
 
-
     def hold_tool(self, task_support):
         """A tool that runs until the test releases it: ``(tool, started, release)``."""
         started, release = threading.Event(), threading.Event()
