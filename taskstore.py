@@ -6264,8 +6264,8 @@ class McpDispatcher:
         self.notices = McpTaskNotices(self)
         # The method tables: the only place that says what answers a method and
         # where it runs.  A method an era's table lacks is -32601.
-        #        method             handler                      where it runs
         self.methods = {
+            #   method              handler                       where it runs
             _LEGACY: {
                 "initialize":      (self.eras.initialize,         _READER),
                 "ping":            (self.eras.ping,               _READER),

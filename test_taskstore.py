@@ -7950,6 +7950,20 @@ class McpDispatcherTests(unittest.TestCase):
             with self.subTest(method=method, params=params, capabilities=capabilities):
                 self.assertEqual(placed(msg_id, method, params, capabilities), where)
 
+    def test_the_method_table_alone_says_what_answers_a_request_and_where(self):
+        table = self.dispatcher.methods["2025-11-25"]
+        handler, where = table["ping"]
+        self.assertEqual(where, "reader")
+        table["ping"] = (lambda request: {"pong": request.id}, "write")
+        [work] = self.receive(1, "ping")
+        self.assertEqual((work.kind, work.msg_id), ("write", 1))
+        self.assertEqual(work.run(), [{"jsonrpc": "2.0", "id": 1, "result": {"pong": 1}}])
+        del table["ping"]
+        [refused] = self.receive(2, "ping")
+        self.assertEqual(refused["error"]["code"], -32601)
+        self.assertNotIn("tasks/list", taskstore.McpDispatcher(
+            self.store, list_tasks=False).methods["2025-11-25"])
+
     def test_tasks_result_by_the_lessons_id_of_an_unfinished_task_is_waiting_work(self):
         """Issue 29: the lesson's {"id"} form was answered by receive itself, blocking the reader."""
         self.initialize()
