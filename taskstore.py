@@ -5029,11 +5029,18 @@ class Runner:
 # message in, the messages to send and the blocking work to run out; no
 # streams, no threads), McpServer moves lines (a reader thread, two bounded
 # pools that run the dispatcher's work, past which a request is refused, and
-# the only writer of the output stream).  Rules: no SQL and no store locking
-# here; errors reach the client only through to_jsonrpc_error, which carries
-# each class's extra data (or, for tasks/result, as the error stored when the
-# task failed); the reader thread never blocks on the store; in the modern era
-# the server never sends a request.
+# the only writer of the output stream).  The dispatcher is a composition of
+# parts with one job each: McpEras (the era and envelope of a request, the
+# handshakes), McpTaskMethods (tasks/*), McpToolCalls (the tools, tools/call),
+# McpClientRequests (our requests to the client) and McpTaskNotices (what the
+# client hears about its tasks).  Rules: each era has one method table
+# (McpDispatcher.methods), method -> handler and where it runs (the reader,
+# the waiting pool or the write pool), and nothing else decides either; no
+# SQL and no store locking here; every read of a task goes through
+# McpTaskMethods.task; errors reach the client only through to_jsonrpc_error,
+# which carries each class's extra data (or, for tasks/result, as the error
+# stored when the task failed); the reader thread never waits for work; in
+# the modern era the server never sends a request.
 
 MCP_PROTOCOL_VERSION = "2025-11-25"
 # Older revisions are served the way the 1.x SDK serves them: same
@@ -5048,16 +5055,17 @@ DEFAULT_MCP_TTL_MS = 3600 * 1000
 DEFAULT_MCP_POLL_INTERVAL_MS = 500
 DEFAULT_MCP_PAGE_SIZE = 50
 DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
-# Requests that only read the store (never block, never wait for a task) are
-# answered by McpDispatcher.receive itself, on the transport's reader thread;
-# the others come back as McpWork that the transport runs on two bounded pools
-# so that they never hold up the reader: requests that wait for work (a
-# tasks/result for an unfinished task, a tools/call run inline) on the waiting
-# pool, everything else that may write (and so wait for a busy file) on the
-# write pool.  Past either one's limit a request is refused at once with
-# ServerBusy.
-_QUICK_METHODS = frozenset(("ping", "tasks/get", "tasks/status", "tasks/list", "tools/list",
-                            "server/discover"))
+# Where a request runs, as the method tables (McpDispatcher.methods) say.  On
+# the transport's reader thread, answered by McpDispatcher.receive itself in
+# arrival order: what neither waits for work nor writes.  The rest comes back
+# as McpWork (its kind is the place) for two bounded pools, so that it never
+# holds up the reader: what waits for work (a tasks/result for an unfinished
+# task, a tools/call run inline) on the waiting pool; what may write (and so
+# wait for a busy file) on the write pool.  Past either one's limit a request
+# is refused at once with ServerBusy.
+_READER = "reader"
+_WAITING = "wait"
+_WRITING = "write"
 DEFAULT_MCP_MAX_WAITING = 64            # waiting requests served at once (--max-waiting)
 MCP_WRITE_THREADS = 8                   # threads of the write pool
 MCP_WRITE_BACKLOG = 1024                # write requests that may wait in line for one
@@ -5081,7 +5089,6 @@ _LESSON_ID_KEYS = ("taskId", "id")     # the lesson-era methods also take the le
 _MODERN_REPLACED = {"tasks/result": "poll tasks/get: it carries the result (or error) inline",
                     "tasks/status": "use tasks/get",
                     "tasks/list": "it has no listing; keep the task ids tools/call returns"}
-_WIRE_CACHE_SIZE = 1024                 # tasks whose encoded wire form tasks/get keeps
 _LEGACY = MCP_PROTOCOL_VERSION          # era names: the version each era is named after
 _MODERN = MCP_MODERN_VERSION
 
@@ -5187,36 +5194,6 @@ class UnsupportedProtocolVersion(TaskStoreError):
 def _error_message(msg_id, exc):
     """Return the JSON-RPC error response to request *msg_id* for *exc*."""
     return {"jsonrpc": "2.0", "id": msg_id, "error": to_jsonrpc_error(exc)}
-
-
-class _Encoded(dict):
-    """A JSON object that carries its own compact encoding (``text``, UTF-8 bytes).
-
-    Built only from content just encoded with ``dumps``; ``McpServer._send``
-    writes a response that is one as that text, without encoding it again (so
-    one whose content a caller changed says what it said before).  A
-    client's polling loop (tasks/get, again and again, of a task that has not
-    moved) is the server's hottest path, and building and encoding the same
-    Task anew was a fifth of the time of answering it.
-    """
-
-    __slots__ = ("text",)
-
-
-def _response(msg_id, result):
-    """Return the JSON-RPC response to request *msg_id* carrying *result*.
-
-    When *result* is ``_Encoded`` and the id an integer that any client can
-    hold (what clients send; other ids take the ordinary path, errors and
-    all), the response is ``_Encoded`` too: its text is the same bytes
-    ``dumps`` would produce, built around the result's text.
-    """
-    if type(result) is not _Encoded or type(msg_id) is not int or not (
-            -MAX_SAFE_INTEGER <= msg_id <= MAX_SAFE_INTEGER):
-        return {"jsonrpc": "2.0", "id": msg_id, "result": result}
-    response = _Encoded(jsonrpc="2.0", id=msg_id, result=result)
-    response.text = b'{"jsonrpc":"2.0","id":%d,"result":%s}' % (msg_id, result.text)
-    return response
 
 
 class _StoredError(Exception):
@@ -5528,23 +5505,6 @@ def _task_request(params):
     return None
 
 
-_LINE_DECODER = json.JSONDecoder()      # what json.loads uses when given no options
-
-
-def _decode_line(line):
-    """``json.loads(line)`` for a line of bytes, the usual case without its detours.
-
-    A line that begins ``{`` and then a byte other than NUL is UTF-8 to
-    ``json.loads`` (no BOM begins with ``{``; UTF-16 and -32 put NUL bytes
-    first or second): it is decoded as ``json.loads`` would, skipping its
-    argument checks and encoding detection (a tenth of answering a tasks/get).
-    Anything else goes to ``json.loads`` itself.
-    """
-    if line[:1] == b"{" and line[1:2] != b"\0":
-        return _LINE_DECODER.decode(line.decode("utf-8", "surrogatepass"))
-    return json.loads(line)
-
-
 def _message_kind(message):
     """Classify a decoded message as "request", "notification" or "response".
 
@@ -5722,7 +5682,7 @@ class ToolContext:
             else:
                 self._task_ctx.progress(value, total=total, message=message)
         elif self._progress_token is not None:
-            self._dispatcher._notify_progress(self._progress_token, value, total, message, None)
+            self._dispatcher.notices.progress(self._progress_token, value, total, message, None)
 
     def elicit(self, message, requested_schema):
         """Ask the user through the client (``elicitation/create``) and wait for the answer.
@@ -5762,7 +5722,7 @@ class ToolContext:
         if self._task_ctx is not None:
             answer = self._task_ctx.ask({"method": "elicitation/create", "params": params})
         else:
-            answer = self._dispatcher._request("elicitation/create", params, self.cancelled)
+            answer = self._dispatcher.requests.ask("elicitation/create", params, self.cancelled)
         return self._elicit_result(answer, requested_schema)
 
     @staticmethod
@@ -5787,10 +5747,11 @@ class ToolContext:
 class McpWork(typing.NamedTuple):
     """Work a request needs that may block, described for the transport to run.
 
-    ``McpDispatcher.receive`` returns one instead of a response when answering
-    would wait (``kind`` "wait": a tasks/result for an unfinished task, a
-    tools/call run inline) or write to a file that may be busy (``kind``
-    "write"), or when an answer to one of our requests must be handed to the
+    ``McpDispatcher.receive`` returns one instead of a response when the
+    method table places the request on a pool: ``kind`` "wait" (the waiting
+    pool: a tasks/result for an unfinished task, a tools/call run inline) or
+    "write" (the write pool: anything else that may write to a file that may
+    be busy); or when an answer to one of our requests must be handed to the
     work that waits for it (``kind`` "answer").  The transport calls ``run()``
     on a thread of its choosing and sends the messages it returns; ``msg_id``
     is the request's id, for the error the transport sends if it refuses the
@@ -5802,347 +5763,57 @@ class McpWork(typing.NamedTuple):
     run: object
 
 
-class McpDispatcher:
-    """The MCP protocol over a TaskStore, for both eras of MCP tasks, without I/O.
+class _McpRequest(typing.NamedTuple):
+    """One request as its handler sees it: the era that serves it, and its checked envelope.
 
-    ``receive(message)`` takes one decoded JSON-RPC message and returns what
-    to do: the messages to send at once (dicts) and ``McpWork`` for the
-    transport to run.  Messages that arise later on their own (progress and
-    status notifications, our elicitation requests "srv-N") go to ``send``,
-    a callable the transport supplies; by default they collect in
-    ``outbox``.  Nothing here reads or writes a stream or starts a thread;
-    what blocks (``McpWork.run``, ``handle_request`` of a waiting method,
-    a tool asking its user) blocks the caller's thread only.
-
-    The first request picks the era for the whole connection (``era``):
-    ``initialize`` -> 2025-11-25 (core tasks: a task-augmented
-    ``tools/call``); a request whose ``params._meta`` names
-    ``io.modelcontextprotocol/protocolVersion`` -> 2026-07-28 (the
-    ``io.modelcontextprotocol/tasks`` extension: the server makes a task of
-    every non-forbidden tool call of a client that declares it).  Either way
-    a task is a store task (kind ``mcp.tools/call``); a Runner given
-    ``run_task`` as that kind's handler runs it, and ``owner`` is that
-    Runner's ``process_id``.
-
-    Example (no pipes, no threads)::
-
-        dispatcher = McpDispatcher(store)
-        add_demo_tools(dispatcher)
-        dispatcher.receive({"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
-        # -> [{"jsonrpc": "2.0", "id": 1, "result": {"tools": [...]}}]
-        [work] = dispatcher.receive({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-                                     "params": {"name": "echo", "arguments": {"text": "hi"}}})
-        work.run()      # blocks while the tool runs (McpWork "wait")
-        # -> [{"jsonrpc": "2.0", "id": 2, "result": {"content": [...], "isError": false}}]
+    ``params`` is a dict (``{}`` when the request had none);
+    ``capabilities`` is this very request's clientCapabilities in
+    2026-07-28, None in 2025-11-25 (where ``initialize`` declared them once).
     """
 
-    def __init__(self, store, *, default_ttl_ms=DEFAULT_MCP_TTL_MS, max_ttl_ms=None,
-                 allow_unlimited_ttl=False, poll_interval_ms=DEFAULT_MCP_POLL_INTERVAL_MS,
-                 list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, name="taskstore",
-                 version=__version__, send=None):
-        self.store = store
-        self.default_ttl_ms = default_ttl_ms
-        self.max_ttl_ms = max_ttl_ms if max_ttl_ms is not None else store.max_ttl_ms
-        self.allow_unlimited_ttl = allow_unlimited_ttl
-        self.poll_interval_ms = poll_interval_ms
-        self.list_tasks = list_tasks
-        self.page_size = page_size
-        self.server_info = {"name": name, "version": version}
-        self.client_capabilities = {}
+    id: object
+    method: str
+    params: dict
+    era: str
+    capabilities: object
+
+
+def _declares_tasks(capabilities):
+    """True when this very 2026-07-28 request declares the tasks extension.
+
+    Never remembered from an earlier request: in 2026-07-28 each request
+    carries its own capabilities, and a client may drop the extension.
+    """
+    extensions = capabilities.get("extensions")
+    return isinstance(extensions, dict) and TASKS_EXTENSION in extensions
+
+
+class McpEras:
+    """Choose the era of each request, open its envelope, and answer the handshakes.
+
+    The first request picks the era for the whole connection (``era``):
+    ``initialize`` -> 2025-11-25; a request whose ``params._meta`` names
+    ``io.modelcontextprotocol/protocolVersion`` -> 2026-07-28.  Anything else
+    before either is served as 2025-11-25 was before this server knew two
+    eras, without locking.  ``open`` turns a request of the chosen era into
+    an ``_McpRequest`` and finds its row in that era's method table;
+    ``finish`` puts the era's envelope on a result.
+    """
+
+    def __init__(self, mcp):
+        self._mcp = mcp                     # the dispatcher: server_info, list_tasks
         self.era = None                     # "2025-11-25" or "2026-07-28" once chosen
-        self.tools = {}
-        self.outbox = []
-        self.send = send if send is not None else self.outbox.append
-        self.owner = None                   # the Runner's process_id, recorded on each task
-        # Set when the connection ends: waits (tasks/result, a tool's question)
-        # give up, and the transport stops sending anything but answers.
-        self.closing = threading.Event()
-        # Set whenever a task joins those followed (see followed()), so that
-        # whoever follows them stops sleeping.
-        self.follow_wake = threading.Event()
-        # Tasks created here carry this id in their meta, so that only this
-        # connection's client hears their notifications and input requests.
-        self._session = secrets.token_hex(8)
-        self._lock = threading.Lock()       # guards the dicts and sets below; never held long
-        self._pending = {}                  # our request id -> (task id or None, callback)
-        self._inline = {}                   # client request id -> ToolContext of an inline call
-        self._sent = {}                     # task id -> (version, MCP status, progress) notified
-        # Status notifications follow each task's event log, told once and in
-        # order whether this process moved the task (on_change) or another one
-        # did (moved): see _tell_status.
-        self._told = {}                     # task id -> (last event seq handled, MCP status told)
-        self._followed = set()              # this session's tasks not yet told terminal
-        self._notify_lock = threading.Lock()    # one teller at a time; taken before _lock
-        self._requests_sent = 0             # our requests' ids are "srv-1", "srv-2", ...
-        self._wires = {}                    # task id -> (version, wire Task, its JSON): _tasks_get
-        # method -> fn(params, request_id) -> result
-        self._methods = {
-            "initialize": self._initialize,
-            "ping": lambda params, _: {},
-            "tools/list": lambda params, _: {"tools": [t.to_wire() for t in self.tools.values()]},
-            "tools/call": self._tools_call,
-            "tasks/get": self._tasks_get,
-            "tasks/status": self._tasks_status,
-            "tasks/result": self._tasks_result,
-            "tasks/cancel": self._tasks_cancel,
-        }
-        if list_tasks:
-            self._methods["tasks/list"] = self._tasks_list
-        # 2026-07-28: method -> fn(params, request_id, client_capabilities) -> result.
-        # Absent on purpose (-32601): tasks/result, tasks/list, tasks/status, ping.
-        self._modern_methods = {
-            "server/discover": self._discover,
-            "initialize": self._initialize_modern,
-            "tools/list": lambda params, _, caps: {
-                "tools": [t.to_wire(_MODERN) for t in self.tools.values()],
-                "ttlMs": 0, "cacheScope": "private"},
-            "tools/call": self._tools_call_modern,
-            "tasks/get": self._tasks_get_modern,
-            "tasks/update": self._tasks_update_modern,
-            "tasks/cancel": self._tasks_cancel_modern,
-        }
+        self.client_capabilities = {}       # 2025-11-25: what initialize declared
+        self._lock = threading.Lock()
 
-    # -- tool registration ---------------------------------------------------
-
-    def add_tool(self, name, handler, *, description="", input_schema=None,
-                 task_support="forbidden"):
-        """Register a tool; see ``McpTool`` for the handler's contract.
-
-        Raises:
-            InvalidParams: *task_support* is not forbidden, optional or required.
-        """
-        if task_support not in TASK_SUPPORT:
-            raise InvalidParams(f"task_support must be one of {', '.join(TASK_SUPPORT)}",
-                                param="task_support")
-        tool = McpTool(name, handler, description,
-                       input_schema if input_schema is not None else {"type": "object"},
-                       task_support)
-        self.tools[name] = tool
-        return tool
-
-    def tool(self, name=None, **options):
-        """Decorator form of ``add_tool``; the name defaults to the function's."""
-        def register(handler):
-            self.add_tool(name or handler.__name__, handler,
-                          description=options.pop("description", handler.__doc__ or ""),
-                          **options)
-            return handler
-        return register
-
-    # -- messages in, messages out ---------------------------------------------
-
-    def receive_line(self, line):
-        """Decode one line (bytes, without caring for its newline) and ``receive`` it.
-
-        A line that is not JSON gets -32700, one that JSON cannot carry
-        safely (too deep, an unpaired surrogate) -32600, both with id null:
-        the id itself may be unusable.
-        """
-        try:
-            message = _decode_line(line)
-        except (ValueError, RecursionError):    # bad UTF-8; RecursionError: a nesting bomb
-            return [_error_message(None, ParseError("parse error: not JSON"))]
-        problem = _json_problem(message, text=line)
-        if problem is not None:
-            return [_error_message(None, InvalidRequest(f"the message {problem}"))]
-        return self.receive(message)
-
-    def too_long(self, limit):
-        """Return the answer to a line longer than *limit* bytes (dropped unread)."""
-        return [_error_message(None, InvalidRequest(f"message exceeds {limit} bytes"))]
-
-    def receive(self, message):
-        """Take one decoded message; return the messages to send now and the work to run.
-
-        Each item is a JSON-RPC message (a dict, to send as it is) or an
-        ``McpWork``.  A request that never waits is answered here and now,
-        in arrival order; one that may wait or write comes back as work.  A
-        notification returns nothing; a response to one of our requests
-        returns the work that hands it to whoever waits for it.
-        """
-        try:
-            kind = _message_kind(message)
-        except InvalidRequest as exc:
-            msg_id = message.get("id") if isinstance(message, dict) else None
-            valid_id = isinstance(msg_id, (str, int)) and not isinstance(msg_id, bool)
-            return [_error_message(msg_id if valid_id else None, exc)]
-        if kind == "response":
-            with self._lock:
-                entry = self._pending.pop(message["id"], None)
-            if entry is None:
-                self._answer_not_awaited(message["id"])
-                return []
-            callback = entry[1]
-
-            def answer():                   # it may write to the store: work
-                callback(message)
-                return []
-            return [McpWork("answer", None, answer)]
-        if kind == "notification":
-            self._notification(message)
-            return []
-        # The era is decided here, in arrival order, not on the work's thread.
-        try:
-            era = self._select_era(message)
-        except TaskStoreError as exc:
-            era = exc
-        work = self._work_kind(message, era)
-        if work is None:
-            response = self.handle_request(message, era)
-            return [] if response is None else [response]
-
-        def run():
-            response = self.handle_request(message, era)
-            return [] if response is None else [response]
-        return [McpWork(work, message["id"], run)]
-
-    def _work_kind(self, message, era):
-        """Return the McpWork kind of a request ("wait" or "write"), or None to answer at once.
-
-        None for reads that never wait and for anything answered at once with
-        an error; "wait" for a tasks/result whose task MCP does not show as
-        finished and for a tools/call that runs inline; "write" for the rest
-        (creating a task, cancel, update, initialize).
-        """
-        method = message.get("method")
-        if method in _QUICK_METHODS or isinstance(era, Exception) or (
-                method not in self._methods and method not in self._modern_methods):
-            return None
-        params = message.get("params")
-        params = params if isinstance(params, dict) else {}
-        if method == "tasks/result":
-            try:
-                finished = mcp_status(self._get_task(params, summary=True)) in _MCP_TERMINAL
-            except TaskStoreError:
-                return None                 # answered at once with the same error
-            return None if finished else "wait"
-        if method == "tools/call" and self._runs_inline(params, era):
-            return "wait"
-        return "write"
-
-    def _runs_inline(self, params, era):
-        """True when a tools/call will run its tool inline (as ``_tools_call*`` decide)."""
-        name = params.get("name")
-        tool = self.tools.get(name) if isinstance(name, str) else None
-        if tool is None:
-            return False                    # -32602 at once
-        if era == _MODERN:
-            capabilities = params["_meta"].get(META_CLIENT_CAPABILITIES)
-            return (not isinstance(capabilities, dict) or not self._declares_tasks(capabilities)
-                    or tool.task_support == "forbidden")
-        try:
-            return _task_request(params) is None
-        except TaskStoreError:
-            return False                    # -32602 at once
-
-
-    def close(self):
-        """End the connection's waits: inline calls are cancelled, waits give up.
-
-        Safe to call more than once; the transport calls it at EOF.
-        """
-        self.closing.set()
-        with self._lock:
-            inline = list(self._inline.values())
-        for ctx in inline:
-            ctx.cancelled.set()
-        self.follow_wake.set()
-
-    def _notify(self, method, params):
-        self.send({"jsonrpc": "2.0", "method": method, "params": params})
-
-    def _request_id_locked(self):
-        # A space of their own ("srv-N"), so that a server request's id never
-        # equals one of the client's ids: neither in a log nor in a client's
-        # matching of answers.
-        self._requests_sent += 1
-        return f"srv-{self._requests_sent}"
-
-
-    def _answer_not_awaited(self, msg_id):
-        """Log a response that no request of ours waits for: a late answer, or a mistake."""
-        number = msg_id[4:] if isinstance(msg_id, str) and msg_id.startswith("srv-") else ""
-        if number.isdigit() and number[0] != "0" and int(number) <= self._requests_sent:
-            # Ours, no longer awaited: answered already, or its task ended first.
-            logger.info("dropped an answer to request %r: it was answered already or its "
-                        "task ended", msg_id)
-        else:
-            logger.warning("dropped an answer to id %r: this server sent no request with that "
-                           "id (its requests have string ids \"srv-1\", \"srv-2\", ...)", msg_id)
-
-
-    def _request(self, method, params, cancelled):
-        """Send a request to the client; block until it answers; return the response.
-
-        Runs on the thread of the work that asks (an inline tool call); the
-        answer arrives through ``receive`` as ``McpWork`` of kind "answer".
-
-        Raises:
-            Cancelled: *cancelled* was set, or the connection ends, before the answer.
-        """
-        answers = queue.Queue(1)
-        with self._lock:
-            request_id = self._request_id_locked()
-            self._pending[request_id] = (None, answers.put)
-        self.send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
-        while True:
-            try:
-                return answers.get(timeout=0.1)
-            except queue.Empty:
-                if cancelled.is_set() or self.closing.is_set():
-                    with self._lock:
-                        self._pending.pop(request_id, None)
-                    raise Cancelled() from None
-
-    # -- requests: method tables, errors, eras ----------------------------------
-
-    def handle_request(self, message, era=_UNSET):
-        """Answer one decoded JSON-RPC request; return the response (None: no answer).
-
-        Blocks while the method does (``tasks/result``, inline tool calls):
-        ``receive`` calls it at once only for requests that never wait, and
-        otherwise wraps it in McpWork.  *era* is what ``_select_era`` said for
-        this message (computed here when not given).
-        """
-        msg_id = message.get("id")
-        try:
-            if era is _UNSET:
-                era = self._select_era(message)
-            if isinstance(era, Exception):
-                raise era
-            if era == _MODERN:
-                result = self._handle_modern(message)
-                if result is _NO_RESPONSE:
-                    return None
-                return {"jsonrpc": "2.0", "id": msg_id, "result": result}
-            method = self._methods.get(message.get("method"))
-            if method is None:
-                raise MethodNotFound(f"method not found: {_echo(message.get('method'))}")
-            params = message.get("params", {})
-            if params is None:
-                params = {}
-            if not isinstance(params, dict):
-                raise InvalidParams("params must be an object", param="params")
-            result = method(params, msg_id)
-        except _StoredError as exc:
-            return {"jsonrpc": "2.0", "id": msg_id, "error": exc.error}
-        except Exception as exc:
-            if not isinstance(exc, TaskStoreError):
-                logger.exception("internal error in %s", message.get("method"))
-            return _error_message(msg_id, exc)
-        if result is _NO_RESPONSE:
-            return None
-        return _response(msg_id, result)
-
-    def _select_era(self, message):
+    def select(self, message):
         """Return the era that serves *message*, locking the connection's era.
 
         ``initialize`` locks 2025-11-25; a request carrying the 2026-07-28
         envelope (``params._meta`` with a served protocolVersion) locks
-        2026-07-28.  Anything else before either is served as 2025-11-25 was
-        before this server knew two eras, without locking.  An envelope naming
-        a version not served is -32022 and locks nothing, so the client may
-        still retry or fall back to ``initialize``.
+        2026-07-28.  An envelope naming a version not served is -32022 and
+        locks nothing, so the client may still retry or fall back to
+        ``initialize``.
 
         Raises:
             UnsupportedProtocolVersion: -32022 (also ``initialize`` once modern).
@@ -6182,41 +5853,68 @@ class McpDispatcher:
                 self.era = _LEGACY
             return _LEGACY
 
-    # -- the 2026-07-28 era (the io.modelcontextprotocol/tasks extension) -------
+    def open(self, message, era, table):
+        """Return ``(request, row)``: *message* as an ``_McpRequest`` of *era*, its *table* row.
 
-    def _handle_modern(self, message):
-        """Answer one 2026-07-28 request; return its result (``resultType`` always set)."""
-        params = message["params"]
-        capabilities = params["_meta"].get(META_CLIENT_CAPABILITIES)
-        if not isinstance(capabilities, dict):
-            raise InvalidParams(f"params._meta[{META_CLIENT_CAPABILITIES!r}] must be an object",
-                                param=META_CLIENT_CAPABILITIES)
-        method = self._modern_methods.get(message.get("method"))
-        if method is None:
-            hint = _MODERN_REPLACED.get(message.get("method"))
+        Raises:
+            InvalidParams: 2026-07-28 without clientCapabilities; params not an object.
+            MethodNotFound: a method *table* does not hold (in 2026-07-28, one the
+                era dropped says where its answer went).
+        """
+        method, params = message.get("method"), message.get("params")
+        capabilities = None
+        if era == _MODERN:
+            capabilities = params["_meta"].get(META_CLIENT_CAPABILITIES)
+            if not isinstance(capabilities, dict):
+                raise InvalidParams(f"params._meta[{META_CLIENT_CAPABILITIES!r}] must be an "
+                                    "object", param=META_CLIENT_CAPABILITIES)
+        row = table.get(method) if isinstance(method, str) else None
+        if row is None:
+            hint = _MODERN_REPLACED.get(method) if era == _MODERN and isinstance(method, str) \
+                else None
             if hint is not None:
-                raise MethodNotFound(f"method not found: {_echo(message['method'])} is not part of "
+                raise MethodNotFound(f"method not found: {_echo(method)} is not part of "
                                      f"MCP {_MODERN}; {hint}")
-            raise MethodNotFound(f"method not found: {_echo(message.get('method'))}")
-        result = method(params, message.get("id"), capabilities)
-        if result is _NO_RESPONSE:
+            raise MethodNotFound(f"method not found: {_echo(method)}")
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise InvalidParams("params must be an object", param="params")
+        return _McpRequest(message.get("id"), method, params, era, capabilities), row
+
+    def finish(self, request, result):
+        """Return *result* in its era's envelope (2026-07-28: ``resultType``, serverInfo)."""
+        if request.era != _MODERN or result is _NO_RESPONSE:
             return result
         result = dict(result)
         result.setdefault("resultType", "complete")
-        result["_meta"] = {**(result.get("_meta") or {}), META_SERVER_INFO: self.server_info}
+        result["_meta"] = {**(result.get("_meta") or {}), META_SERVER_INFO: self._mcp.server_info}
         return result
 
+    # -- the handshakes: method handlers of both eras ---------------------------
+
+    def initialize(self, request):
+        """2025-11-25 ``initialize``: remember the client's capabilities, declare ours."""
+        params = request.params
+        requested = params.get("protocolVersion")
+        version = requested if requested in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSION
+        capabilities = params.get("capabilities")
+        self.client_capabilities = capabilities if isinstance(capabilities, dict) else {}
+        tasks = {"cancel": {}, "requests": {"tools": {"call": {}}}}
+        if self._mcp.list_tasks:
+            tasks["list"] = {}
+        return {"protocolVersion": version,
+                "capabilities": {"tools": {"listChanged": False}, "tasks": tasks},
+                "serverInfo": self._mcp.server_info}
+
     @staticmethod
-    def _declares_tasks(capabilities):
-        """True when this very request declares the tasks extension.
+    def ping(request):
+        """2025-11-25 ``ping``."""
+        return {}
 
-        Never remembered from an earlier request: in 2026-07-28 each request
-        carries its own capabilities, and a client may drop the extension.
-        """
-        extensions = capabilities.get("extensions")
-        return isinstance(extensions, dict) and TASKS_EXTENSION in extensions
-
-    def _discover(self, params, _, capabilities):
+    @staticmethod
+    def discover(request):
+        """2026-07-28 ``server/discover``."""
         # Everything a modern client checks, answered at once: a client that hears
         # nothing waits out a 10 s probe before it falls back to initialize.
         return {"supportedVersions": list(MCP_SUPPORTED_VERSIONS),
@@ -6224,11 +5922,213 @@ class McpDispatcher:
                                  "extensions": {TASKS_EXTENSION: {}}},
                 "ttlMs": 0, "cacheScope": "private"}
 
-    def _initialize_modern(self, params, _, capabilities):
-        raise UnsupportedProtocolVersion(params.get("protocolVersion"), MCP_MODERN_VERSIONS)
+    @staticmethod
+    def refuse_initialize(request):
+        """2026-07-28 ``initialize`` (in the envelope): that era has no handshake (-32022)."""
+        raise UnsupportedProtocolVersion(request.params.get("protocolVersion"),
+                                         MCP_MODERN_VERSIONS)
 
-    def _lookup_tool(self, params):
-        """Return ``(tool, arguments)`` of a tools/call, checked (-32602 naming the field)."""
+
+class McpTaskMethods:
+    """The tasks/* methods of both eras: read, wait for, cancel, list and answer for a task.
+
+    Every method reads the task it names through ``task`` (one
+    ``TaskStore.get``) and shows it through its era's one projection
+    (``mcp_task_to_wire``, ``mcp_task_to_modern_wire``).  2025-11-25's
+    tasks/status, tasks/result and tasks/cancel also take the lesson's
+    ``id`` for ``taskId``.
+    """
+
+    def __init__(self, mcp):
+        self._mcp = mcp     # the dispatcher: store, poll_interval_ms, page_size, closing
+
+    def task(self, params, keys=("taskId",)):
+        """Return the MCP task *params* name (under the first of *keys* present).
+
+        Raises:
+            InvalidParams: no id, or not a string.
+            TaskNotFound: no such task, or one another adapter created.
+            TaskExpired: the task has expired.
+        """
+        task_id = next((params[key] for key in keys if key in params), None)
+        if not isinstance(task_id, str):
+            raise InvalidParams("taskId must be a string", param="taskId")
+        task = self._mcp.store.get(task_id)
+        if task.kind != MCP_TASK_KIND:      # another adapter's task is not an MCP task
+            raise TaskNotFound(task_id)
+        return task
+
+    # -- 2025-11-25 --------------------------------------------------------------
+
+    def get(self, request):
+        """tasks/get: the Task."""
+        return mcp_task_to_wire(self.task(request.params), self._mcp.poll_interval_ms)
+
+    def status(self, request):
+        """tasks/status, the lesson's poll method: tasks/get plus its id/state mirror fields."""
+        wire = mcp_task_to_wire(self.task(request.params, _LESSON_ID_KEYS),
+                                self._mcp.poll_interval_ms)
+        return {**wire, "id": wire["taskId"], "state": wire["status"]}
+
+    def finished(self, request):
+        """True when the task a tasks/result names is one MCP shows as finished.
+
+        Reads the task as ``result`` does, so the method table and the
+        handler never disagree about which task that is.
+
+        Raises what ``task`` raises.
+        """
+        return mcp_status(self.task(request.params, _LESSON_ID_KEYS)) in _MCP_TERMINAL
+
+    def result(self, request):
+        """tasks/result: wait until the task is finished; answer its outcome."""
+        task = self.task(request.params, _LESSON_ID_KEYS)
+        closing = self._mcp.closing
+        while mcp_status(task) not in _MCP_TERMINAL:
+            if closing.is_set():
+                raise StoreClosed("the server is shutting down")
+            # Bounded waits so that shutdown is noticed; in-process changes wake it at once.
+            task = self._mcp.store.wait(task.id, timeout=0.25, since_version=task.version)
+        if closing.is_set():
+            # Stopping, and read after the stop began: what the task shows now may be the
+            # shutdown's own CRASH_RECOVERY, so every answer not given yet is this one.
+            raise StoreClosed("the server is shutting down")
+        result, error = _task_payload(task)
+        if error is not None:
+            raise _StoredError(error)
+        return result
+
+    def cancel(self, request):
+        """tasks/cancel: the cancelled Task; a task MCP shows as terminal is -32602."""
+        task = self.task(request.params, _LESSON_ID_KEYS)
+        try:
+            # 2025-11-25: a cancel of a task in a terminal status is -32602, and
+            # what counts is what MCP shows: cancelling is "cancelled" too.
+            task = self._mcp.store.cancel(task.id, refuse_repeat=True)
+        except NotCancelable as exc:
+            # Same error class, MCP's word for the status in its message.
+            raise NotCancelable(task.id, mcp_status(exc.state)) from None
+        return mcp_task_to_wire(task, self._mcp.poll_interval_ms)
+
+    def list(self, request):
+        """tasks/list: a page of Tasks, newest first, and the next page's cursor."""
+        mcp = self._mcp
+        tasks, next_cursor = mcp.store.list(kind=MCP_TASK_KIND, limit=mcp.page_size,
+                                            cursor=request.params.get("cursor"))
+        result = {"tasks": [mcp_task_to_wire(t, mcp.poll_interval_ms) for t in tasks]}
+        if next_cursor is not None:
+            result["nextCursor"] = next_cursor
+        return result
+
+    # -- 2026-07-28 (the io.modelcontextprotocol/tasks extension) ----------------
+
+    def _modern_task(self, request, legacy_ok):
+        """Return the task a modern tasks/* request names, after the -32021 gate.
+
+        A request that does not declare the extension but declares the
+        legacy ``tasks`` capability may read or cancel (``legacy_ok``) a task
+        created in the 2025-11-25 era, so a client that upgrades mid-task
+        still reaches it; anything else undeclared is -32021.
+        """
+        capabilities = request.capabilities
+        if _declares_tasks(capabilities):
+            return self.task(request.params)
+        if legacy_ok and isinstance(capabilities.get("tasks"), dict):
+            with contextlib.suppress(TaskStoreError):
+                task = self.task(request.params)
+                if task.meta.get("era", _LEGACY) == _LEGACY:
+                    return task
+        raise MissingClientCapability()
+
+    def get_modern(self, request):
+        """tasks/get: the DetailedTask (its result, error or input requests inline)."""
+        return mcp_task_to_modern_wire(self._modern_task(request, legacy_ok=True),
+                                       self._mcp.poll_interval_ms)
+
+    def update(self, request):
+        """tasks/update: hand the task the answers to its input requests; an empty ack."""
+        # Answers for outstanding keys are stored -- and so retired -- before the
+        # ack, so a client that polls after the ack never sees the question again;
+        # unknown, stale or repeated keys are ignored (a retry must be harmless).
+        task = self._modern_task(request, legacy_ok=False)
+        responses = request.params.get("inputResponses")
+        if not isinstance(responses, dict):
+            raise InvalidParams("inputResponses must be an object", param="inputResponses")
+        pending = mcp_task_to_modern_wire(task, self._mcp.poll_interval_ms).get(
+            "inputRequests", {})
+        for key, response in responses.items():
+            if key not in pending:
+                continue
+            if not isinstance(response, dict):
+                raise InvalidParams(f"inputResponses[{key!r}] must be an object",
+                                    param="inputResponses")
+            try:
+                self._mcp.store.provide_input(task.id, {"result": response})
+            except InvalidTransition:       # answered, cancelled or ended meanwhile
+                logger.debug("input for %s dropped: it is no longer waiting", task.id)
+        return {}
+
+    def cancel_modern(self, request):
+        """tasks/cancel: an empty ack, whatever the task's status."""
+        # A plain ack: a terminal task stays as it is and is no error, because
+        # the client cannot know whether the task ended before its cancel arrived.
+        task = self._modern_task(request, legacy_ok=True)
+        if not task.terminal:
+            with contextlib.suppress(NotCancelable):
+                self._mcp.store.cancel(task.id)
+        return {}
+
+
+class McpToolCalls:
+    """The tools: their registry, tools/list, and tools/call run inline or as a task.
+
+    ``plan`` is the one place that decides how a call runs (inline, or as a
+    task, or refused); the method table places the call by it and ``call``
+    runs it by it.  A task runs later on a Runner, through ``run_task``.
+    """
+
+    def __init__(self, mcp):
+        self._mcp = mcp     # the dispatcher: store, owner, ttl settings, session, notices
+        self.tools = {}
+        self._lock = threading.Lock()
+        self._inline = {}                   # client request id -> ToolContext of an inline call
+
+    def add_tool(self, name, handler, *, description="", input_schema=None,
+                 task_support="forbidden"):
+        """Register a tool; see ``McpTool`` for the handler's contract.
+
+        Raises:
+            InvalidParams: *task_support* is not forbidden, optional or required.
+        """
+        if task_support not in TASK_SUPPORT:
+            raise InvalidParams(f"task_support must be one of {', '.join(TASK_SUPPORT)}",
+                                param="task_support")
+        tool = McpTool(name, handler, description,
+                       input_schema if input_schema is not None else {"type": "object"},
+                       task_support)
+        self.tools[name] = tool
+        return tool
+
+    def list(self, request):
+        """tools/list, in the request's era (2026-07-28 adds its cache hints)."""
+        result = {"tools": [t.to_wire(request.era) for t in self.tools.values()]}
+        if request.era == _MODERN:
+            result.update(ttlMs=0, cacheScope="private")
+        return result
+
+    def plan(self, request):
+        """Decide how a tools/call runs: return ``(tool, arguments, task)``.
+
+        *task* is None for a call run inline, else ``(ttl, legacy)``: the ttl
+        asked for (``_UNSET`` when none) and whether the answer carries the
+        lesson's ``_meta.task`` mirror.
+
+        Raises:
+            InvalidParams: an unknown tool, or arguments that break its schema.
+            MethodNotFound: 2025-11-25, a call that breaks the tool's taskSupport.
+            MissingClientCapability: 2026-07-28, a task-only tool without the extension.
+        """
+        params = request.params
         name = params.get("name")
         tool = self.tools.get(name) if isinstance(name, str) else None
         if tool is None:
@@ -6238,106 +6138,49 @@ class McpDispatcher:
             arguments = {}
         if not isinstance(arguments, dict):
             raise InvalidParams("arguments must be an object", param="arguments")
-        return tool, arguments
-
-    def _tools_call_modern(self, params, msg_id, capabilities):
-        # The extension lets the server decide, so params.task is never read: a
-        # client declaring the extension gets a task for every tool that is not
-        # "forbidden".
-        tool, arguments = self._lookup_tool(params)
-        declared = self._declares_tasks(capabilities)
-        if not declared and tool.task_support == "required":
-            raise MissingClientCapability(
-                f"Tool {tool.name} runs only as a task: declare the {TASKS_EXTENSION} extension")
+        if request.era == _MODERN:
+            # The extension lets the server decide, so params.task is never read: a
+            # client declaring the extension gets a task for every tool that is not
+            # "forbidden".
+            declared = _declares_tasks(request.capabilities)
+            if not declared and tool.task_support == "required":
+                raise MissingClientCapability(f"Tool {tool.name} runs only as a task: "
+                                              f"declare the {TASKS_EXTENSION} extension")
+            check_arguments(tool, arguments)
+            inline = not declared or tool.task_support == "forbidden"
+            return tool, arguments, None if inline else (_UNSET, False)
+        task = _task_request(params)
+        if task is not None and task[2] and tool.task_support == "forbidden":
+            task = None                     # the lesson's "the server decides": inline
+        # taskSupport violations are -32601 (the specification's word), never a tool
+        # result: the model must not read them as the tool's answer.
+        if task is not None and tool.task_support == "forbidden":
+            raise MethodNotFound(f"Tool {tool.name} does not support task-augmented execution")
+        if task is None and tool.task_support == "required":
+            raise MethodNotFound(f"Tool {tool.name} requires task-augmented execution")
         check_arguments(tool, arguments)
-        if not declared or tool.task_support == "forbidden":
-            token = params["_meta"].get("progressToken")
-            return self._call_inline(tool, arguments, token, msg_id, era=_MODERN,
-                                     capabilities=capabilities)
-        task = self.store.create(MCP_TASK_KIND, {"name": tool.name, "arguments": arguments},
-                                 ttl_ms=self._grant_ttl(_UNSET),
-                                 meta={"session": self._session, "progressToken": None,
-                                       "legacy": False, "era": _MODERN,
-                                       "capabilities": capabilities},
-                                 owner=self.owner)
-        # Committed above: a tasks/get for this id resolves from now on.
-        return mcp_task_to_modern_wire(task, self.poll_interval_ms, created=True)
+        return tool, arguments, None if task is None else task[:2]
 
-    def _modern_task(self, params, capabilities, legacy_ok):
-        """Return the task a modern tasks/* request names, after the -32021 gate.
-
-        A request that does not declare the extension but declares the
-        legacy ``tasks`` capability may read or cancel (``legacy_ok``) a task
-        created in the 2025-11-25 era, so a client that upgrades mid-task
-        still reaches it; anything else undeclared is -32021.
-        """
-        if self._declares_tasks(capabilities):
-            return self._get_task(params)
-        if legacy_ok and isinstance(capabilities.get("tasks"), dict):
-            with contextlib.suppress(TaskStoreError):
-                task = self._get_task(params)
-                if task.meta.get("era", _LEGACY) == _LEGACY:
-                    return task
-        raise MissingClientCapability()
-
-    def _tasks_get_modern(self, params, _, capabilities):
-        task = self._modern_task(params, capabilities, legacy_ok=True)
-        return mcp_task_to_modern_wire(task, self.poll_interval_ms)
-
-    def _tasks_update_modern(self, params, _, capabilities):
-        # Answers for outstanding keys are stored -- and so retired -- before the
-        # ack, so a client that polls after the ack never sees the question again;
-        # unknown, stale or repeated keys are ignored (a retry must be harmless).
-        task = self._modern_task(params, capabilities, legacy_ok=False)
-        responses = params.get("inputResponses")
-        if not isinstance(responses, dict):
-            raise InvalidParams("inputResponses must be an object", param="inputResponses")
-        pending = mcp_task_to_modern_wire(task, self.poll_interval_ms).get("inputRequests", {})
-        for key, response in responses.items():
-            if key not in pending:
-                continue
-            if not isinstance(response, dict):
-                raise InvalidParams(f"inputResponses[{key!r}] must be an object",
-                                    param="inputResponses")
-            try:
-                self.store.provide_input(task.id, {"result": response})
-            except InvalidTransition:       # answered, cancelled or ended meanwhile
-                logger.debug("input for %s dropped: it is no longer waiting", task.id)
-        return {}
-
-    def _tasks_cancel_modern(self, params, _, capabilities):
-        # A plain ack: a terminal task stays as it is and is no error, because
-        # the client cannot know whether the task ended before its cancel arrived.
-        task = self._modern_task(params, capabilities, legacy_ok=True)
-        if not task.terminal:
-            with contextlib.suppress(NotCancelable):
-                self.store.cancel(task.id)
-        return {}
-
-    def _notification(self, message):
-        params = message.get("params") if isinstance(message.get("params"), dict) else {}
-        if message["method"] == "notifications/cancelled":
-            # Only inline calls: MCP forbids notifications/cancelled for tasks.
-            request_id = params.get("requestId")
-            if not isinstance(request_id, (str, int)):      # e.g. a list: unhashable
-                return
-            with self._lock:
-                ctx = self._inline.get(request_id)
-            if ctx is not None:
-                ctx.cancelled.set()
-        # notifications/initialized and anything unknown need nothing.
-
-    def _initialize(self, params, _):
-        requested = params.get("protocolVersion")
-        version = requested if requested in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSION
-        capabilities = params.get("capabilities")
-        self.client_capabilities = capabilities if isinstance(capabilities, dict) else {}
-        tasks = {"cancel": {}, "requests": {"tools": {"call": {}}}}
-        if self.list_tasks:
-            tasks["list"] = {}
-        return {"protocolVersion": version,
-                "capabilities": {"tools": {"listChanged": False}, "tasks": tasks},
-                "serverInfo": self.server_info}
+    def call(self, request):
+        """tools/call: the tool's CallToolResult inline, or the created task."""
+        tool, arguments, task = self.plan(request)
+        meta = request.params.get("_meta")
+        token = meta.get("progressToken") if isinstance(meta, dict) else None
+        if task is None:
+            return self._call_inline(tool, arguments, token, request)
+        mcp = self._mcp
+        ttl, legacy = task
+        meta = {"session": mcp._session, "progressToken": token, "legacy": legacy,
+                "era": request.era}
+        if request.era == _MODERN:          # polled: no progress notifications
+            meta.update(progressToken=None, capabilities=request.capabilities)
+        created = mcp.store.create(MCP_TASK_KIND, {"name": tool.name, "arguments": arguments},
+                                   ttl_ms=self._grant_ttl(ttl), meta=meta, owner=mcp.owner)
+        # Committed: a tasks/get for this id resolves from now on.
+        if request.era == _MODERN:
+            return mcp_task_to_modern_wire(created, mcp.poll_interval_ms, created=True)
+        mcp.notices.follow(created.id)      # another process may run it: follow its events
+        return _create_task_result(created, mcp.poll_interval_ms, legacy)
 
     def _grant_ttl(self, requested):
         """Return the ttl granted: the default when absent, capped, null only if allowed.
@@ -6345,14 +6188,15 @@ class McpDispatcher:
         The specification lets the receiver override a requested ttl; a cap
         keeps one client from pinning rows in the file forever.
         """
-        cap = self.max_ttl_ms
+        mcp = self._mcp
+        cap = mcp.max_ttl_ms
 
         def capped(ttl):
             return ttl if cap is None or ttl is None else min(ttl, cap)
         if requested is _UNSET:
-            return capped(self.default_ttl_ms)
+            return capped(mcp.default_ttl_ms)
         if requested is None:
-            return None if self.allow_unlimited_ttl else capped(cap or self.default_ttl_ms)
+            return None if mcp.allow_unlimited_ttl else capped(cap or mcp.default_ttl_ms)
         if isinstance(requested, bool) or not isinstance(requested, (int, float)) \
                 or (isinstance(requested, float) and not math.isfinite(requested)):
             raise InvalidParams("task.ttl must be a number of milliseconds or null", param="ttl")
@@ -6365,49 +6209,33 @@ class McpDispatcher:
             raise InvalidParams(f"task.ttl must be at most {MAX_SAFE_INTEGER}", param="ttl")
         return granted
 
-    def _tools_call(self, params, msg_id):
-        tool, arguments = self._lookup_tool(params)
-        name = tool.name
-        task_request = _task_request(params)
-        if task_request is not None and task_request[2] and tool.task_support == "forbidden":
-            task_request = None             # the lesson's "the server decides": inline
-        # taskSupport violations are -32601 (the specification's word), never a tool
-        # result: the model must not read them as the tool's answer.
-        if task_request is not None and tool.task_support == "forbidden":
-            raise MethodNotFound(f"Tool {name} does not support task-augmented execution")
-        if task_request is None and tool.task_support == "required":
-            raise MethodNotFound(f"Tool {name} requires task-augmented execution")
-        check_arguments(tool, arguments)
-        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
-        token = meta.get("progressToken")
-        if task_request is None:
-            return self._call_inline(tool, arguments, token, msg_id)
-        ttl_ms, legacy = self._grant_ttl(task_request[0]), task_request[1]
-        task = self.store.create(MCP_TASK_KIND, {"name": name, "arguments": arguments},
-                                 ttl_ms=ttl_ms,
-                                 meta={"session": self._session, "progressToken": token,
-                                       "legacy": legacy, "era": _LEGACY},
-                                 owner=self.owner)
-        with self._lock:                    # another process may run it: follow its events
-            self._followed.add(task.id)
-        self.follow_wake.set()
-        return _create_task_result(task, self.poll_interval_ms, legacy)
-
-    def _call_inline(self, tool, arguments, token, msg_id, era=_LEGACY, capabilities=None):
-        ctx = ToolContext(self, progress_token=token, era=era, capabilities=capabilities)
+    def _call_inline(self, tool, arguments, token, request):
+        ctx = ToolContext(self._mcp, progress_token=token, era=request.era,
+                          capabilities=request.capabilities)
         with self._lock:
-            self._inline[msg_id] = ctx
+            self._inline[request.id] = ctx
         try:
             result = self._invoke(tool, ctx, arguments)
         except Cancelled:
             result = _NO_RESPONSE
         finally:
             with self._lock:
-                self._inline.pop(msg_id, None)
+                self._inline.pop(request.id, None)
         # MCP: a request the client cancelled gets no answer.
         return _NO_RESPONSE if ctx.is_cancelled() else result
 
-    def _invoke(self, tool, ctx, arguments):
+    def cancel_inline(self, request_id=_UNSET):
+        """Cancel the inline call of client request *request_id* (all of them when not given)."""
+        with self._lock:
+            if request_id is _UNSET:
+                calls = list(self._inline.values())
+            else:
+                calls = [self._inline[request_id]] if request_id in self._inline else []
+        for ctx in calls:
+            ctx.cancelled.set()
+
+    @staticmethod
+    def _invoke(tool, ctx, arguments):
         try:
             value = tool.handler(ctx, arguments)
         except (TaskStoreError, Cancelled):
@@ -6422,7 +6250,7 @@ class McpDispatcher:
         tool = self.tools.get(payload.get("name"))
         if tool is None:        # e.g. a task queued by a server with other tools
             raise TaskFailed({"code": -32602, "message": f"Unknown tool: {payload.get('name')}"})
-        ctx = ToolContext(self, task_ctx=task_ctx)     # progress goes out via _on_change
+        ctx = ToolContext(self._mcp, task_ctx=task_ctx)    # progress goes out via on_change
         try:
             result = self._invoke(tool, ctx, payload.get("arguments") or {})
         except TaskStoreError as exc:
@@ -6434,86 +6262,117 @@ class McpDispatcher:
             raise TaskFailed(error, result=result)
         return result
 
-    def _get_task(self, params, names=("taskId",), summary=False):
-        """The MCP task *params* name; *summary*: its TaskSummary (a status is all it needs)."""
-        for name in names:                  # a loop, not next(genexpr): every tasks/get
-            if name in params:
-                task_id = params[name]
-                break
+
+class McpClientRequests:
+    """The requests this server sends its client (2025-11-25 elicitation), and their answers.
+
+    Each request waits in ``_pending`` under its id until its answer arrives
+    (through ``McpDispatcher.receive``, which hands it to ``answer``) or its
+    task ends (``forget_task``).  The ids are "srv-1", "srv-2", ...: a space
+    of their own, so that a server request's id never equals one of the
+    client's ids, neither in a log nor in a client's matching of answers.
+    """
+
+    def __init__(self, mcp):
+        self._mcp = mcp                     # the dispatcher: send, closing
+        self._lock = threading.Lock()
+        self._pending = {}                  # our request id -> (task id or None, callback)
+        self._sent = 0
+
+    def send(self, method, params, callback, task_id=None):
+        """Send a request; ``callback(response)`` will get its answer.  Return its id.
+
+        *task_id* names the task the request is for, so that it is forgotten
+        when the task ends.
+        """
+        with self._lock:
+            self._sent += 1
+            request_id = f"srv-{self._sent}"
+            self._pending[request_id] = (task_id, callback)
+        self._mcp.send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+        return request_id
+
+    def ask(self, method, params, cancelled):
+        """Send a request and block until the client answers; return the response.
+
+        Runs on the thread of the work that asks (an inline tool call).
+
+        Raises:
+            Cancelled: *cancelled* was set, or the connection ends, before the answer.
+        """
+        answers = queue.Queue(1)
+        request_id = self.send(method, params, answers.put)
+        while True:
+            try:
+                return answers.get(timeout=0.1)
+            except queue.Empty:
+                if cancelled.is_set() or self._mcp.closing.is_set():
+                    with self._lock:
+                        self._pending.pop(request_id, None)
+                    raise Cancelled() from None
+
+    def answer(self, response):
+        """Return the work that hands *response* to its request's callback ([] if none waits)."""
+        with self._lock:
+            entry = self._pending.pop(response["id"], None)
+        if entry is None:
+            self._not_awaited(response["id"])
+            return []
+        callback = entry[1]
+
+        def run():                          # it may write to the store: work
+            callback(response)
+            return []
+        return [McpWork("answer", None, run)]
+
+    def forget_task(self, task_id):
+        """Drop the requests for *task_id*: a finished task's question can never be used."""
+        with self._lock:
+            for request_id in [k for k, v in self._pending.items() if v[0] == task_id]:
+                del self._pending[request_id]
+
+    def _not_awaited(self, msg_id):
+        """Log a response that no request of ours waits for: a late answer, or a mistake."""
+        number = msg_id[4:] if isinstance(msg_id, str) and msg_id.startswith("srv-") else ""
+        if number.isdigit() and number[0] != "0" and int(number) <= self._sent:
+            # Ours, no longer awaited: answered already, or its task ended first.
+            logger.info("dropped an answer to request %r: it was answered already or its "
+                        "task ended", msg_id)
         else:
-            task_id = None
-        if not isinstance(task_id, str):
-            raise InvalidParams("taskId must be a string", param="taskId")
-        task = self.store.summary(task_id) if summary else self.store.get(task_id)
-        if task.kind != MCP_TASK_KIND:      # another adapter's task is not an MCP task
-            raise TaskNotFound(task_id)
-        return task
+            logger.warning("dropped an answer to id %r: this server sent no request with that "
+                           "id (its requests have string ids \"srv-1\", \"srv-2\", ...)", msg_id)
 
-    def _tasks_get(self, params, _):
-        # The wire Task, encoded once per state of the task: a client polls
-        # an unchanged task many times (see _Encoded), and a summary is all
-        # it shows.  The state is the task's version, which every write
-        # bumps (wait(since_version=) relies on it too), so a changed task
-        # is never answered stale.
-        task = self._get_task(params, summary=True)
-        cached = self._wires.get(task.id)
-        if cached is None or cached[0] != task.version:
-            wire = mcp_task_to_wire(task, self.poll_interval_ms)
-            cached = (task.version, wire, dumps(wire).encode("utf-8"))
-            if len(self._wires) >= _WIRE_CACHE_SIZE:
-                self._wires.clear()         # polled tasks come back at their next poll
-            self._wires[task.id] = cached
-        wire = _Encoded(cached[1])          # a copy: a caller's change never reaches the cache
-        wire.text = cached[2]
-        return wire
 
-    def _tasks_status(self, params, _):
-        # The lesson's poll method: tasks/get plus its id/state mirror fields.
-        wire = mcp_task_to_wire(self._get_task(params, _LESSON_ID_KEYS, summary=True),
-                                self.poll_interval_ms)
-        return {**wire, "id": wire["taskId"], "state": wire["status"]}
+class McpTaskNotices:
+    """Tell the client about its 2025-11-25 tasks: status, progress and input requests.
 
-    def _tasks_result(self, params, _):
-        task = self._get_task(params, _LESSON_ID_KEYS)
-        while mcp_status(task) not in _MCP_TERMINAL:
-            if self.closing.is_set():
-                raise StoreClosed("the server is shutting down")
-            # Bounded waits so that shutdown is noticed; in-process changes wake it at once.
-            task = self.store.wait(task.id, timeout=0.25, since_version=task.version)
-        if self.closing.is_set():
-            # Stopping, and read after the stop began: what the task shows now may be the
-            # shutdown's own CRASH_RECOVERY, so every answer not given yet is this one.
-            raise StoreClosed("the server is shutting down")
-        result, error = _task_payload(task)
-        if error is not None:
-            raise _StoredError(error)
-        return result
+    Status notifications follow each task's event log, told once and in
+    order whether this process moved the task (``on_change``, the store
+    listener) or another one did (``moved``, from whoever follows
+    ``followed()``).  A 2026-07-28 task is polled: nothing about it is pushed.
+    """
 
-    def _tasks_cancel(self, params, _):
-        task = self._get_task(params, _LESSON_ID_KEYS)
-        try:
-            # 2025-11-25: a cancel of a task in a terminal status is -32602, and
-            # what counts is what MCP shows: cancelling is "cancelled" too.
-            task = self.store.cancel(task.id, refuse_repeat=True)
-        except NotCancelable as exc:
-            # Same error class, MCP's word for the status in its message.
-            raise NotCancelable(task.id, mcp_status(exc.state)) from None
-        return mcp_task_to_wire(task, self.poll_interval_ms)
+    def __init__(self, mcp):
+        self._mcp = mcp             # the dispatcher: store, send, session, requests
+        # Set whenever a task joins those followed, so that whoever follows
+        # them stops sleeping.
+        self.follow_wake = threading.Event()
+        self._notify_lock = threading.Lock()    # one teller at a time; taken before _lock
+        self._lock = threading.Lock()           # guards the dicts and set below; never held long
+        self._sent = {}             # task id -> (version, MCP status, progress) notified
+        self._told = {}             # task id -> (last event seq handled, MCP status told)
+        self._followed = set()      # this session's tasks not yet told terminal
 
-    def _tasks_list(self, params, _):
-        cursor = params.get("cursor")
-        tasks, next_cursor = self.store.list(kind=MCP_TASK_KIND, limit=self.page_size,
-                                             cursor=cursor)
-        result = {"tasks": [mcp_task_to_wire(t, self.poll_interval_ms) for t in tasks]}
-        if next_cursor is not None:
-            result["nextCursor"] = next_cursor
-        return result
-
-    # -- store changes -> notifications and input requests ----------------------
+    def follow(self, task_id):
+        """Follow a task this session created, wherever it runs."""
+        with self._lock:
+            self._followed.add(task_id)
+        self.follow_wake.set()
 
     def on_change(self, task, change):
         """Store listener: tell this session's client about its tasks (through ``send``)."""
-        if task.kind != MCP_TASK_KIND or task.meta.get("session") != self._session:
+        mcp = self._mcp
+        if task.kind != MCP_TASK_KIND or task.meta.get("session") != mcp._session:
             return
         if task.meta.get("era", _LEGACY) != _LEGACY:
             # A 2026-07-28 task is polled; nothing about it is pushed (no status
@@ -6536,17 +6395,16 @@ class McpDispatcher:
                 if fresh:
                     self._sent[task.id] = (task.version, status,
                                            task.progress if new_progress else progress)
-                if status in _MCP_TERMINAL:     # a pending input request can never be used
-                    for request_id in [k for k, v in self._pending.items() if v[0] == task.id]:
-                        del self._pending[request_id]
+            if status in _MCP_TERMINAL:     # a pending input request can never be used
+                mcp.requests.forget_task(task.id)
             if not fresh:
                 return
             self._tell_status(task)
             if change == "status" and task.status == INPUT_REQUIRED and task.input_request:
                 self._send_input_request(task)
             if new_progress:
-                self._notify_progress(token, task.progress, task.progress_total,
-                                      task.status_message, task.id)
+                self.progress(token, task.progress, task.progress_total,
+                              task.status_message, task.id)
 
     def _tell_status(self, task):
         """Send ``notifications/tasks/status`` for each MCP status change of *task* not told yet.
@@ -6564,7 +6422,7 @@ class McpDispatcher:
         steps = [task]
         if task.last_seq > seq + 1 and told not in _MCP_TERMINAL:
             try:
-                events = self.store.events(task.id, after=seq)
+                events = self._mcp.store.events(task.id, after=seq)
             except TaskStoreError:          # pruned or purged meanwhile: the task says it all
                 events = ()
             changes = [e for e in events if e.type == "status" and e.seq <= task.last_seq]
@@ -6577,7 +6435,7 @@ class McpDispatcher:
             if status != told and told not in _MCP_TERMINAL:
                 told = status
                 self._notify("notifications/tasks/status",
-                             mcp_task_to_wire(step, self.poll_interval_ms))
+                             mcp_task_to_wire(step, self._mcp.poll_interval_ms))
         with self._lock:
             self._told[task.id] = (task.last_seq, told)
             if told in _MCP_TERMINAL:
@@ -6614,22 +6472,20 @@ class McpDispatcher:
         request = task.input_request
         params = dict(request.get("params") or {})
         params["_meta"] = {**(params.get("_meta") or {}), RELATED_TASK: {"taskId": task.id}}
+        store = self._mcp.store
 
         def answered(response):
             answer = ({"error": response["error"]} if "error" in response
                       else {"result": response.get("result")})
             try:
-                self.store.provide_input(task.id, answer)
+                store.provide_input(task.id, answer)
             except TaskStoreError as exc:   # cancelled meanwhile: the answer is moot
                 logger.debug("input for %s dropped: %s", task.id, exc)
 
-        with self._lock:
-            request_id = self._request_id_locked()
-            self._pending[request_id] = (task.id, answered)
-        self.send({"jsonrpc": "2.0", "id": request_id, "method": request["method"],
-                   "params": params})
+        self._mcp.requests.send(request["method"], params, answered, task_id=task.id)
 
-    def _notify_progress(self, token, value, total, message, task_id):
+    def progress(self, token, value, total, message, task_id):
+        """Send ``notifications/progress`` for *token* (of task *task_id*, or an inline call)."""
         params = {"progressToken": token, "progress": value}
         if total is not None:
             params["total"] = total
@@ -6638,6 +6494,272 @@ class McpDispatcher:
         if task_id is not None:
             params["_meta"] = {RELATED_TASK: {"taskId": task_id}}
         self._notify("notifications/progress", params)
+
+    def _notify(self, method, params):
+        self._mcp.send({"jsonrpc": "2.0", "method": method, "params": params})
+
+
+class McpDispatcher:
+    """The MCP protocol over a TaskStore, for both eras of MCP tasks, without I/O.
+
+    ``receive(message)`` takes one decoded JSON-RPC message and returns what
+    to do: the messages to send at once (dicts) and ``McpWork`` for the
+    transport to run.  Messages that arise later on their own (progress and
+    status notifications, our elicitation requests "srv-N") go to ``send``,
+    a callable the transport supplies; by default they collect in
+    ``outbox``.  Nothing here reads or writes a stream or starts a thread;
+    what blocks (``McpWork.run``, ``handle_request`` of a waiting method,
+    a tool asking its user) blocks the caller's thread only.
+
+    ``methods`` holds each era's method table: method -> (handler, where it
+    runs).  The first request picks the era for the whole connection
+    (``era``, see ``McpEras``): ``initialize`` -> 2025-11-25 (core tasks: a
+    task-augmented ``tools/call``); a request whose ``params._meta`` names
+    ``io.modelcontextprotocol/protocolVersion`` -> 2026-07-28 (the
+    ``io.modelcontextprotocol/tasks`` extension: the server makes a task of
+    every non-forbidden tool call of a client that declares it).  Either way
+    a task is a store task (kind ``mcp.tools/call``); a Runner given
+    ``run_task`` as that kind's handler runs it, and ``owner`` is that
+    Runner's ``process_id``.  The work is shared among parts, each with one
+    job: ``eras`` (McpEras), ``tasks`` (McpTaskMethods), ``calls``
+    (McpToolCalls), ``requests`` (McpClientRequests) and ``notices``
+    (McpTaskNotices).
+
+    Example (no pipes, no threads)::
+
+        dispatcher = McpDispatcher(store)
+        add_demo_tools(dispatcher)
+        dispatcher.receive({"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+        # -> [{"jsonrpc": "2.0", "id": 1, "result": {"tools": [...]}}]
+        [work] = dispatcher.receive({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                                     "params": {"name": "echo", "arguments": {"text": "hi"}}})
+        work.run()      # blocks while the tool runs (McpWork "wait")
+        # -> [{"jsonrpc": "2.0", "id": 2, "result": {"content": [...], "isError": false}}]
+    """
+
+    def __init__(self, store, *, default_ttl_ms=DEFAULT_MCP_TTL_MS, max_ttl_ms=None,
+                 allow_unlimited_ttl=False, poll_interval_ms=DEFAULT_MCP_POLL_INTERVAL_MS,
+                 list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, name="taskstore",
+                 version=__version__, send=None):
+        self.store = store
+        self.default_ttl_ms = default_ttl_ms
+        self.max_ttl_ms = max_ttl_ms if max_ttl_ms is not None else store.max_ttl_ms
+        self.allow_unlimited_ttl = allow_unlimited_ttl
+        self.poll_interval_ms = poll_interval_ms
+        self.list_tasks = list_tasks
+        self.page_size = page_size
+        self.server_info = {"name": name, "version": version}
+        self.outbox = []
+        self.send = send if send is not None else self.outbox.append
+        self.owner = None                   # the Runner's process_id, recorded on each task
+        # Set when the connection ends: waits (tasks/result, a tool's question)
+        # give up, and the transport stops sending anything but answers.
+        self.closing = threading.Event()
+        # Tasks created here carry this id in their meta, so that only this
+        # connection's client hears their notifications and input requests.
+        self._session = secrets.token_hex(8)
+        self.eras = McpEras(self)
+        self.tasks = McpTaskMethods(self)
+        self.calls = McpToolCalls(self)
+        self.requests = McpClientRequests(self)
+        self.notices = McpTaskNotices(self)
+        # The method tables: the only place that says what answers a method and
+        # where it runs.  A method an era's table lacks is -32601.
+        self.methods = {
+            #   method              handler                       where it runs
+            _LEGACY: {
+                "initialize":      (self.eras.initialize,         _READER),
+                "ping":            (self.eras.ping,               _READER),
+                "tools/list":      (self.calls.list,              _READER),
+                "tools/call":      (self.calls.call,              self._call_runs),
+                "tasks/get":       (self.tasks.get,               _READER),
+                "tasks/status":    (self.tasks.status,            _READER),
+                "tasks/result":    (self.tasks.result,            self._result_runs),
+                "tasks/cancel":    (self.tasks.cancel,            _WRITING),
+                "tasks/list":      (self.tasks.list,              _READER),
+            },
+            _MODERN: {      # no ping, tasks/result, tasks/status, tasks/list: _MODERN_REPLACED
+                "server/discover": (self.eras.discover,           _READER),
+                "initialize":      (self.eras.refuse_initialize,  _READER),
+                "tools/list":      (self.calls.list,              _READER),
+                "tools/call":      (self.calls.call,              self._call_runs),
+                "tasks/get":       (self.tasks.get_modern,        _READER),
+                "tasks/update":    (self.tasks.update,            _WRITING),
+                "tasks/cancel":    (self.tasks.cancel_modern,     _WRITING),
+            },
+        }
+        if not list_tasks:
+            del self.methods[_LEGACY]["tasks/list"]
+
+    # Where a method's place depends on its params: decided by the same call
+    # its handler makes, so that the table and the handler never disagree.
+
+    def _call_runs(self, request):
+        """tools/call: inline it waits for its tool; creating a task writes."""
+        try:
+            task = self.calls.plan(request)[2]
+        except TaskStoreError:
+            return _READER                  # refused: its error at once
+        return _WAITING if task is None else _WRITING
+
+    def _result_runs(self, request):
+        """tasks/result: it waits while its task is unfinished; then it is a read."""
+        try:
+            finished = self.tasks.finished(request)
+        except TaskStoreError:
+            return _READER                  # its error at once
+        return _READER if finished else _WAITING
+
+    # -- the parts' state, as this class has always shown it --------------------
+
+    era = property(lambda self: self.eras.era, doc="The connection's era (None until chosen).")
+    client_capabilities = property(lambda self: self.eras.client_capabilities,
+                                   doc="2025-11-25: the capabilities initialize declared.")
+    tools = property(lambda self: self.calls.tools, doc="Tool name -> McpTool.")
+    follow_wake = property(lambda self: self.notices.follow_wake,
+                           doc="Set whenever a task joins those ``followed()`` returns.")
+
+    def add_tool(self, name, handler, **options):
+        """Register a tool (``McpToolCalls.add_tool``); see ``McpTool`` for its contract."""
+        return self.calls.add_tool(name, handler, **options)
+
+    def tool(self, name=None, **options):
+        """Decorator form of ``add_tool``; the name defaults to the function's."""
+        def register(handler):
+            self.add_tool(name or handler.__name__, handler,
+                          description=options.pop("description", handler.__doc__ or ""),
+                          **options)
+            return handler
+        return register
+
+    def run_task(self, task_ctx, payload):
+        """Runner handler for kind ``mcp.tools/call`` (``McpToolCalls.run_task``)."""
+        return self.calls.run_task(task_ctx, payload)
+
+    def on_change(self, task, change):
+        """Store listener: tell this session's client about its tasks (``McpTaskNotices``)."""
+        self.notices.on_change(task, change)
+
+    def followed(self):
+        """Return ``{task id: last event seq told}`` (``McpTaskNotices.followed``)."""
+        return self.notices.followed()
+
+    def moved(self, tasks):
+        """Tell the client about its tasks another process moved (``McpTaskNotices.moved``)."""
+        self.notices.moved(tasks)
+
+    # -- messages in, messages out ---------------------------------------------
+
+    def receive_line(self, line):
+        """Decode one line (bytes, without caring for its newline) and ``receive`` it.
+
+        A line that is not JSON gets -32700, one that JSON cannot carry
+        safely (too deep, an unpaired surrogate) -32600, both with id null:
+        the id itself may be unusable.
+        """
+        try:
+            message = json.loads(line)
+        except (ValueError, RecursionError):    # bad UTF-8; RecursionError: a nesting bomb
+            return [_error_message(None, ParseError("parse error: not JSON"))]
+        problem = _json_problem(message, text=line)
+        if problem is not None:
+            return [_error_message(None, InvalidRequest(f"the message {problem}"))]
+        return self.receive(message)
+
+    def too_long(self, limit):
+        """Return the answer to a line longer than *limit* bytes (dropped unread)."""
+        return [_error_message(None, InvalidRequest(f"message exceeds {limit} bytes"))]
+
+    def receive(self, message):
+        """Take one decoded message; return the messages to send now and the work to run.
+
+        Each item is a JSON-RPC message (a dict, to send as it is) or an
+        ``McpWork``.  A request is placed as its era's method table says: on
+        the reader it is answered here and now, in arrival order; otherwise it
+        comes back as work for the pool named.  A notification returns
+        nothing; a response to one of our requests returns the work that
+        hands it to whoever waits for it.
+        """
+        try:
+            kind = _message_kind(message)
+        except InvalidRequest as exc:
+            msg_id = message.get("id") if isinstance(message, dict) else None
+            valid_id = isinstance(msg_id, (str, int)) and not isinstance(msg_id, bool)
+            return [_error_message(msg_id if valid_id else None, exc)]
+        if kind == "response":
+            return self.requests.answer(message)
+        if kind == "notification":
+            self._notification(message)
+            return []
+        # The era and the place are decided here, in arrival order, not on the work's thread.
+        try:
+            request, handler, where = self._route(message)
+            if callable(where):
+                where = where(request)
+        except Exception as exc:
+            return [self._error(message["id"], message["method"], exc)]
+        if where == _READER:
+            return self._answer(request, handler)
+        return [McpWork(where, request.id, lambda: self._answer(request, handler))]
+
+    def handle_request(self, message, era=_UNSET):
+        """Answer one decoded JSON-RPC request here and now; return the response (None: none).
+
+        Blocks while the method does (``tasks/result``, inline tool calls),
+        wherever its table says it runs.  *era* is what the era choice said
+        for this message (made here when not given).
+        """
+        try:
+            request, handler, _ = self._route(message, era)
+        except Exception as exc:
+            return self._error(message.get("id"), message.get("method"), exc)
+        answer = self._answer(request, handler)
+        return answer[0] if answer else None
+
+    def _route(self, message, era=_UNSET):
+        """Return ``(request, handler, where it runs)`` for a request; raise what refuses it."""
+        if era is _UNSET:
+            era = self.eras.select(message)
+        if isinstance(era, Exception):
+            raise era
+        request, (handler, where) = self.eras.open(message, era, self.methods[era])
+        return request, handler, where
+
+    def _answer(self, request, handler):
+        """Run *handler* for *request*; return ``[response]``, or ``[]`` when it gets none."""
+        try:
+            result = self.eras.finish(request, handler(request))
+        except _StoredError as exc:
+            return [{"jsonrpc": "2.0", "id": request.id, "error": exc.error}]
+        except Exception as exc:
+            return [self._error(request.id, request.method, exc)]
+        if result is _NO_RESPONSE:
+            return []
+        return [{"jsonrpc": "2.0", "id": request.id, "result": result}]
+
+    @staticmethod
+    def _error(msg_id, method, exc):
+        if not isinstance(exc, TaskStoreError):
+            logger.exception("internal error in %s", method)
+        return _error_message(msg_id, exc)
+
+    def _notification(self, message):
+        params = message.get("params") if isinstance(message.get("params"), dict) else {}
+        if message["method"] == "notifications/cancelled":
+            # Only inline calls: MCP forbids notifications/cancelled for tasks.
+            request_id = params.get("requestId")
+            if isinstance(request_id, (str, int)):      # e.g. a list: unhashable
+                self.calls.cancel_inline(request_id)
+        # notifications/initialized and anything unknown need nothing.
+
+    def close(self):
+        """End the connection's waits: inline calls are cancelled, waits give up.
+
+        Safe to call more than once; the transport calls it at EOF.
+        """
+        self.closing.set()
+        self.calls.cancel_inline()
+        self.notices.follow_wake.set()
 
 
 class McpServer:
@@ -6648,10 +6770,10 @@ class McpServer:
     writes one per line to *outfile* until EOF or ``stop()``.  What each
     message means and what answers it is ``dispatcher``'s business (see
     McpDispatcher, which also says how the era is chosen); this class only
-    reads lines, runs the work the dispatcher describes on two bounded thread
-    pools (``max_waiting``; past either's limit a request is refused at once
-    with ServerBusy), follows this session's tasks in other processes, and
-    writes.  Tasks are run by this server's Runner (*workers* threads; it
+    reads lines, runs the work the dispatcher describes on the bounded thread
+    pool its method table names (``max_waiting``; past either pool's limit a
+    request is refused at once with ServerBusy), follows this session's tasks
+    in other processes, and writes.  Tasks are run by this server's Runner (*workers* threads; it
     renews this process's lease every *heartbeat_s* seconds).
 
     Example::
@@ -6781,7 +6903,11 @@ class McpServer:
             self._stop.set()
 
     def _deliver(self, items):
-        """Send the dispatcher's messages; run its work on the pool its kind names."""
+        """Send the dispatcher's messages; run its work on the pool its kind names.
+
+        The kind is the place the dispatcher's method table gave the request:
+        nothing here decides where a request runs.
+        """
         for item in items:
             if not isinstance(item, McpWork):
                 self._send(item)
@@ -6789,7 +6915,7 @@ class McpServer:
                 threading.Thread(target=self._run, args=(item,), daemon=True,
                                  name="taskstore-mcp-answer").start()
             else:
-                pool = self._waiting if item.kind == "wait" else self._writes
+                pool = {_WAITING: self._waiting, _WRITING: self._writes}[item.kind]
                 if not pool.submit(functools.partial(self._run, item)):
                     self._send(_error_message(item.msg_id, self._busy(pool)))
 
@@ -6840,16 +6966,13 @@ class McpServer:
             # After EOF the client has gone (or is going): no more notifications
             # or requests of ours, only the answers still owed.
             return
-        if type(message) is _Encoded:
-            data = message.text + b"\n"
-        else:
-            try:
-                data = dumps(message).encode("utf-8") + b"\n"
-            except (TypeError, ValueError):
-                logger.exception("unserialisable message")
-                if "id" not in message or "method" in message:
-                    return
-                data = dumps(_error_message(message["id"], RuntimeError())).encode("utf-8") + b"\n"
+        try:
+            data = dumps(message).encode("utf-8") + b"\n"
+        except (TypeError, ValueError):
+            logger.exception("unserialisable message")
+            if "id" not in message or "method" in message:
+                return
+            data = dumps(_error_message(message["id"], RuntimeError())).encode("utf-8") + b"\n"
         with self._write_lock:
             if self._out is None:
                 return

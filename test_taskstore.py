@@ -7811,6 +7811,51 @@ class McpProtocolTests(McpTestBase):
         with self.assertRaises(taskstore.InvalidParams):
             server.add_tool("bad", square, task_support="sometimes")
 
+    def hold_tool(self, task_support):
+        """A tool that runs until the test releases it: ``(tool, started, release)``."""
+        started, release = threading.Event(), threading.Event()
+
+        def hold(ctx, args):
+            started.set()
+            release.wait(3 * TIMEOUT)       # longer than any wait of the test's own
+            return "released"
+        return ("hold", hold, {"task_support": task_support}), started, release
+
+    @over_pipes
+    def test_tasks_result_by_the_lessons_id_holds_up_nothing(self):
+        """Issue 29: it blocked the reader, so a ping was answered only when the task ended."""
+        tool, started, release = self.hold_tool("optional")
+        client, _, store = self.start_server(tools=[tool])
+        self.addCleanup(release.set)        # before the server's own cleanup (LIFO)
+        task_id = self.create_task(client, "hold", {})["taskId"]
+        self.assertTrue(started.wait(TIMEOUT))
+        waiting = client.request("tasks/result", {"id": task_id})
+        self.assertEqual(client.result("ping"), {})
+        self.assertEqual(client.result("tasks/get", {"taskId": task_id})["status"], "working")
+        self.assertEqual(store.get(task_id).status, RUNNING)    # answered while it runs
+        release.set()
+        result = client.response(waiting)["result"]
+        self.assertEqual((_text(result), result["_meta"]),
+                         ("released", {taskstore.RELATED_TASK: {"taskId": task_id}}))
+
+    @over_pipes
+    def test_a_forbidden_tool_the_lesson_leaves_to_the_server_waits_on_the_waiting_pool(self):
+        """Issue 29: the call ran inline, but on the write pool: past max_waiting it still ran."""
+        tool, started, release = self.hold_tool("forbidden")
+        client, _, _ = self.start_server(tools=[tool], max_waiting=1)
+        self.addCleanup(release.set)
+        held = client.request("tools/call", {"name": "hold", "arguments": {}})
+        self.assertTrue(started.wait(TIMEOUT))      # the one waiting thread is taken
+        lesson = {"name": "echo", "arguments": {"text": "hi"},
+                  "_meta": {"task": {"required": False}}}
+        self.assertError(client.call("tools/call", lesson), taskstore.ServerBusy.jsonrpc_code,
+                         "too many requests are waiting")
+        # A task of a tool that supports one is a write: the waiting pool's limit is not its.
+        self.assertEqual(self.create_task(client, "sleep_then_echo",
+                                          {"seconds": 0, "text": "x"})["status"], "working")
+        release.set()
+        self.assertEqual(_text(client.response(held)["result"]), "released")
+
 
 class DemoToolTests(unittest.TestCase):
 
@@ -7846,12 +7891,27 @@ class McpDispatcherTests(unittest.TestCase):
         return self.dispatcher.receive(message)
 
     def initialize(self, capabilities=None):
-        """initialize may write (it is work), so run its work here; return the answer."""
-        [work] = self.receive(1, "initialize", {"protocolVersion": "2025-11-25",
-                                                "capabilities": capabilities or {}})
-        self.assertEqual((work.kind, work.msg_id), ("write", 1))
-        [answer] = work.run()
+        """initialize neither waits nor writes: it is answered at once; return the answer."""
+        [answer] = self.receive(1, "initialize", {"protocolVersion": "2025-11-25",
+                                                  "capabilities": capabilities or {}})
         return answer
+
+    def placed(self, msg_id, method, params=None):
+        """Where *method* runs: "reader" (answered by receive itself) or its McpWork kind."""
+        [item] = self.receive(msg_id, method, params)
+        return item.kind if isinstance(item, taskstore.McpWork) else "reader"
+
+    def receive_within_timeout(self, msg_id, method, params):
+        """``receive`` on a thread: what it returns, or a failure if it blocks (the reader would)."""
+        got = queue.Queue()
+        thread = threading.Thread(target=lambda: got.put(self.receive(msg_id, method, params)),
+                                  daemon=True)
+        thread.start()
+        self.addCleanup(thread.join, TIMEOUT)
+        try:
+            return got.get(timeout=TIMEOUT)
+        except queue.Empty:
+            self.fail(f"receive blocked on {method}: the reader thread would wait with it")
 
     def test_initialize_is_answered_at_once_and_locks_the_era(self):
         answer = self.initialize()
@@ -7921,28 +7981,30 @@ class McpDispatcherTests(unittest.TestCase):
         [answer] = answers.get(timeout=TIMEOUT)
         self.assertEqual((answer["id"], answer["result"]["content"][0]["text"]), (2, "Ada"))
 
-    def test_lines_decode_as_json_loads_decodes_them(self):
-        """receive_line's shortcut for UTF-8 objects reads every line as json.loads does."""
+    def test_lines_are_read_as_json_loads_reads_them(self):
+        """receive_line takes what json.loads takes (UTF-8, -16, -32, with a BOM), nothing else."""
         ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
-        lines = [taskstore.dumps(ping).encode() + b"\n", b"  " + taskstore.dumps(ping).encode(),
-                 json.dumps(ping).encode("utf-16-le"), json.dumps(ping).encode("utf-16"),
-                 json.dumps(ping).encode("utf-32-le"), json.dumps(ping).encode("utf-8-sig"),
-                 '{"jsonrpc": "2.0", "id": "é", "method": "ping"}'.encode(),
-                 b'{"a": "\xed\xa0\x80"}', b'{"a": "\\ud800"}', b"{\xff}", b"{", b"{} x", b"{}"]
-        for line in lines:
+        for line in [taskstore.dumps(ping).encode() + b"\n", b"  " + json.dumps(ping).encode(),
+                     json.dumps(ping).encode("utf-16-le"), json.dumps(ping).encode("utf-16"),
+                     json.dumps(ping).encode("utf-32-le"), json.dumps(ping).encode("utf-8-sig")]:
             with self.subTest(line=line):
-                try:
-                    expected = ("ok", json.loads(line))
-                except (ValueError, RecursionError) as exc:
-                    expected = ("error", type(exc), str(exc))
-                try:
-                    got = ("ok", taskstore._decode_line(line))
-                except (ValueError, RecursionError) as exc:
-                    got = ("error", type(exc), str(exc))
-                self.assertEqual(got, expected)
+                self.assertEqual(self.dispatcher.receive_line(line),
+                                 [{"jsonrpc": "2.0", "id": 1, "result": {}}])
+        [named] = self.dispatcher.receive_line(
+            '{"jsonrpc": "2.0", "id": "é", "method": "ping"}'.encode())
+        self.assertEqual(named["id"], "é")
+        for line in [b"{\xff}", b"{", b"{} x"]:
+            with self.subTest(line=line):
+                [refused] = self.dispatcher.receive_line(line)
+                self.assertEqual((refused["id"], refused["error"]["code"]), (None, -32700))
+        # JSON, but no request: a lone surrogate (escaped, or as json.loads decodes
+        # UTF-8), an empty object.
+        for line in [b'{"a": "\\ud800"}', b'{"a": "\xed\xa0\x80"}', b"{}"]:
+            with self.subTest(line=line):
+                [refused] = self.dispatcher.receive_line(line)
+                self.assertEqual((refused["id"], refused["error"]["code"]), (None, -32600))
 
-    def test_tasks_get_answers_are_encoded_once_per_state_of_the_task(self):
-        """tasks/get keeps its answer's encoding per task state: never stale, same bytes."""
+    def test_tasks_get_answers_the_task_as_it_is_now_and_reads_like_tasks_status(self):
         self.initialize()
         [work] = self.receive(2, "tools/call", {"name": "sleep_then_echo", "task": {},
                                                 "arguments": {"seconds": 600, "text": "x"}})
@@ -7950,27 +8012,113 @@ class McpDispatcherTests(unittest.TestCase):
 
         def get(msg_id):
             [answer] = self.receive(msg_id, "tasks/get", {"taskId": task_id})
-            line = taskstore.dumps(answer).encode("utf-8")
-            if isinstance(msg_id, int) and abs(msg_id) <= taskstore.MAX_SAFE_INTEGER:
-                self.assertEqual(answer.text, line)     # what the server writes: dumps' bytes
-            else:
-                self.assertFalse(hasattr(answer, "text"), "other ids are encoded as usual")
+            [status] = self.receive(msg_id, "tasks/status", {"taskId": task_id})
+            self.assertEqual(status["result"],
+                             {**answer["result"], "id": task_id,
+                              "state": answer["result"]["status"]})
+            self.assertEqual(answer["id"], msg_id)
             return answer["result"]
 
         first = get(3)
-        first["status"] = "changed by the caller"   # a copy: the next answer is not
+        first["status"] = "changed by the caller"   # the next answer is read anew
         self.assertEqual(get(4)["status"], "working")
         self.store.start(task_id)
         self.store.set_progress(task_id, progress=1, total=2, message="étape 1/2")
         self.assertEqual(get(5)["statusMessage"], "étape 1/2")
         self.store.set_progress(task_id, progress=2, total=2, message="étape 2/2")
-        self.assertEqual(get(-taskstore.MAX_SAFE_INTEGER)["statusMessage"], "étape 2/2")
         self.assertEqual(get(2**60)["statusMessage"], "étape 2/2")
         self.store.cancel(task_id)
         moved = get("seven")
         self.assertEqual((moved["status"], moved["statusMessage"]),
                          ("cancelled", taskstore.MCP_CANCELLED_MESSAGE))
         self.assertEqual(get(8), moved)
+
+    def test_requests_run_where_the_method_table_places_them(self):
+        self.assertEqual(self.placed(1, "initialize", {"protocolVersion": "2025-11-25",
+                                                       "capabilities": {}}), "reader")
+        task = {"name": "sleep_then_echo", "arguments": {"seconds": 600, "text": "x"}}
+        [work] = self.receive(2, "tools/call", {**task, "task": {}})
+        self.assertEqual((work.kind, work.msg_id), ("write", 2))
+        task_id = work.run()[0]["result"]["task"]["taskId"]
+        named = {"taskId": task_id}
+        for msg_id, method, params, where in [
+                (3, "ping", None, "reader"),
+                (4, "tools/list", None, "reader"),
+                (5, "tasks/get", named, "reader"),
+                (6, "tasks/status", named, "reader"),
+                (7, "tasks/list", None, "reader"),
+                (8, "tasks/result", named, "wait"),         # unfinished: it waits
+                (9, "tools/call", task, "wait"),            # inline: it waits for the tool
+                (10, "tools/call", {"name": "echo", "arguments": {"text": "x"}}, "wait"),
+                (11, "tools/call", {"name": "nope"}, "reader"),     # refused at once
+                (12, "tools/call", {"name": "echo", "arguments": {}, "task": {}}, "reader"),
+                (13, "tasks/update", named, "reader"),      # not a 2025-11-25 method
+                (14, "tasks/cancel", named, "write")]:
+            with self.subTest(method=method, params=params):
+                self.assertEqual(self.placed(msg_id, method, params), where)
+        self.store.cancel(task_id)
+        self.assertEqual(self.placed(15, "tasks/result", named), "reader")   # finished
+
+    def test_modern_requests_run_where_their_method_table_places_them(self):
+        def placed(msg_id, method, params=None, capabilities=None):
+            return self.placed(msg_id, method, {**(params or {}),
+                                                "_meta": era2_meta(capabilities)})
+        self.assertEqual(placed(1, "server/discover"), "reader")
+        call = {"name": "sleep_then_echo", "arguments": {"seconds": 600, "text": "x"}}
+        [work] = self.receive(2, "tools/call", {**call, "_meta": era2_meta()})
+        self.assertEqual(work.kind, "write")
+        task_id = work.run()[0]["result"]["taskId"]
+        named = {"taskId": task_id}
+        for msg_id, method, params, capabilities, where in [
+                (3, "tools/list", None, None, "reader"),
+                (4, "tasks/get", named, None, "reader"),
+                (5, "tools/call", call, {}, "wait"),        # no extension: inline
+                (6, "tools/call", {"name": "echo", "arguments": {"text": "x"}}, None, "wait"),
+                (7, "tools/call", {"name": "generate_report"}, {}, "reader"),    # -32021
+                (8, "tasks/result", named, None, "reader"),     # not a 2026-07-28 method
+                (9, "tasks/update", {**named, "inputResponses": {}}, None, "write"),
+                (10, "tasks/cancel", named, None, "write")]:
+            with self.subTest(method=method, params=params, capabilities=capabilities):
+                self.assertEqual(placed(msg_id, method, params, capabilities), where)
+
+    def test_the_method_table_alone_says_what_answers_a_request_and_where(self):
+        table = self.dispatcher.methods["2025-11-25"]
+        handler, where = table["ping"]
+        self.assertEqual(where, "reader")
+        table["ping"] = (lambda request: {"pong": request.id}, "write")
+        [work] = self.receive(1, "ping")
+        self.assertEqual((work.kind, work.msg_id), ("write", 1))
+        self.assertEqual(work.run(), [{"jsonrpc": "2.0", "id": 1, "result": {"pong": 1}}])
+        del table["ping"]
+        [refused] = self.receive(2, "ping")
+        self.assertEqual(refused["error"]["code"], -32601)
+        self.assertNotIn("tasks/list", taskstore.McpDispatcher(
+            self.store, list_tasks=False).methods["2025-11-25"])
+
+    def test_tasks_result_by_the_lessons_id_of_an_unfinished_task_is_waiting_work(self):
+        """Issue 29: the lesson's {"id"} form was answered by receive itself, blocking the reader."""
+        self.initialize()
+        [work] = self.receive(2, "tools/call", {"name": "sleep_then_echo", "task": {},
+                                                "arguments": {"seconds": 600, "text": "x"}})
+        task_id = work.run()[0]["result"]["task"]["taskId"]
+        self.addCleanup(lambda: self.store.get(task_id).terminal or self.store.cancel(task_id))
+        [waiting] = self.receive_within_timeout(3, "tasks/result", {"id": task_id})
+        self.assertEqual((waiting.kind, waiting.msg_id), ("wait", 3))
+        self.store.cancel(task_id)
+        [answer] = waiting.run()
+        self.assertTrue(answer["result"]["isError"])
+        self.assertIn("cancelled", answer["result"]["content"][0]["text"])
+
+    def test_a_forbidden_tool_the_lesson_leaves_to_the_server_runs_inline_as_waiting_work(self):
+        """Issue 29: such a call ran inline, but was placed on the write pool."""
+        self.initialize()
+        for msg_id, form in enumerate([{"required": False}, {"optional": True}], start=2):
+            with self.subTest(form=form):
+                [work] = self.receive(msg_id, "tools/call", {
+                    "name": "echo", "arguments": {"text": "hi"}, "_meta": {"task": form}})
+                self.assertEqual((work.kind, work.msg_id), ("wait", msg_id))
+                [answer] = work.run()
+                self.assertEqual(answer["result"]["content"][0]["text"], "hi")
 
 
 class ElicitationSchemaTests(unittest.TestCase):
