@@ -12370,6 +12370,11 @@ class BenchCommandTests(unittest.TestCase):
                 for key in ("taskstore_ops_per_s", "raw_ops_per_s", "ratio"):
                     self.assertIsInstance(figures[key], number)
                     self.assertGreater(figures[key], 0)
+                if name in ("create", "lifecycle", "concurrent_create", "runner_1"):
+                    # CPU per operation, each side measured on its own
+                    for key in ("taskstore_cpu_us", "raw_cpu_us"):
+                        self.assertIsInstance(figures[key], number)
+                        self.assertGreaterEqual(figures[key], 0)
                 if name in ("create_many", "concurrent_lifecycle_1", "concurrent_lifecycle_2"):
                     # no target, a figure
                     self.assertEqual((figures["target_ratio"], figures["meets_target"]),
@@ -12484,6 +12489,11 @@ class BenchCommandTests(unittest.TestCase):
                 for key in ("taskstore_ops_per_s", "raw_ops_per_s", "ratio"):
                     self.assertIsInstance(figures[key], number)
                     self.assertGreater(figures[key], 0)
+                if name in ("create", "lifecycle", "concurrent_create", "runner_1"):
+                    # CPU per operation, each side measured on its own
+                    for key in ("taskstore_cpu_us", "raw_cpu_us"):
+                        self.assertIsInstance(figures[key], number)
+                        self.assertGreaterEqual(figures[key], 0)
         for name, target in (("create", 0.5), ("lifecycle", 0.4)):
             self.assertEqual(workloads[name]["target_ratio"], target)
             self.assertEqual(workloads[name]["meets_target"],
@@ -12582,7 +12592,8 @@ class BenchCommandTests(unittest.TestCase):
     def test_bench_table_has_a_row_per_workload(self):
         report = {"workloads": {
             "create": {"taskstore_ops_per_s": 10.0, "raw_ops_per_s": 20.0, "ratio": 0.5,
-                       "target_ratio": 0.6, "meets_target": False},
+                       "target_ratio": 0.6, "meets_target": False, "taskstore_cpu_us": 95.25,
+                       "raw_cpu_us": 40.0},
             "create_many": {"taskstore_ops_per_s": 2000.0, "raw_ops_per_s": 8000.0,
                             "ratio": 0.25, "target_ratio": None, "meets_target": None},
             "reap": {"taskstore_ops_per_s": 30.0, "raw_ops_per_s": 60.0, "ratio": 0.5,
@@ -12593,11 +12604,11 @@ class BenchCommandTests(unittest.TestCase):
         rows = self.load_bench().bench_table(report)
         self.assertEqual([r[0] for r in rows],
                          ["create", "create_many", "reap", "mcp_roundtrip", "memory"])
-        self.assertEqual(rows[0][3:], ("0.50", ">= 0.60", "NO"))
-        self.assertEqual(rows[1][1:], ("2,000", "8,000", "0.25", "-", "-"))
-        self.assertIn("longest txn 4.0 ms", rows[2][4])
-        self.assertEqual(rows[3][4:], (">= 0.50", "skipped: no mcp command"))
-        self.assertEqual(rows[4][5], "yes")
+        self.assertEqual(rows[0][3:], ("0.50", "95.2", "40.0", ">= 0.60", "NO"))
+        self.assertEqual(rows[1][1:], ("2,000", "8,000", "0.25", "-", "-", "-", "-"))
+        self.assertIn("longest txn 4.0 ms", rows[2][6])
+        self.assertEqual(rows[3][6:], (">= 0.50", "skipped: no mcp command"))
+        self.assertEqual(rows[4][7], "yes")
 
 
 # The guided labs (docs/labs/*.md) are run command by command and their output compared, so
