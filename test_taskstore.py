@@ -372,10 +372,8 @@ class PostgresStoreMixin:
     def dead_owner(self):
         """A registration whose heartbeat is older than any lease, by the server's clock."""
         owner = taskstore.new_id("proc", self.clock.ms)
-        with self.store._writing():
-            self.store._engine.conn.execute(
-                "INSERT INTO processes VALUES (?, ?, ?, NULL, 0, 0)",
-                (owner, 1, "elsewhere"))
+        self.store._engine.write(lambda: self.store._engine.conn.execute(
+            "INSERT INTO processes VALUES (?, ?, ?, NULL, 0, 0)", (owner, 1, "elsewhere")))
         return owner
 
 
@@ -757,7 +755,7 @@ class LifecycleTests(StoreTestCase):
         self.store.close()
         self.store = self.open_store(poll_interval=never)
         task = self.store.create("k")
-        changed = self.store._changed
+        changed = self.store._waiters.changed
         real_wait = changed.wait
         in_wait = threading.Event()
         woken = queue.Queue()
@@ -784,7 +782,7 @@ class LifecycleTests(StoreTestCase):
         self.assertTrue(in_wait.wait(TIMEOUT))
         # The waiter held the lock until its wait() released it: once this
         # thread gets the lock, the waiter is asleep on the condition.
-        with self.store._lock:
+        with self.store._waiters.lock:
             pass
         self.store.close()
         try:
@@ -1321,23 +1319,31 @@ class GroupCommitTests(StoreTestCase):
 
     def test_a_mixed_batch_commits_together_and_a_failing_member_fails_alone(self):
         existing = self.store.create("k")
-        # The body create hands to the engine for a create under a key.
-        with unittest.mock.patch.object(self.store._engine, "group_write",
-                                        lambda body, writing, insert: body):
-            keyed = self.store.create("b", idempotency=("scope", "key", "fp", None))
+        bodies = []
+
+        class Held(Exception):
+            pass
+
+        def hold(body):
+            bodies.append(body)
+            raise Held
+        # The bodies the verbs hand to the engine: a create under a key, a plain one.
+        with unittest.mock.patch.object(self.store._engine, "write", hold):
+            for create in (lambda: self.store.create("b", idempotency=("scope", "key", "fp", None)),
+                           lambda: self.store.create("a", {"n": 1})):
+                with self.assertRaises(Held):
+                    create()
+        keyed, plain = bodies
         batch = [taskstore._GroupOp(body) for body in (
-            self.spec("a", {"n": 1}),
+            plain,
             keyed,
-            lambda notices: self.store._transition_locked(
-                notices, "task_missing", taskstore.START, 0),
-            self.spec("c", [2]),
-            lambda notices: self.store._transition_locked(
-                notices, existing.id, taskstore.START, 0))]
+            lambda: self.store._transition_locked("task_missing", taskstore.START, 0),
+            lambda: self.store._insert_tasks_locked([self.spec("c", [2])])[0],
+            lambda: self.store._transition_locked(existing.id, taskstore.START, 0))]
         commits = []
         self.store._engine.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
                                             else None)
-        self.store._engine._group._run_batch(batch, self.store._writing,
-                                             self.store._insert_tasks_locked)
+        self.store._engine._group._run_batch(batch)
         self.store._engine.conn.set_trace_callback(None)
         self.assertEqual(len(commits), 1)
         a, b, missing, c, moved = batch
@@ -1365,19 +1371,19 @@ class GroupCommitTests(StoreTestCase):
             return real(commit, batch, *args)
         came, made = threading.Event(), queue.Queue()
 
-        def body(notices):            # the lone writer, until another writer has queued
+        def body():                   # the lone writer, until another writer has queued
             with group._group:
                 group._group_gathering = 1      # _GroupCommit.write notifies at the first
                 came.set()
                 queued = group._gather.wait_for(lambda: group._group_queue, TIMEOUT)
                 group._group_gathering = 0
             self.assertTrue(queued, "the second writer never queued")
-            return self.store._insert_tasks_locked(notices, [self.spec("a")])[0]
+            return self.store._insert_tasks_locked([self.spec("a")])[0]
         with unittest.mock.patch.object(taskstore._GroupCommit, "_run_batch", run_batch):
             alone = self.store.create("k")
             self.assertEqual(batches, [])            # a batch of one, without the queue
-            lone = threading.Thread(target=lambda: made.put(self.store._engine.group_write(
-                body, self.store._writing, self.store._insert_tasks_locked)), daemon=True)
+            lone = threading.Thread(target=lambda: made.put(self.store._engine.write(body)),
+                                    daemon=True)
             lone.start()
             self.assertTrue(came.wait(TIMEOUT))
             second = self.store.create("b")      # queues: the lone writer leads; then this one
@@ -1432,7 +1438,7 @@ class GroupCommitTests(StoreTestCase):
 
     def test_a_leader_waits_for_company_only_when_a_commit_is_an_fsync(self):
         for syncs in (False, True):
-            group = taskstore._GroupCommit(lambda: 0, commit_syncs=syncs)
+            group = taskstore._GroupCommit(None, commit_syncs=syncs)
             group._group_last = 4           # the last batch had company: 3 more are coming
             waits = []
             real_wait = group._gather.wait
@@ -1533,11 +1539,11 @@ class BatchCreateTests(StoreTestCase):
         started, release = threading.Event(), threading.Event()
         real = taskstore.TaskStore._insert_tasks_locked
 
-        def insert(store, notices, specs, now=None):
+        def insert(store, specs, now=None):
             if len(specs) == 100:           # the batch, inside its transaction
                 started.set()
                 release.wait(TIMEOUT)
-            return real(store, notices, specs, now)
+            return real(store, specs, now)
         made = queue.Queue()
         with unittest.mock.patch.object(taskstore.TaskStore, "_insert_tasks_locked", insert):
             batch = threading.Thread(daemon=True, target=lambda: made.put(
@@ -1747,10 +1753,9 @@ class OwnedTaskTestCase(StoreTestCase):
             OwnedTaskTestCase._dead_pid = int(proc.stdout)
         pid = OwnedTaskTestCase._dead_pid
         owner = taskstore.new_id("proc", self.clock.ms)
-        with self.store._writing():
-            self.store._engine.conn.execute(
-                "INSERT INTO processes VALUES (?, ?, ?, ?, ?, ?)",
-                (owner, pid, taskstore._HOST(), "1", self.clock.ms, self.clock.ms))
+        self.store._engine.write(lambda: self.store._engine.conn.execute(
+            "INSERT INTO processes VALUES (?, ?, ?, ?, ?, ?)",
+            (owner, pid, taskstore._HOST(), "1", self.clock.ms, self.clock.ms)))
         return owner
 
 
@@ -1861,7 +1866,7 @@ class RecoveryTests(OwnedTaskTestCase):
         self.interleaved(dead, live, [1, 1, 9, 0])
         engine = self.store._engine
         plans = []
-        with self.store._writing():
+        with engine.reading():
             after = ""
             while after is not None:
                 (where, args), after = engine.owner_batch(dead, after, 2, taskstore._RECOVERABLE)
@@ -3228,15 +3233,16 @@ side = taskstore.sqlite3.connect(DB, timeout=T)
 side.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()   # an empty WAL file
 side.close()
 blob = "x" * 40000
-with store._writing() as notices:
+def body():
     now = int(store.clock() * 1000)
     for task_id in ids:
-        store._transition_locked(notices, task_id, taskstore.SUCCEED, now,
+        store._transition_locked(task_id, taskstore.SUCCEED, now,
                                  fields={"result": taskstore.dumps({"blob": blob})})
-    store._transition_locked(notices, queued, taskstore.CANCEL, now)
+    store._transition_locked(queued, taskstore.CANCEL, now)
     say("in-transaction", json.dumps({"ids": ids, "queued": queued, "state": state,
                                       "wal": os.path.getsize(DB + "-wal")}))
     sys.stdin.readline()
+store._engine.write(body)
 """
 
 # Batches of creates, each reported once create_many has returned (so
@@ -8473,9 +8479,11 @@ class McpSdkInteropTests(McpTestBase):
 
 
 class Outage:
-    """A store's write transactions, watched: each StoreUnavailable they raise is
-    counted by thread name, and while ``on`` is set every one raises it (a disk
-    that filled, a lock held past the busy timeout), before BEGIN.
+    """A store's writes, watched: each StoreUnavailable the engine's ``write``
+    raises is counted by the writing thread's name, and while ``on`` is set
+    every write transaction raises it (a disk that filled, a lock held past
+    the busy timeout), before BEGIN.  (One refused group commit refuses each
+    of its writers: each counts.)
     """
 
     def __init__(self, test, store):
@@ -8483,22 +8491,26 @@ class Outage:
         self.refused = collections.Counter()
         self._changed = threading.Condition()
         self._path = store.path
-        self._real = store._engine.transaction
-        store._engine.transaction = lambda: self
-        test.addCleanup(vars(store._engine).pop, "transaction")
+        engine = store._engine
+        self._real, self._real_write = engine.transaction, engine.write
+        engine.transaction, engine.write = (lambda: self), self._write
+        test.addCleanup(vars(engine).pop, "transaction")
+        test.addCleanup(vars(engine).pop, "write")
+
+    def _write(self, body):
+        try:
+            return self._real_write(body)
+        except taskstore.StoreUnavailable:
+            self._count()
+            raise
 
     def __enter__(self):
         if self.on.is_set():
-            self._count()
             raise taskstore.StoreUnavailable(f"{self._path}: the database or disk is full")
         self._real().__enter__()
 
     def __exit__(self, *exc):
-        try:
-            return self._real().__exit__(*exc)
-        except taskstore.StoreUnavailable:
-            self._count()
-            raise
+        return self._real().__exit__(*exc)
 
     def _count(self):
         with self._changed:
@@ -8590,7 +8602,7 @@ class StoreOutageRunnerTests(StoreTestCase):
             self.assertTrue(outage.wait_for_workers(count, times=2),
                             f"refused: {outage.refused}")
             self.assertEqual({store.get(t.id).status for t in tasks}, {RUNNING})
-            with store._lock:                      # room again (the operator grew the disk)
+            with store._engine.lock:               # room again (the operator grew the disk)
                 store._engine.conn.execute("PRAGMA max_page_count=1000000")
             done = [self.finished(t.id) for t in tasks]
         self.assertEqual([(t.status, t.result, t.progress) for t in done],
