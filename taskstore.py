@@ -3035,7 +3035,7 @@ def _plain_status_json(status, new):
 
 
 class _NewTask(typing.NamedTuple):
-    """A validated ``create`` waiting for its batch (see ``_insert_tasks_locked``)."""
+    """A validated ``create``: what ``_insert_tasks_locked`` makes a row and a Task of."""
 
     kind: str
     payload: object
@@ -3094,6 +3094,58 @@ def _created_data(kind):
     return dumps({"kind": kind})
 
 
+def _create_once(store, spec, idempotency):
+    """``TaskStore.create``'s body under an idempotency key: the key's task, or a new one."""
+    try:
+        scope, key, fprint, expires_in_ms = idempotency
+    except (TypeError, ValueError):
+        raise InvalidParams("idempotency is (scope, key, fingerprint, expires_in_ms)",
+                            param="idempotency") from None
+    for name, value in (("scope", scope), ("key", key), ("fingerprint", fprint)):
+        _check_str(value, f"idempotency {name}", allow_none=False)
+    _check_int(expires_in_ms, "idempotency expires_in_ms")
+
+    def body():
+        now = int(store.clock() * 1000)
+        row = store._engine.idempotency_get(scope, key)
+        if row is not None and (row[2] is None or row[2] > now):
+            if row[0] != fprint:
+                raise IdempotencyMismatch(key)
+            try:
+                task = store._get_locked(row[1])
+            except TaskNotFound:
+                raise TaskExpired(row[1]) from None
+            return task._replace(replayed=True)
+        task = _insert_tasks_locked(store, (spec,), now)[0]
+        store._engine.idempotency_put(scope, key, fprint, task.id, now,
+                                     None if expires_in_ms is None else now + expires_in_ms)
+        return task
+    return body
+
+
+def _insert_tasks_locked(store, specs, now=None):
+    """Insert new queued tasks (``_NewTask``s) with their first events; return their Tasks.
+
+    The engine writes the lot at once (``insert_tasks``).
+    """
+    now = int(store.clock() * 1000) if now is None else now
+    tasks, rows, events = [], [], []
+    for spec in specs:
+        (kind, payload, payload_json, ttl_ms, retention_ms, policy, principal, meta,
+         meta_json, prefix, status_message, owner) = spec
+        task_id = store._ids.next(prefix, now)
+        rows.append((task_id, kind, QUEUED, payload_json, status_message, principal, policy,
+                     ttl_ms, retention_ms, now, now, meta_json, owner))
+        events.append((task_id, _created_data(kind), now))
+        # Built here rather than read back: the row is exactly this.
+        tasks.append(_new_tuple(Task, (
+            task_id, kind, QUEUED, payload, None, None, status_message, None, None,
+            principal, policy, 1, ttl_ms, retention_ms, now, now, None, None, owner, 0, 0, 0,
+            {} if meta is None else _loads(meta_json), None, None, False)))
+    store._engine.insert_tasks(rows, events)
+    return tasks
+
+
 class _IdSequence:
     """Task ids of one store: ids made in the same millisecond still sort in creation order.
 
@@ -3135,14 +3187,17 @@ class _Change(typing.NamedTuple):
 
 
 class _Waiters:
-    """This process's waiters and listeners, and what each commit tells them.
+    """This process's waiters, listeners and cancel events, and what each commit tells them.
 
     A commit in this process is told here by the thread that wrote it, once
     the engine's ``write`` has returned (``committed``): the commit count
     moves on, waiters wake, idle workers wake when work was queued, then the
     listeners run, outside every lock, in the writer's thread.  Another
     process's commit is told by the engine's ``on_remote`` (``told``), or
-    found by the waiters' own ``poll_interval`` re-reads.
+    found by the waiters' own ``poll_interval`` re-reads.  The cancel events
+    (``cancel_events``: task id -> ``threading.Event``) are how work this
+    process runs learns of its cancel: set after a cancel commits here, or
+    when the engine tells of one elsewhere.
 
     A waiter notes ``commits`` before it reads and sleeps only if it has not
     moved since (``await_commit``), and an idle worker does the same with
@@ -3164,6 +3219,9 @@ class _Waiters:
         self.work_waiting = 0
         self.closed = False
         self.listeners = []
+        # Plain dict operations, atomic without the lock: ``cancel_event``
+        # must never wait for a group-commit leader (see TaskStore.cancel_event).
+        self.cancel_events = {}
 
     def committed(self, changes=(), queued=False):
         """A write of this process committed: wake who waits (idle workers too if *queued*),
@@ -3184,14 +3242,35 @@ class _Waiters:
                     except Exception:
                         logger.exception("task listener %r failed", listener)
 
-    def told(self, queued):
-        """Another process committed (the engine said so): every waiter re-reads."""
+    def told(self, kind, ids):
+        """Another process committed (the engine's ``on_remote``): wake who waits here.
+
+        Waiters re-read; idle runners look for work when something became
+        queued; work this process runs learns of its cancel at once.
+        ``lost``: news may have been missed, so all of it.
+        """
         with self.lock:
             self.commits += 1
-            if queued:
+            if kind in (QUEUED, "lost"):
                 self.work_gen += 1
                 self.work.notify_all()
             self.changed.notify_all()
+        if kind == CANCELLING:
+            for task_id in ids:
+                self.cancel_set(task_id)
+
+    def cancel_event(self, task_id):
+        """The task's cancel event, made on first use."""
+        event = self.cancel_events.get(task_id)
+        if event is None:
+            event = self.cancel_events.setdefault(task_id, threading.Event())
+        return event
+
+    def cancel_set(self, task_id):
+        """Set the task's cancel event, if work here asked for one."""
+        event = self.cancel_events.get(task_id)
+        if event is not None:
+            event.set()
 
     def await_commit(self, seen, deadline, poll_interval):
         """Sleep until a commit after *seen* (a ``commits`` value), *poll_interval* or *deadline*.
@@ -3296,29 +3375,14 @@ class TaskStore:
                                             readonly=readonly)
         self.readonly = engine.readonly
         self._waiters = _Waiters()
-        self._cancel_events = {}
         self._reaper = None
         self._ids = _IdSequence()
         self._recovery = _Recovery(self)
-        engine.on_remote(self._on_remote)
+        engine.on_remote(self._waiters.told)
         if recover_on_open and not self.readonly:
             self.recover()
 
     # -- plumbing --------------------------------------------------------------
-
-    def _on_remote(self, kind, ids):
-        """Another process committed (the engine's ``on_remote``): wake who waits here.
-
-        Waiters re-read; idle runners look for work when something became
-        queued; work this process runs learns of its cancel at once.
-        ``lost``: news may have been missed, so all of it.
-        """
-        self._waiters.told(kind in (QUEUED, "lost"))
-        if kind == CANCELLING:
-            for task_id in ids:
-                event = self._cancel_events.get(task_id)
-                if event is not None:
-                    event.set()
 
     def _get_locked(self, task_id, principal=None, decode=True, summary=False):
         """The task as *principal* may see it, else the right error; *decode* False: its row.
@@ -3363,27 +3427,28 @@ class TaskStore:
         new = next_state(task_id, status, event)
         if attempt is not None and attempt != task.attempt:
             raise InvalidTransition(task_id, f"{status} (attempt {task.attempt})", event)
-        seq = task.last_seq + 1
-        values = {"status": new, "updated_at": now, "last_seq": seq}
-        changes = {"status": new, "updated_at": now, "last_seq": seq, "version": task.version + 1}
-        for name, value in (fields or {}).items():
-            values[name] = value
-            if name != "snapshot":
-                changes[name] = _loads(value) if (
-                    value is not None and name in _JSON_COLUMNS) else value
+        values = {"status": new, "updated_at": now, "last_seq": task.last_seq + 1}
+        if fields:
+            values.update(fields)
         if new in TERMINAL_STATES:
-            purge_at = _purge_at(now, task.created_at, task.ttl_ms, task.retention_ms)
-            values.update(finished_at=now, input_request=None, purge_at=purge_at)
-            changes.update(finished_at=now, input_request=None, purge_at=purge_at)
+            values["finished_at"] = now
+            values["input_request"] = None
+            values["purge_at"] = _purge_at(now, task.created_at, task.ttl_ms, task.retention_ms)
         # The compare-and-set: cannot fail inside the transaction; the guard is the rule.
         event_json = _plain_status_json(status, new) if message is None and error is None \
             else dumps(_status_data(status, new, message, error))
         if not self._engine.move_task(task_id, status, values, event_json, now):
             raise InvalidTransition(task_id, status, event)
-        task = task._replace(**changes)
         if new in TERMINAL_STATES:
-            self._cancel_events.pop(task_id, None)
-        return task
+            self._waiters.cancel_events.pop(task_id, None)
+        # The Task as written: the values (JSON columns decoded: its own copy) over the row read.
+        values["version"] = task.version + 1
+        if fields:
+            values.pop("snapshot", None)
+            for name in fields.keys() & _JSON_COLUMNS:
+                if values[name] is not None:
+                    values[name] = _loads(values[name])
+        return _new_tuple(Task, map(values.pop, Task._fields, task))
 
     def _move(self, task_id, event, *, principal=None, **kwargs):
         """Run one transition, committed before it returns; return the new Task."""
@@ -3427,41 +3492,13 @@ class TaskStore:
         spec = _new_task(self.max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal,
                          meta, prefix, status_message, owner)
         if idempotency is None:
-            task = self._engine.write(lambda: self._insert_tasks_locked((spec,))[0])
+            task = self._engine.write(lambda: _insert_tasks_locked(self, (spec,))[0])
         else:
-            task = self._engine.write(self._create_once(spec, idempotency))
+            task = self._engine.write(_create_once(self, spec, idempotency))
             if task.replayed:
                 return task         # nothing written
         self._waiters.committed((_Change(task, "created"),), queued=True)
         return task
-
-    def _create_once(self, spec, idempotency):
-        """The body of a create under an idempotency key: the key's task, or a new one."""
-        try:
-            scope, key, fprint, expires_in_ms = idempotency
-        except (TypeError, ValueError):
-            raise InvalidParams("idempotency is (scope, key, fingerprint, expires_in_ms)",
-                                param="idempotency") from None
-        for name, value in (("scope", scope), ("key", key), ("fingerprint", fprint)):
-            _check_str(value, f"idempotency {name}", allow_none=False)
-        _check_int(expires_in_ms, "idempotency expires_in_ms")
-
-        def body():
-            now = int(self.clock() * 1000)
-            row = self._engine.idempotency_get(scope, key)
-            if row is not None and (row[2] is None or row[2] > now):
-                if row[0] != fprint:
-                    raise IdempotencyMismatch(key)
-                try:
-                    task = self._get_locked(row[1])
-                except TaskNotFound:
-                    raise TaskExpired(row[1]) from None
-                return task._replace(replayed=True)
-            task = self._insert_tasks_locked((spec,), now)[0]
-            self._engine.idempotency_put(scope, key, fprint, task.id, now,
-                                         None if expires_in_ms is None else now + expires_in_ms)
-            return task
-        return body
 
     def create_many(self, kind, payloads, *, ttl_ms=None, retention_ms=None, policy="fail",
                     principal=None, meta=None, prefix="task", status_message=None, owner=None):
@@ -3489,31 +3526,8 @@ class TaskStore:
         for i, payload in enumerate(payloads[1:], 1):
             payload_json, payload = _payload(payload, f"payloads[{i}]")
             specs.append(first._replace(payload=payload, payload_json=payload_json))
-        tasks = self._engine.write(lambda: self._insert_tasks_locked(specs))
+        tasks = self._engine.write(lambda: _insert_tasks_locked(self, specs))
         self._waiters.committed((_Change(task, "created") for task in tasks), queued=True)
-        return tasks
-
-    def _insert_tasks_locked(self, specs, now=None):
-        """Insert new queued tasks (``_NewTask``s) with their first events; return their Tasks.
-
-        The engine writes the lot at once (``insert_tasks``).
-        """
-        now = int(self.clock() * 1000) if now is None else now
-        tasks, rows, events = [], [], []
-        for spec in specs:
-            (kind, payload, payload_json, ttl_ms, retention_ms, policy, principal, meta,
-             meta_json, prefix, status_message, owner) = spec
-            task_id = self._ids.next(prefix, now)
-            rows.append((task_id, kind, QUEUED, payload_json, status_message, principal, policy,
-                         ttl_ms, retention_ms, now, now, meta_json, owner))
-            events.append((task_id, _created_data(kind), now))
-            # Built here rather than read back: the row is exactly this.
-            task = Task(task_id, kind, QUEUED, payload, None, None, status_message,
-                        None, None, principal, policy, 1, ttl_ms, retention_ms, now, now,
-                        None, None, owner, 0, 0, 0,
-                        {} if meta is None else _loads(meta_json), None, None)
-            tasks.append(task)
-        self._engine.insert_tasks(rows, events)
         return tasks
 
     def get(self, task_id, *, principal=None):
@@ -3668,9 +3682,8 @@ class TaskStore:
             return task, False
         task, moved = self._engine.write(body)
         self._waiters.committed((_Change(task, "status"),) if moved else ())
-        event = self._cancel_events.get(task_id)
-        if event is not None and task.status == CANCELLING:
-            event.set()
+        if task.status == CANCELLING:
+            self._waiters.cancel_set(task_id)
         return task
 
     def succeed(self, task_id, result=None, *, attempt=None):
@@ -3790,10 +3803,7 @@ class TaskStore:
         # exists is noticed by the runner's maintenance either way).  A runner
         # asks for it between its claim and its write, and must not wait for a
         # group-commit leader that holds the lock while it waits for that write.
-        event = self._cancel_events.get(task_id)
-        if event is None:
-            event = self._cancel_events.setdefault(task_id, threading.Event())
-        return event
+        return self._waiters.cancel_event(task_id)
 
     def add_listener(self, listener):
         """Call ``listener(task, change)`` after every committed change.
@@ -4080,7 +4090,7 @@ class _Recovery:
                 fields.update(error=dumps(error), status_message=message)
             done, ids = engine.move_tasks(
                 selector, status, fields, dumps(_status_data(status, new, message, error)), now,
-                ids=bool(store._waiters.listeners or store._cancel_events), policy=policy,
+                ids=bool(store._waiters.listeners or store._waiters.cancel_events), policy=policy,
                 bump_attempt=requeue, finish=new in TERMINAL_STATES)
             # One event per moved task, and as many as counted: cannot fail
             # inside the transaction; the guard is the rule.
@@ -4091,7 +4101,7 @@ class _Recovery:
                 # Terminal: no cancel to signal.  Requeued: the next attempt
                 # must not inherit the cancel (or stop) of the one before.
                 for task_id in ids or ():
-                    store._cancel_events.pop(task_id, None)
+                    store._waiters.cancel_events.pop(task_id, None)
             requeued = requeued or (requeue and done > 0)
             key = CANCELLING if event == CONFIRM_CANCEL else policy
             tally[key] = tally.get(key, 0) + done
@@ -4143,7 +4153,7 @@ def _reap(store, now, batch_rows):
     def reap_tasks():
         more, deleted = engine.reap_tasks_once(now, batch_rows, counts, store.tombstone_ms)
         for task_id in deleted:
-            store._cancel_events.pop(task_id, None)
+            store._waiters.cancel_events.pop(task_id, None)
         return more
     steps = [reap_tasks]
     if store.event_retention_ms is not None:

@@ -747,6 +747,33 @@ class LifecycleTests(StoreTestCase):
         task = self.store.create("k")
         self.assertEqual(self.store.wait(task.id, timeout=0.01, terminal=True).status, QUEUED)
 
+    def test_a_commit_between_a_waiters_read_and_its_sleep_still_wakes_it(self):
+        # The waiter has read the task (unchanged) and is about to sleep when
+        # another thread's cancel commits and tells the waiters, before the
+        # sleep.  The waiter must see that a commit came since its read and
+        # read again at once, never sleeping (its poll is far beyond TIMEOUT).
+        self.store.close()
+        self.store = self.open_store(poll_interval=100 * TIMEOUT)
+        task = self.store.create("k")
+        waiters = self.store._waiters
+        real_await, real_sleep = waiters.await_commit, waiters.changed.wait
+        committed, slept = threading.Event(), []
+        waiters.changed.wait = lambda timeout=None: slept.append(timeout) or real_sleep(timeout)
+
+        def commit_first(seen, deadline, poll_interval):
+            if not committed.is_set():
+                writer = threading.Thread(target=lambda: self.store.cancel(task.id),
+                                          daemon=True)
+                writer.start()
+                writer.join(TIMEOUT)
+                committed.set()
+            return real_await(seen, deadline, poll_interval)
+        waiters.await_commit = commit_first
+        woke = self.store.wait(task.id, since_version=task.version, timeout=TIMEOUT)
+        self.assertTrue(committed.is_set())
+        self.assertEqual(woke.status, CANCELLED)
+        self.assertEqual(slept, [], "the waiter slept through a commit it had not read")
+
     def test_close_wakes_waiters_and_later_calls_raise(self):
         # The waiter's own poll and timeout are far beyond this test's bound
         # (TIMEOUT), so only close() can end its wait in time; and its wait on
@@ -809,6 +836,29 @@ class LifecycleTests(StoreTestCase):
         self.store.succeed(task.id, 1)
         self.assertEqual(heard, [("created", QUEUED), ("status", RUNNING), ("progress", RUNNING),
                                  ("event", RUNNING), ("status", SUCCEEDED)])
+
+    def test_a_listener_gets_each_task_as_its_write_left_it_in_the_writers_thread(self):
+        task = self.store.create("k")
+        owner = self.store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        heard = []
+        self.store.add_listener(lambda task, change: heard.append(
+            (change, task.status, task.version, task.progress, threading.current_thread().name)))
+
+        def work():
+            claimed = self.store.claim(("k",), owner=owner)
+            self.store.set_progress(claimed.id, progress=0.5)
+            self.store.emit(claimed.id, "x")
+        writer = threading.Thread(target=work, name="writer", daemon=True)
+        writer.start()
+        writer.join(TIMEOUT)
+        self.assertFalse(writer.is_alive())
+        self.store.release(owner)               # set-based: policy fail fails the task
+        self.assertEqual(heard, [("status", RUNNING, 1, None, "writer"),
+                                 ("progress", RUNNING, 2, 0.5, "writer"),
+                                 ("event", RUNNING, 3, 0.5, "writer"),
+                                 ("status", FAILED, 4, 0.5, "MainThread")])
+        self.assertEqual(self.store.get(task.id).version, 4)
 
     def test_event_data_is_stored_text_decoded_afresh_on_each_access(self):
         task = self.running_task()
@@ -1338,7 +1388,7 @@ class GroupCommitTests(StoreTestCase):
             plain,
             keyed,
             lambda: self.store._transition_locked("task_missing", taskstore.START, 0),
-            lambda: self.store._insert_tasks_locked([self.spec("c", [2])])[0],
+            lambda: taskstore._insert_tasks_locked(self.store, [self.spec("c", [2])])[0],
             lambda: self.store._transition_locked(existing.id, taskstore.START, 0))]
         commits = []
         self.store._engine.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
@@ -1378,7 +1428,7 @@ class GroupCommitTests(StoreTestCase):
                 queued = group._gather.wait_for(lambda: group._group_queue, TIMEOUT)
                 group._group_gathering = 0
             self.assertTrue(queued, "the second writer never queued")
-            return self.store._insert_tasks_locked([self.spec("a")])[0]
+            return taskstore._insert_tasks_locked(self.store, [self.spec("a")])[0]
         with unittest.mock.patch.object(taskstore._GroupCommit, "_run_batch", run_batch):
             alone = self.store.create("k")
             self.assertEqual(batches, [])            # a batch of one, without the queue
@@ -1537,7 +1587,7 @@ class BatchCreateTests(StoreTestCase):
     def test_writers_arriving_during_a_batch_are_served_after_it(self):
         # Single creates queue behind the batch; nobody's change is lost.
         started, release = threading.Event(), threading.Event()
-        real = taskstore.TaskStore._insert_tasks_locked
+        real = taskstore._insert_tasks_locked
 
         def insert(store, specs, now=None):
             if len(specs) == 100:           # the batch, inside its transaction
@@ -1545,7 +1595,7 @@ class BatchCreateTests(StoreTestCase):
                 release.wait(TIMEOUT)
             return real(store, specs, now)
         made = queue.Queue()
-        with unittest.mock.patch.object(taskstore.TaskStore, "_insert_tasks_locked", insert):
+        with unittest.mock.patch.object(taskstore, "_insert_tasks_locked", insert):
             batch = threading.Thread(daemon=True, target=lambda: made.put(
                 self.store.create_many("k", list(range(100)))))
             batch.start()
@@ -2274,8 +2324,11 @@ class EngineSeamTests(unittest.TestCase):
         banner = cls.source[start:cls.source.index("\n\n", start)]
         cls.listed = set(re.findall(r"^#   (\w+)", banner, re.M))
         import ast
-        cls.store = next(node for node in ast.parse(cls.source).body
-                         if isinstance(node, ast.ClassDef) and node.name == "TaskStore")
+        # The store: section 8, TaskStore and the helpers it hands work to.
+        first = cls.source[:cls.source.index("\n# 8. The store")].count("\n") + 1
+        last = cls.source[:cls.source.index("\n# 9. ")].count("\n") + 1
+        cls.store = ast.Module(body=[node for node in ast.parse(cls.source).body
+                                     if first < node.lineno < last], type_ignores=[])
 
     def test_the_banner_lists_what_each_engine_provides(self):
         self.assertGreater(len(self.listed), 20)
@@ -2299,8 +2352,8 @@ class EngineSeamTests(unittest.TestCase):
 
     def test_the_store_uses_only_listed_engine_names(self):
         import ast
-        text = ast.get_source_segment(self.source, self.store)
-        used = set(re.findall(r"(?<![\w.])(?:self\._)?engine\.(\w+)", text))
+        text = "\n".join(ast.get_source_segment(self.source, node) for node in self.store.body)
+        used = set(re.findall(r"(?<![\w.])(?:(?:self|store)\._)?engine\.(\w+)", text))
         self.assertTrue(used)
         self.assertLessEqual(used, self.listed)
         self.assertNotIn("sqlite3", text)
