@@ -961,7 +961,7 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #   transaction()         context: one write transaction, committed or rolled back (write's)
 #   reading()             context: the lock held for reads whose errors become StoreUnavailable
 #   shut()                refuse new work: write(), transaction() and reading() raise StoreClosed
-#   changes()             a counter of rows written: did a body write anything?
+#   changes()             a counter of rows written: did a body write anything? (write's)
 #   bulk()                context: a long job of many transactions (reap, recovery)
 #   checkpoint()          copy the log into the database file now; (log, copied)
 #   close()               stop the engine's threads and close the connection
