@@ -3199,12 +3199,14 @@ class _Waiters:
     process runs learns of its cancel: set after a cancel commits here, or
     when the engine tells of one elsewhere.
 
-    A waiter notes ``commits`` before it reads and sleeps only if it has not
-    moved since (``await_commit``), and an idle worker does the same with
-    ``work_gen``: a commit that lands between a read and the sleep is never
-    missed.  One lock, this object's own, guards the counts and both
-    conditions; it is never held while the engine's lock is taken, nor
-    taken while the engine's is held.
+    A waiter first registers (``watching``), then notes ``commits`` before
+    each read and sleeps only if it has not moved since (``await_commit``);
+    an idle worker does the same with ``work_gen``.  So a commit that lands
+    between a read and the sleep is never missed, and a writer that finds
+    nobody watching (most writes) has nobody to tell and takes no lock:
+    whoever starts watching later reads after that commit.  One lock, this
+    object's own, guards the counts and both conditions; it is never held
+    while the engine's lock is taken, nor taken while the engine's is held.
     """
 
     def __init__(self):
@@ -3213,10 +3215,8 @@ class _Waiters:
         self.work = threading.Condition(self.lock)      # a task may have become queued
         self.commits = 0
         self.work_gen = 0
-        # How many threads wait on each condition: a notify nobody waits for
-        # is skipped (it costs a lock probe on every write otherwise).
-        self.changed_waiting = 0
-        self.work_waiting = 0
+        self.watchers = 0         # threads in wait() or wait_any() (see watching)
+        self.work_waiting = 0     # idle workers asleep: a notify nobody waits for is skipped
         self.closed = False
         self.listeners = []
         # Plain dict operations, atomic without the lock: ``cancel_event``
@@ -3226,14 +3226,15 @@ class _Waiters:
     def committed(self, changes=(), queued=False):
         """A write of this process committed: wake who waits (idle workers too if *queued*),
         then call the listeners with each of *changes* (``_Change``s)."""
-        with self.lock:
-            self.commits += 1
-            if queued:
-                self.work_gen += 1
-                if self.work_waiting:
-                    self.work.notify_all()
-            if self.changed_waiting:
-                self.changed.notify_all()
+        if queued or self.watchers:
+            with self.lock:
+                self.commits += 1
+                if queued:
+                    self.work_gen += 1
+                    if self.work_waiting:
+                        self.work.notify_all()
+                if self.watchers:
+                    self.changed.notify_all()
         if self.listeners:
             for task, change in changes:
                 for listener in list(self.listeners):
@@ -3272,22 +3273,30 @@ class _Waiters:
         if event is not None:
             event.set()
 
+    @contextlib.contextmanager
+    def watching(self):
+        """Context of a waiter (``wait``, ``wait_any``): from now on every commit is told."""
+        with self.lock:
+            self.watchers += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.watchers -= 1
+
     def await_commit(self, seen, deadline, poll_interval):
         """Sleep until a commit after *seen* (a ``commits`` value), *poll_interval* or *deadline*.
 
-        Returns False at once when *deadline* has passed.  Raises StoreClosed
-        when the store was closed meanwhile.
+        For a waiter inside ``watching``.  Returns False at once when
+        *deadline* has passed.  Raises StoreClosed when the store was closed
+        meanwhile.
         """
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
         with self.lock:
             if self.commits == seen and not self.closed:
-                self.changed_waiting += 1
-                try:
-                    self.changed.wait(min(remaining, poll_interval))
-                finally:
-                    self.changed_waiting -= 1
+                self.changed.wait(min(remaining, poll_interval))
             if self.closed:
                 raise StoreClosed()
         return True
@@ -3614,16 +3623,17 @@ class TaskStore:
         """
         deadline = time.monotonic() + timeout
         waiters = self._waiters
-        while True:
-            seen = waiters.commits          # before the read: see _Waiters
-            with self._engine.reading():
-                task = self._get_locked(task_id, principal)
-            if (terminal and task.terminal) or (
-                    since_version is not None and task.version != since_version) or (
-                    since_version is None and not terminal):
-                return task
-            if not waiters.await_commit(seen, deadline, self.poll_interval):
-                return task
+        with waiters.watching():
+            while True:
+                seen = waiters.commits          # before the read: see _Waiters
+                with self._engine.reading():
+                    task = self._get_locked(task_id, principal)
+                if (terminal and task.terminal) or (
+                        since_version is not None and task.version != since_version) or (
+                        since_version is None and not terminal):
+                    return task
+                if not waiters.await_commit(seen, deadline, self.poll_interval):
+                    return task
 
     def wait_any(self, last_seqs, *, timeout):
         """Block until some of the tasks have events the caller has not seen; return them.
@@ -3641,11 +3651,12 @@ class TaskStore:
         """
         deadline = time.monotonic() + timeout
         waiters = self._waiters
-        while True:
-            seen = waiters.commits          # before the read: see _Waiters
-            moved = self._engine.tasks_past(last_seqs)
-            if moved or not waiters.await_commit(seen, deadline, self.poll_interval):
-                return moved
+        with waiters.watching():
+            while True:
+                seen = waiters.commits          # before the read: see _Waiters
+                moved = self._engine.tasks_past(last_seqs)
+                if moved or not waiters.await_commit(seen, deadline, self.poll_interval):
+                    return moved
 
     def load_snapshot(self, task_id):
         """Return the task's last saved snapshot, or None."""
