@@ -102,8 +102,8 @@ __all__ = [
 # =============================================================================
 # 1. Imports
 # =============================================================================
-# Standard library only, one per line.  The logger is the module's only
-# global with state, and it is configured by the command line, never here.
+# Standard library only, one per line.  Globals with state: the logger (set up
+# by the command line, never here) and _LIVE_PROCESS_IDS (section 6 says why).
 
 import argparse
 import base64
@@ -988,11 +988,11 @@ class Engine:
     order each method names, the same on every engine.
 
     Attributes (the store reads the first three):
-        lock: the ``threading.Lock`` that guards the engine; the store's
-            conditions share it.  Methods whose names end in ``_locked``
-            and every data method below expect it held, and data methods
-            that write expect a ``transaction()`` open, unless a method
-            says otherwise.
+        lock: the ``threading.Lock`` that guards the engine.  Methods
+            whose names end in ``_locked`` and every data method below
+            expect it held, and data methods that write run inside a body
+            given to ``write`` (which holds it and opens the transaction),
+            unless a method says otherwise.
         readonly: whether the database was opened for reading only (every
             write raises StoreUnavailable).
         shared: whether other hosts share the database; then a live
@@ -1030,18 +1030,19 @@ class Engine:
         """Refuse new work (lock held): ``transaction()`` and ``reading()`` raise StoreClosed."""
         raise NotImplementedError
 
-    def group_write(self, body, writing, insert):
-        """Run ``body(notices)`` with other threads' writes in one ``writing()``; its result.
+    def write(self, body):
+        """Run ``body()`` in a write transaction, the lock held; return its result once committed.
 
-        *writing* is the store's context (the lock, one ``transaction()``,
-        the notice list).  A body that is not callable is a record: the
-        batch's records go to ``insert(notices, records)`` together, which
-        returns their results.  Called without the lock; committed on return.
+        Other threads' bodies may share the transaction and its commit
+        (group commit, the engine's own business); a body's error is raised
+        here, and its own writes are never committed half-done.  The body
+        runs the engine's data methods and nothing that waits for another
+        thread.  Called without the lock.
         """
         raise NotImplementedError
 
     def changes(self):
-        """Rows written on the engine's connection so far: did a body write anything?"""
+        """Rows written on the engine's connection so far: did a body write anything? (write's)"""
         raise NotImplementedError
 
     def bulk(self):
@@ -1134,13 +1135,11 @@ class Engine:
         """``[(seq, type, data, created_at)]`` from seq *start* on, at most *limit* (None: all)."""
         raise NotImplementedError
 
-    def tasks_past(self, last_seqs, idle):
+    def tasks_past(self, last_seqs):
         """``{task_id: Task or None}`` of the tasks whose ``last_seq`` is past *last_seqs*'s.
 
-        None: the task no longer exists.  Takes the lock itself (a chunk of
-        ids at a time).  When none has moved, ``idle()`` runs with the lock
-        still held since the last read, so no commit of this process slips
-        between the read and the caller's wait.
+        None: the task no longer exists.  Takes the lock (``reading()``),
+        500 ids at a time, so that a long list never holds up writers.
         """
         raise NotImplementedError
 
@@ -1327,7 +1326,17 @@ MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
 
 _WRITABLE_COLUMNS = frozenset(_TASK_COLUMNS) | {"snapshot"}
 _HOST = socket.gethostname
-_LIVE_PROCESS_IDS = set()    # registrations of runners alive in this process (the store's)
+# The registrations of the runners alive in this process, whatever store they
+# registered through: module-level state on purpose, the one besides the
+# logger.  Several stores in one process may share a database (a server's
+# MCP and HTTP fronts, an embedding application, the tests), and recovery in
+# any of them must know every runner of the process: a registration with
+# this process's pid is alive only while a runner holds it (``owner_dead``),
+# and a store that knew only its own runners would take another store's
+# live tasks for a dead process's.  ``TaskStore.register_process`` adds an
+# id, ``release`` (a runner stopping, or recovery) removes it; set.add and
+# set.discard are atomic, so it needs no lock.
+_LIVE_PROCESS_IDS = set()
 
 
 def _reap_take(rows, budget):
@@ -1470,7 +1479,7 @@ class _GroupOp:
     __slots__ = ("body", "result", "error", "done", "wake", "next")
 
     def __init__(self, body):
-        self.body = body        # body(notices), or a record for the batch's insert
+        self.body = body        # body(): one write's statements, run in a shared transaction
         self.result = None
         self.error = None
         self.done = False       # committed (or failed): result or error is final
@@ -1479,7 +1488,14 @@ class _GroupOp:
 
 
 class _GroupCommit:
-    """Group commit: many threads' writes share one transaction and one commit.
+    """An engine's ``write``: many threads' writes share one transaction and one commit.
+
+    A write is a body, ``body()``: the statements of one verb, which the
+    engine runs with its lock held inside a ``transaction()``; ``write``
+    returns the body's result once that transaction has committed, or
+    raises its error.  Nothing here knows what a body does, and nothing
+    calls back into the store: what a write tells this process's waiters
+    and listeners is the caller's business, after ``write`` returns.
 
     The first writer to arrive becomes the leader and runs every body queued
     by then in one transaction (``_run_batch``: each body gets its own result
@@ -1495,8 +1511,9 @@ class _GroupCommit:
     Nobody returns before its change is committed.
     """
 
-    def __init__(self, changes, commit_syncs=True):
-        self._changes = changes       # the engine's changes(): did a body write anything?
+    def __init__(self, engine, commit_syncs=True):
+        # The engine's lock, transaction() and changes() (did a body write anything?).
+        self._engine = engine
         # Whether a commit waits for the disk (an fsync): only then is company
         # worth waiting for (see _join_late).
         self._commit_syncs = commit_syncs
@@ -1509,14 +1526,14 @@ class _GroupCommit:
         self._group_gathering = 0     # while a leader waits for company: how many it wants
         self._group_last = 1          # size of the last batch: > 1 means contention
 
-    def write(self, body, writing, insert):
-        """Run *body* in a batch (see ``_run_batch``); return its result or raise its error."""
+    def write(self, body):
+        """Run ``body()`` in a batch (see ``_run_batch``); return its result or raise its error."""
         with self._group:
             alone = not self._group_leading and self._group_last == 1
             if alone:               # nobody writes and nobody did just now: lead a batch of one
                 self._group_leading = True
         if alone:
-            return self._write_alone(body, writing, insert)
+            return self._write_alone(body)
         op = _GroupOp(body)
         with self._group:
             self._group_queue.append(op)
@@ -1530,12 +1547,12 @@ class _GroupCommit:
         if op.wake is not None:
             self._wait_woken(op)    # until committed (done), or handed the lead
         if not op.done:
-            self._lead_groups(writing, insert)
+            self._lead_groups()
         if op.error is not None:
             raise op.error
         return op.result
 
-    def _write_alone(self, body, writing, insert):
+    def _write_alone(self, body):
         """The lone writer's batch of one: what ``_lead_groups`` does for it, without the queue.
 
         Most writes meet no other writer (a single worker, a server at rest),
@@ -1544,11 +1561,11 @@ class _GroupCommit:
         meanwhile queue as usual; the next of them leads their batch, and the
         size recorded here sends the writers after them the general way.
         """
+        engine = self._engine
         try:
-            with writing() as notices:
-                if callable(body):
-                    return body(notices)
-                return insert(notices, [body])[0]
+            with engine.lock:
+                with engine.transaction():
+                    return body()
         finally:
             with self._group:
                 self._group_last = 1 + len(self._group_queue)
@@ -1562,7 +1579,7 @@ class _GroupCommit:
         if op.next is not None:
             op.next.wake.release()
 
-    def _lead_groups(self, writing, insert):
+    def _lead_groups(self):
         """As the leader: commit what is queued, batch after batch; then hand the lead on."""
         group = self._group
         with group:
@@ -1570,7 +1587,7 @@ class _GroupCommit:
         rounds = 0
         try:
             while batch:
-                self._run_batch(batch, writing, insert, self._join_late)
+                self._run_batch(batch, self._join_late)
                 rounds += 1
                 with group:
                     self._group_last = len(batch)
@@ -1590,18 +1607,12 @@ class _GroupCommit:
                     self._hand_over_locked()
                 self._wake(batch)
 
-    def _run_batch(self, batch, writing, insert, more=None):
-        """Run *batch* in one ``writing()`` transaction; store each body's result or error.
+    def _run_batch(self, batch, more=None):
+        """Run *batch*'s bodies in one transaction, the lock held; store each result or error.
 
         *more* (the leader's ``_join_late``), once the bodies have run, gives
         the writers that queued meanwhile: they join the batch (the list
         grows in place) and the same transaction, until it returns none.
-
-        *writing* is the store's context: the lock, one ``transaction()``,
-        the store's notices (``with writing() as notices``).  A body is
-        ``body(notices)``, or a record (anything not callable: the store's
-        plain creates), which goes with the batch's other records to
-        ``insert(notices, records)``, one call returning their results.
 
         A body raises a TaskStoreError only before its first write (create's
         idempotency checks do), so a failing body has nothing to undo and
@@ -1609,33 +1620,26 @@ class _GroupCommit:
         then raised would break that rule: the whole batch is rolled back and
         every member gets the error, so nothing half-done is ever committed.
         """
+        engine = self._engine
+        changes = engine.changes
         try:
-            with writing() as notices:
-                changes = self._changes
-                records = []
-                ran = 0
-                while True:
-                    for op in batch[ran:]:
-                        body = op.body
-                        if not callable(body):
-                            records.append(op)
-                            continue
-                        before, mark = changes(), len(notices)
-                        try:
-                            op.result = body(notices)
-                        except TaskStoreError as exc:
-                            if len(batch) == 1 or changes() != before:
-                                raise
-                            del notices[mark:]
-                            op.error = exc
-                    ran = len(batch)
-                    late = None if more is None else more(ran)
-                    if not late:
-                        break
-                    batch.extend(late)
-                if records:
-                    for op, result in zip(records, insert(notices, [op.body for op in records])):
-                        op.result = result
+            with engine.lock:
+                with engine.transaction():
+                    ran = 0
+                    while True:
+                        for op in batch[ran:]:
+                            before = changes()
+                            try:
+                                op.result = op.body()
+                            except TaskStoreError as exc:
+                                if len(batch) == 1 or changes() != before:
+                                    raise
+                                op.error = exc
+                        ran = len(batch)
+                        late = None if more is None else more(ran)
+                        if not late:
+                            break
+                        batch.extend(late)
         except BaseException as exc:
             for op in batch:
                 if op.error is None:
@@ -1891,6 +1895,10 @@ class _SqlEngine(Engine):
         """Refuse new work (lock held): transaction() and reading() raise StoreClosed from now."""
         self.closed = True
 
+    def write(self, body):
+        """Run *body* through the engine's group commit (``_GroupCommit.write``)."""
+        return self._group.write(body)
+
     def changes(self):
         """Rows written on this connection so far (a body that wrote moved it)."""
         return self.conn.total_changes
@@ -2001,7 +2009,7 @@ class _SqlEngine(Engine):
         return self.conn.execute(self._sql.read_events, (
             task_id, start, self._dialect.no_limit if limit is None else limit)).fetchall()
 
-    def tasks_past(self, last_seqs, idle):
+    def tasks_past(self, last_seqs):
         # 500 ids at a time, so that a long list never holds up writers.
         ids, moved = list(last_seqs), {}
         for start in range(0, max(len(ids), 1), 500):
@@ -2013,8 +2021,6 @@ class _SqlEngine(Engine):
                     seq = seqs.get(task_id)
                     if seq is None or seq > last_seqs[task_id]:
                         moved[task_id] = None if seq is None else self.read_task(task_id)
-                if not moved and start + 500 >= len(ids):
-                    idle()
         return moved
 
     def load_snapshot(self, task_id):
@@ -2208,11 +2214,10 @@ class SQLiteEngine(_SqlEngine):
         self.lock = threading.Lock()
         self.closed = False
         # With synchronous=NORMAL a WAL commit is a write, not an fsync.
-        self._group = _GroupCommit(self.changes, commit_syncs=synchronous == "full")
+        self._group = _GroupCommit(self, commit_syncs=synchronous == "full")
         self._move_sql = {}
         self._transaction = _Transaction(self)
         self._reads = _Reads(self)
-        self.group_write = self._group.write          # the documented method, one call less
         self._checkpointer = None
         self._checkpoint_mark = 0     # conn.total_changes at the last checkpoint request
         self._bulk_depth = 0
@@ -2347,10 +2352,6 @@ class SQLiteEngine(_SqlEngine):
     def reading(self):
         """Hold the lock for reads whose sqlite3 errors become StoreUnavailable; yield the engine."""
         return self._reads
-
-    def group_write(self, body, writing, insert):
-        """Run *body* in a batch with other threads' writes (``_GroupCommit.write``)."""
-        return self._group.write(body, writing, insert)   # replaced per instance, see __init__
 
     def on_remote(self, callback):
         """Never call *callback*: SQLite tells nobody of a commit, so waiters poll the file."""
@@ -2956,8 +2957,7 @@ class PostgresEngine(_SqlEngine):
         self.lock = threading.Lock()
         self.closed = False
         self.token = secrets.token_hex(6)      # names this engine's own notifications
-        self._group = _GroupCommit(self.changes)
-        self.group_write = self._group.write          # the documented method, one call less
+        self._group = _GroupCommit(self)
         self._move_sql = {}
         self._transaction = _PgTransaction(self)
         self._reads = _PgReads(self)
@@ -3062,10 +3062,6 @@ class PostgresEngine(_SqlEngine):
     def reading(self):
         """Hold the lock and a live connection for reads; psycopg errors become StoreUnavailable."""
         return self._reads
-
-    def group_write(self, body, writing, insert):
-        """Run *body* in a batch with other threads' writes (``_GroupCommit.write``)."""
-        return self._group.write(body, writing, insert)   # replaced per instance, see __init__
 
     def on_remote(self, callback):
         """Call ``callback(kind, ids)`` for other processes' commits; starts the listener.
@@ -3278,19 +3274,24 @@ class PostgresEngine(_SqlEngine):
 #   idempotency, retention, recovery decisions, waiting.  Everything that is
 #   SQLite's or PostgreSQL's is the engine's (sections 6 and 7), reached only
 #   through the methods of ``Engine`` (section 6); no SQL text lives here.
-# - One lock (the engine's, ``_lock``).  Public methods take it: reads through
-#   the engine's ``reading()``, writes through ``_writing``; helpers whose
-#   names end in ``_locked`` expect it held.  It is not re-entrant.
-# - Every write is one engine transaction (``_writing``; the writes a verb
-#   waits for go through the engine's ``group_write``); every status change
-#   inside it goes through ``_transition_locked`` (or, for recovery,
-#   ``_restart_locked``'s set-based moves), which asks the lifecycle tables
-#   (section 3) and appends the event row.
-#   After the commit, ``_changed`` wakes this process's waiters; other
-#   processes see the change on their next poll, or at once when the engine
-#   tells of other processes' commits (``on_remote``: PostgreSQL does).
+# - One write path.  A verb builds a body (its statements: the engine's data
+#   methods) and hands it to the engine's ``write``, which runs it with the
+#   engine's lock held in one transaction and returns its result once
+#   committed (perhaps in a group commit with other threads' bodies: that
+#   is the engine's business).  Reads take the lock through the engine's
+#   ``reading()``.  Helpers whose names end in ``_locked`` run inside a
+#   body or a read.  The lock is not re-entrant.
+# - Every status change goes through ``_transition_locked`` (or, for
+#   recovery, ``_Recovery``'s set-based moves), which asks the lifecycle
+#   tables (section 3) and appends the event row in the same transaction.
+# - What a write tells this process has one shape, ``_Change(task, change)``,
+#   the task as written.  Once ``write`` has returned, the writing thread
+#   hands its changes to ``_Waiters.committed``: waiters wake, idle workers
+#   wake when work was queued, then the listeners run.  Other processes see
+#   the change on their next poll, or at once when the engine tells of
+#   other processes' commits (``on_remote``: PostgreSQL does).
 # - Listeners, cancel events and anything else that calls out run after the
-#   commit and outside the lock.
+#   commit and outside every lock.
 # - ``now`` arguments are epoch milliseconds; the clock is a ``time.time``-like
 #   function in seconds, injectable for tests.
 # - The reaper thread (at the end of this section) belongs to the store.
@@ -3327,7 +3328,7 @@ def _plain_status_json(status, new):
 
 
 class _NewTask(typing.NamedTuple):
-    """A validated ``create`` waiting for its batch (see ``_insert_tasks_locked``)."""
+    """A validated ``create``: what ``_insert_tasks_locked`` makes a row and a Task of."""
 
     kind: str
     payload: object
@@ -3386,6 +3387,58 @@ def _created_data(kind):
     return dumps({"kind": kind})
 
 
+def _create_once(store, spec, idempotency):
+    """``TaskStore.create``'s body under an idempotency key: the key's task, or a new one."""
+    try:
+        scope, key, fprint, expires_in_ms = idempotency
+    except (TypeError, ValueError):
+        raise InvalidParams("idempotency is (scope, key, fingerprint, expires_in_ms)",
+                            param="idempotency") from None
+    for name, value in (("scope", scope), ("key", key), ("fingerprint", fprint)):
+        _check_str(value, f"idempotency {name}", allow_none=False)
+    _check_int(expires_in_ms, "idempotency expires_in_ms")
+
+    def body():
+        now = int(store.clock() * 1000)
+        row = store._engine.idempotency_get(scope, key)
+        if row is not None and (row[2] is None or row[2] > now):
+            if row[0] != fprint:
+                raise IdempotencyMismatch(key)
+            try:
+                task = store._get_locked(row[1])
+            except TaskNotFound:
+                raise TaskExpired(row[1]) from None
+            return task._replace(replayed=True)
+        task = _insert_tasks_locked(store, (spec,), now)[0]
+        store._engine.idempotency_put(scope, key, fprint, task.id, now,
+                                     None if expires_in_ms is None else now + expires_in_ms)
+        return task
+    return body
+
+
+def _insert_tasks_locked(store, specs, now=None):
+    """Insert new queued tasks (``_NewTask``s) with their first events; return their Tasks.
+
+    The engine writes the lot at once (``insert_tasks``).
+    """
+    now = int(store.clock() * 1000) if now is None else now
+    tasks, rows, events = [], [], []
+    for spec in specs:
+        (kind, payload, payload_json, ttl_ms, retention_ms, policy, principal, meta,
+         meta_json, prefix, status_message, owner) = spec
+        task_id = store._ids.next(prefix, now)
+        rows.append((task_id, kind, QUEUED, payload_json, status_message, principal, policy,
+                     ttl_ms, retention_ms, now, now, meta_json, owner))
+        events.append((task_id, _created_data(kind), now))
+        # Built here rather than read back: the row is exactly this.
+        tasks.append(_new_tuple(Task, (
+            task_id, kind, QUEUED, payload, None, None, status_message, None, None,
+            principal, policy, 1, ttl_ms, retention_ms, now, now, None, None, owner, 0, 0, 0,
+            {} if meta is None else _loads(meta_json), None, None, False)))
+    store._engine.insert_tasks(rows, events)
+    return tasks
+
+
 class _IdSequence:
     """Task ids of one store: ids made in the same millisecond still sort in creation order.
 
@@ -3412,69 +3465,161 @@ class _IdSequence:
         return task_id
 
 
-class _Writing:
-    """``TaskStore._writing()``: the lock, one engine transaction, then the listeners.
+class _Change(typing.NamedTuple):
+    """What a committed write tells this process: one task as the write left it.
 
-    A class rather than a generator context (it runs on every write; see
-    ``_Transaction``), one per store, reused: the lock it takes makes that
-    safe, and what outlives the lock (the listeners' calls) is copied out
-    before it is released.  A notice that carries the Task as written is
-    handed to the listeners as it is, unless a later notice of the batch
-    names the same task: then, as for a notice without one, the committed
-    row is read (the listeners see the task as it is after the commit).
+    ``change`` is ``created``, ``status``, ``progress`` or ``event``; ``task``
+    is the Task as written, read or built inside the write's transaction.
+    A verb's body returns its changes with its result, and the verb hands
+    them to ``_Waiters.committed`` once the engine's ``write`` has returned:
+    each becomes one ``listener(task, change)`` call.
     """
 
-    __slots__ = ("store", "notices", "transaction")
+    task: Task
+    change: str
 
-    def __init__(self, store):
-        self.store = store
-        self.notices = None
-        self.transaction = None
 
-    def __enter__(self):
-        store = self.store
-        store._lock.acquire()
+class _Waiters:
+    """This process's waiters, listeners and cancel events, and what each commit tells them.
+
+    A commit in this process is told here by the thread that wrote it, once
+    the engine's ``write`` has returned (``committed``): the commit count
+    moves on, waiters wake, idle workers wake when work was queued, then the
+    listeners run, outside every lock, in the writer's thread.  Another
+    process's commit is told by the engine's ``on_remote`` (``told``), or
+    found by the waiters' own ``poll_interval`` re-reads.  The cancel events
+    (``cancel_events``: task id -> ``threading.Event``) are how work this
+    process runs learns of its cancel: set after a cancel commits here, or
+    when the engine tells of one elsewhere.
+
+    A waiter first registers (``watching``), then notes ``commits`` before
+    each read and sleeps only if it has not moved since (``await_commit``);
+    an idle worker does the same with ``work_gen``.  So a commit that lands
+    between a read and the sleep is never missed, and a writer that finds
+    nobody watching (most writes) has nobody to tell and takes no lock:
+    whoever starts watching later reads after that commit.  One lock, this
+    object's own, guards the counts and both conditions; it is never held
+    while the engine's lock is taken, nor taken while the engine's is held.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)   # a commit (or news of one elsewhere)
+        self.work = threading.Condition(self.lock)      # a task may have become queued
+        self.commits = 0
+        self.work_gen = 0
+        self.watchers = 0         # threads in wait() or wait_any() (see watching)
+        self.work_waiting = 0     # idle workers asleep: a notify nobody waits for is skipped
+        self.closed = False
+        self.listeners = []
+        # Plain dict operations, atomic without the lock: ``cancel_event``
+        # must never wait for a group-commit leader (see TaskStore.cancel_event).
+        self.cancel_events = {}
+
+    def committed(self, changes=(), queued=False):
+        """A write of this process committed: wake who waits (idle workers too if *queued*),
+        then call the listeners with each of *changes* (``_Change``s)."""
+        if queued or self.watchers:
+            with self.lock:
+                self.commits += 1
+                if queued:
+                    self.work_gen += 1
+                    if self.work_waiting:
+                        self.work.notify_all()
+                if self.watchers:
+                    self.changed.notify_all()
+        if self.listeners:
+            for task, change in changes:
+                for listener in list(self.listeners):
+                    try:
+                        listener(task, change)
+                    except Exception:
+                        logger.exception("task listener %r failed", listener)
+
+    def told(self, kind, ids):
+        """Another process committed (the engine's ``on_remote``): wake who waits here.
+
+        Waiters re-read; idle runners look for work when something became
+        queued; work this process runs learns of its cancel at once.
+        ``lost``: news may have been missed, so all of it.
+        """
+        with self.lock:
+            self.commits += 1
+            if kind in (QUEUED, "lost"):
+                self.work_gen += 1
+                self.work.notify_all()
+            self.changed.notify_all()
+        if kind == CANCELLING:
+            for task_id in ids:
+                self.cancel_set(task_id)
+
+    def cancel_event(self, task_id):
+        """The task's cancel event, made on first use."""
+        event = self.cancel_events.get(task_id)
+        if event is None:
+            event = self.cancel_events.setdefault(task_id, threading.Event())
+        return event
+
+    def cancel_set(self, task_id):
+        """Set the task's cancel event, if work here asked for one."""
+        event = self.cancel_events.get(task_id)
+        if event is not None:
+            event.set()
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Context of a waiter (``wait``, ``wait_any``): from now on every commit is told."""
+        with self.lock:
+            self.watchers += 1
         try:
-            transaction = store._engine.transaction()
-            transaction.__enter__()          # raises StoreClosed once closed
-        except BaseException:
-            store._lock.release()
-            raise
-        self.transaction = transaction
-        self.notices = notices = []
-        return notices
-
-    def __exit__(self, kind, exc, tb):
-        store = self.store
-        notices, transaction = self.notices, self.transaction
-        self.notices = self.transaction = None
-        try:
-            transaction.__exit__(kind, exc, tb)
-            if kind is not None:
-                return False
-            if store._changed_waiting:
-                store._changed.notify_all()
-            if not notices or not store._listeners:
-                return False
-            read = store._engine.read_task
-            if len(notices) == 1:               # most writes: one change of one task
-                notice = notices[0]
-                tasks = ((notice[2] if len(notice) > 2 else read(notice[0]), notice[1]),)
-            else:
-                last = {notice[0]: i for i, notice in enumerate(notices)}
-                tasks = [(notice[2] if len(notice) > 2 and last[notice[0]] == i
-                          else read(notice[0]), notice[1]) for i, notice in enumerate(notices)]
+            yield
         finally:
-            store._lock.release()
-        for task, change in tasks:
-            if task is None:
-                continue
-            for listener in list(store._listeners):
+            with self.lock:
+                self.watchers -= 1
+
+    def await_commit(self, seen, deadline, poll_interval):
+        """Sleep until a commit after *seen* (a ``commits`` value), *poll_interval* or *deadline*.
+
+        For a waiter inside ``watching``.  Returns False at once when
+        *deadline* has passed.  Raises StoreClosed when the store was closed
+        meanwhile.
+        """
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        with self.lock:
+            if self.commits == seen and not self.closed:
+                self.changed.wait(min(remaining, poll_interval))
+            if self.closed:
+                raise StoreClosed()
+        return True
+
+    def wait_for_work(self, seen, timeout):
+        """``TaskStore.wait_for_work``: sleep unless ``work_gen`` moved past *seen*; return it."""
+        with self.lock:
+            if seen == self.work_gen and not self.closed:
+                self.work_waiting += 1
                 try:
-                    listener(task, change)
-                except Exception:
-                    logger.exception("task listener %r failed", listener)
-        return False
+                    self.work.wait(timeout)
+                finally:
+                    self.work_waiting -= 1
+            return self.work_gen
+
+    def wake_workers(self):
+        """End every ``wait_for_work`` now; the generation moves on."""
+        with self.lock:
+            self.work_gen += 1
+            self.work.notify_all()
+
+    def close(self):
+        """Wake everyone for good: waits raise StoreClosed.  Returns False if already closed."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = True
+            self.changed.notify_all()
+            self.work.notify_all()
+            return True
 
 
 class TaskStore:
@@ -3531,58 +3676,15 @@ class TaskStore:
                                             busy_timeout=busy_timeout, max_bytes=max_bytes,
                                             readonly=readonly)
         self.readonly = engine.readonly
-        self._lock = engine.lock
-        # _changed: notified after every commit (waiters re-read the database).
-        # _work: notified when a task becomes queued (idle runner workers).
-        # Both share the engine's lock, so a waiter cannot miss a
-        # notification between its check and its wait.
-        self._changed = threading.Condition(self._lock)
-        self._work = threading.Condition(self._lock)
-        self._work_gen = 0
-        # How many threads wait on each condition: a notify nobody waits for
-        # is skipped (it costs a lock probe on every write otherwise).
-        self._changed_waiting = 0
-        self._work_waiting = 0
-        self._closed = False
-        self._listeners = []
-        self._cancel_events = {}
+        self._waiters = _Waiters()
         self._reaper = None
         self._ids = _IdSequence()
-        self._writing_cm = _Writing(self)
-        engine.on_remote(self._on_remote)
+        self._recovery = _Recovery(self)
+        engine.on_remote(self._waiters.told)
         if recover_on_open and not self.readonly:
             self.recover()
 
     # -- plumbing --------------------------------------------------------------
-
-    def _writing(self):
-        """Hold the lock for one engine transaction; give the body a notice list.
-
-        ``with self._writing() as notices``.  Notices ``(task_id, change)``
-        appended by the body go to the listeners once the transaction has
-        committed; a notice may carry the Task as written, ``(task_id,
-        change, task)``, which then spares the listeners a read of the row
-        (see ``_Writing``).
-        """
-        return self._writing_cm
-
-    def _on_remote(self, kind, ids):
-        """Another process committed (the engine's ``on_remote``): wake who waits here.
-
-        Waiters re-read (``_changed``); idle runners look for work when
-        something became queued; work this process runs learns of its
-        cancel at once.  ``lost``: news may have been missed, so all of it.
-        """
-        with self._lock:
-            if kind in (QUEUED, "lost"):
-                self._work_gen += 1
-                self._work.notify_all()
-            self._changed.notify_all()
-            events = [self._cancel_events.get(task_id) for task_id in ids
-                      ] if kind == CANCELLING else ()
-        for event in events:
-            if event is not None:
-                event.set()
 
     def _get_locked(self, task_id, principal=None, decode=True, summary=False):
         """The task as *principal* may see it, else the right error; *decode* False: its row.
@@ -3605,8 +3707,8 @@ class TaskStore:
             return row[:-1]
         return _summary_from_row(row[:-1]) if summary else _task_from_row(row[:-1])
 
-    def _transition_locked(self, notices, task, event, now, *, attempt=None, fields=None,
-                           message=None, error=None):
+    def _transition_locked(self, task, event, now, *, attempt=None, fields=None, message=None,
+                           error=None):
         """Move one task by *event*: the path of every single status change; return the new Task.
 
         *task* is the task as read in the caller's transaction (so it is
@@ -3627,46 +3729,37 @@ class TaskStore:
         new = next_state(task_id, status, event)
         if attempt is not None and attempt != task.attempt:
             raise InvalidTransition(task_id, f"{status} (attempt {task.attempt})", event)
-        seq = task.last_seq + 1
-        values = {"status": new, "updated_at": now, "last_seq": seq}
-        changes = {"status": new, "updated_at": now, "last_seq": seq, "version": task.version + 1}
-        for name, value in (fields or {}).items():
-            values[name] = value
-            if name != "snapshot":
-                changes[name] = _loads(value) if (
-                    value is not None and name in _JSON_COLUMNS) else value
+        values = {"status": new, "updated_at": now, "last_seq": task.last_seq + 1}
+        if fields:
+            values.update(fields)
         if new in TERMINAL_STATES:
-            purge_at = _purge_at(now, task.created_at, task.ttl_ms, task.retention_ms)
-            values.update(finished_at=now, input_request=None, purge_at=purge_at)
-            changes.update(finished_at=now, input_request=None, purge_at=purge_at)
+            values["finished_at"] = now
+            values["input_request"] = None
+            values["purge_at"] = _purge_at(now, task.created_at, task.ttl_ms, task.retention_ms)
         # The compare-and-set: cannot fail inside the transaction; the guard is the rule.
         event_json = _plain_status_json(status, new) if message is None and error is None \
             else dumps(_status_data(status, new, message, error))
         if not self._engine.move_task(task_id, status, values, event_json, now):
             raise InvalidTransition(task_id, status, event)
-        task = task._replace(**changes)
-        notices.append((task_id, "status", task))
         if new in TERMINAL_STATES:
-            self._cancel_events.pop(task_id, None)
-        elif new == QUEUED:
-            self._work_gen += 1
-            if self._work_waiting:
-                self._work.notify_all()
-        return task
+            self._waiters.cancel_events.pop(task_id, None)
+        # The Task as written: the values (JSON columns decoded: its own copy) over the row read.
+        values["version"] = task.version + 1
+        if fields:
+            values.pop("snapshot", None)
+            for name in fields.keys() & _JSON_COLUMNS:
+                if values[name] is not None:
+                    values[name] = _loads(values[name])
+        return _new_tuple(Task, map(values.pop, Task._fields, task))
 
     def _move(self, task_id, event, *, principal=None, **kwargs):
-        """Run one transition, committed (group commit) before it returns; return the new Task."""
+        """Run one transition, committed before it returns; return the new Task."""
         now = int(self.clock() * 1000)
-
-        def body(notices):
-            if principal is not None:
-                task = self._get_locked(task_id, principal)
-            else:
-                task = self._engine.read_task(task_id)
-                if task is None:
-                    raise TaskNotFound(task_id)
-            return self._transition_locked(notices, task, event, now, **kwargs)
-        return self._engine.group_write(body, self._writing, self._insert_tasks_locked)
+        task = self._engine.write(lambda: self._transition_locked(
+            task_id if principal is None else self._get_locked(task_id, principal),
+            event, now, **kwargs))
+        self._waiters.committed((_Change(task, "status"),), task.status == QUEUED)
+        return task
 
     # -- creating and reading --------------------------------------------------
 
@@ -3700,33 +3793,14 @@ class TaskStore:
         """
         spec = _new_task(self.max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal,
                          meta, prefix, status_message, owner)
-        if idempotency is None:   # a record: inserted with the other creates of its batch
-            return self._engine.group_write(spec, self._writing, self._insert_tasks_locked)
-        try:
-            scope, key, fprint, expires_in_ms = idempotency
-        except (TypeError, ValueError):
-            raise InvalidParams("idempotency is (scope, key, fingerprint, expires_in_ms)",
-                                param="idempotency") from None
-        for name, value in (("scope", scope), ("key", key), ("fingerprint", fprint)):
-            _check_str(value, f"idempotency {name}", allow_none=False)
-        _check_int(expires_in_ms, "idempotency expires_in_ms")
-
-        def body(notices):        # the first task for the key, or a new one
-            now = int(self.clock() * 1000)
-            row = self._engine.idempotency_get(scope, key)
-            if row is not None and (row[2] is None or row[2] > now):
-                if row[0] != fprint:
-                    raise IdempotencyMismatch(key)
-                try:
-                    task = self._get_locked(row[1])
-                except TaskNotFound:
-                    raise TaskExpired(row[1]) from None
-                return task._replace(replayed=True)
-            task = self._insert_tasks_locked(notices, [spec], now)[0]
-            self._engine.idempotency_put(scope, key, fprint, task.id, now,
-                                         None if expires_in_ms is None else now + expires_in_ms)
-            return task
-        return self._engine.group_write(body, self._writing, self._insert_tasks_locked)
+        if idempotency is None:
+            task = self._engine.write(lambda: _insert_tasks_locked(self, (spec,))[0])
+        else:
+            task = self._engine.write(_create_once(self, spec, idempotency))
+            if task.replayed:
+                return task         # nothing written
+        self._waiters.committed((_Change(task, "created"),), queued=True)
+        return task
 
     def create_many(self, kind, payloads, *, ttl_ms=None, retention_ms=None, policy="fail",
                     principal=None, meta=None, prefix="task", status_message=None, owner=None):
@@ -3754,36 +3828,8 @@ class TaskStore:
         for i, payload in enumerate(payloads[1:], 1):
             payload_json, payload = _payload(payload, f"payloads[{i}]")
             specs.append(first._replace(payload=payload, payload_json=payload_json))
-        return self._engine.group_write(
-            lambda notices: self._insert_tasks_locked(notices, specs), self._writing,
-            self._insert_tasks_locked)
-
-    def _insert_tasks_locked(self, notices, specs, now=None):
-        """Insert new queued tasks (``_NewTask``s) with their first events; return their Tasks.
-
-        The engine writes the lot at once (``insert_tasks``).  A batch of
-        group-commit records comes here too (see ``group_write``).
-        """
-        now = int(self.clock() * 1000) if now is None else now
-        tasks, rows, events = [], [], []
-        for spec in specs:
-            (kind, payload, payload_json, ttl_ms, retention_ms, policy, principal, meta,
-             meta_json, prefix, status_message, owner) = spec
-            task_id = self._ids.next(prefix, now)
-            rows.append((task_id, kind, QUEUED, payload_json, status_message, principal, policy,
-                         ttl_ms, retention_ms, now, now, meta_json, owner))
-            events.append((task_id, _created_data(kind), now))
-            # Built here rather than read back: the row is exactly this.
-            task = Task(task_id, kind, QUEUED, payload, None, None, status_message,
-                        None, None, principal, policy, 1, ttl_ms, retention_ms, now, now,
-                        None, None, owner, 0, 0, 0,
-                        {} if meta is None else _loads(meta_json), None, None)
-            notices.append((task_id, "created", task))
-            tasks.append(task)
-        self._engine.insert_tasks(rows, events)
-        self._work_gen += 1
-        if self._work_waiting:
-            self._work.notify_all()
+        tasks = self._engine.write(lambda: _insert_tasks_locked(self, specs))
+        self._waiters.committed((_Change(task, "created") for task in tasks), queued=True)
         return tasks
 
     def get(self, task_id, *, principal=None):
@@ -3869,33 +3915,18 @@ class TaskStore:
             StoreClosed: the store was closed while waiting.
         """
         deadline = time.monotonic() + timeout
-        with self._engine.reading():
+        waiters = self._waiters
+        with waiters.watching():
             while True:
-                task = self._get_locked(task_id, principal)
+                seen = waiters.commits          # before the read: see _Waiters
+                with self._engine.reading():
+                    task = self._get_locked(task_id, principal)
                 if (terminal and task.terminal) or (
                         since_version is not None and task.version != since_version) or (
                         since_version is None and not terminal):
                     return task
-                if not self._await_commit(deadline):
+                if not waiters.await_commit(seen, deadline, self.poll_interval):
                     return task
-
-    def _await_commit(self, deadline):
-        """With the lock held: sleep until a commit here, ``poll_interval`` or *deadline*.
-
-        Returns False at once when *deadline* has passed.  Raises StoreClosed
-        when the store was closed while it slept.
-        """
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        self._changed_waiting += 1
-        try:
-            self._changed.wait(min(remaining, self.poll_interval))
-        finally:
-            self._changed_waiting -= 1
-        if self._closed:
-            raise StoreClosed()
-        return True
 
     def wait_any(self, last_seqs, *, timeout):
         """Block until some of the tasks have events the caller has not seen; return them.
@@ -3912,11 +3943,13 @@ class TaskStore:
             StoreClosed: the store was closed while waiting.
         """
         deadline = time.monotonic() + timeout
-        while True:
-            # Nothing moved: wait for a commit, the lock held since the read.
-            moved = self._engine.tasks_past(last_seqs, lambda: self._await_commit(deadline))
-            if moved or deadline - time.monotonic() <= 0:
-                return moved
+        waiters = self._waiters
+        with waiters.watching():
+            while True:
+                seen = waiters.commits          # before the read: see _Waiters
+                moved = self._engine.tasks_past(last_seqs)
+                if moved or not waiters.await_commit(seen, deadline, self.poll_interval):
+                    return moved
 
     def load_snapshot(self, task_id):
         """Return the task's last saved snapshot, or None."""
@@ -3945,13 +3978,16 @@ class TaskStore:
         """
         _check_str(reason, "reason", max_len=10000)
         now = int(self.clock() * 1000)
-        with self._writing() as notices:
+
+        def body():
             task = self._get_locked(task_id, principal)
             if refuse_repeat or task.status not in CANCELLED_STATES:
-                task = self._transition_locked(notices, task, CANCEL, now, message=reason)
-            event = self._cancel_events.get(task_id)
-        if event is not None and task.status == CANCELLING:
-            event.set()
+                return self._transition_locked(task, CANCEL, now, message=reason), True
+            return task, False
+        task, moved = self._engine.write(body)
+        self._waiters.committed((_Change(task, "status"),) if moved else ())
+        if task.status == CANCELLING:
+            self._waiters.cancel_set(task_id)
         return task
 
     def succeed(self, task_id, result=None, *, attempt=None):
@@ -4012,11 +4048,20 @@ class TaskStore:
             values["progress_total"] = None if total is None else float(total)
         if message is not _MISSING:
             values["status_message"] = message
-        with self._writing() as notices:
-            changed = self._engine.set_progress(task_id, values, UNFINISHED_STATES, attempt, now)
-            if changed:
-                notices.append((task_id, "progress"))
+
+        def body():
+            if self._engine.set_progress(task_id, values, UNFINISHED_STATES, attempt, now):
+                return True, self._as_written_locked(task_id, "progress")
+            return False, ()
+        changed, changes = self._engine.write(body)
+        self._waiters.committed(changes)
         return changed
+
+    def _as_written_locked(self, task_id, change):
+        """The ``_Change`` of a write that did not build the Task: read back, if anyone listens."""
+        if not self._waiters.listeners:
+            return ()
+        return (_Change(self._engine.read_task(task_id), change),)
 
     def emit(self, task_id, etype, data=None, *, snapshot=_MISSING, attempt=None):
         """Append one event (and optionally save a snapshot) atomically; return its seq.
@@ -4032,23 +4077,28 @@ class TaskStore:
         data_json = _json_param({} if data is None else data, "data")
         snap = None if snapshot is _MISSING else _json_param(snapshot, "snapshot")
         now = int(self.clock() * 1000)
-        with self._writing() as notices:
+
+        def body():
             row = self._engine.event_head(task_id)
             if row is None:
                 raise TaskNotFound(task_id)
             if row[0] not in ACTIVE_STATES or (attempt is not None and row[2] != attempt):
                 raise InvalidTransition(task_id, row[0], "emit")
-            seq = row[1] + 1
-            self._engine.append_event(task_id, seq, etype, data_json, snap, now)
-            notices.append((task_id, "event"))
+            self._engine.append_event(task_id, row[1] + 1, etype, data_json, snap, now)
+            return row[1] + 1, self._as_written_locked(task_id, "event")
+        seq, changes = self._engine.write(body)
+        self._waiters.committed(changes)
         return seq
 
     def save_snapshot(self, task_id, snapshot, *, attempt=None):
         """Save a JSON snapshot the task can resume from after a restart."""
         snap = _json_param(snapshot, "snapshot")
-        with self._writing():
+
+        def body():
             if not self._engine.save_snapshot(task_id, snap, ACTIVE_STATES, attempt):
                 raise InvalidTransition(task_id, "not active", "save_snapshot")
+        self._engine.write(body)
+        self._waiters.committed()
 
     def cancel_event(self, task_id):
         """Return the ``threading.Event`` set when this task is cancelled (in this process)."""
@@ -4057,24 +4107,23 @@ class TaskStore:
         # exists is noticed by the runner's maintenance either way).  A runner
         # asks for it between its claim and its write, and must not wait for a
         # group-commit leader that holds the lock while it waits for that write.
-        event = self._cancel_events.get(task_id)
-        if event is None:
-            event = self._cancel_events.setdefault(task_id, threading.Event())
-        return event
+        return self._waiters.cancel_event(task_id)
 
     def add_listener(self, listener):
         """Call ``listener(task, change)`` after every committed change.
 
         *change* is ``created``, ``status``, ``progress`` or ``event``.  It
         runs in the writer's thread, after the commit, outside the lock: keep
-        it short and never let it block.
+        it short and never let it block.  *task* is the task as that change
+        wrote it; two writers' calls may come in either order (a newer
+        ``version`` is the newer news).
         """
-        self._listeners.append(listener)
+        self._waiters.listeners.append(listener)
 
     def remove_listener(self, listener):
         """Stop calling *listener*."""
         with contextlib.suppress(ValueError):
-            self._listeners.remove(listener)
+            self._waiters.listeners.remove(listener)
 
     # -- runners: claiming, ownership -------------------------------------------
 
@@ -4095,18 +4144,20 @@ class TaskStore:
         Raises:
             StoreClosed, StoreUnavailable: the store cannot be used.
         """
-        if not kinds or not self._engine.may_have_queued(kinds, self._work_gen):
+        engine, waiters = self._engine, self._waiters
+        if not kinds or not engine.may_have_queued(kinds, waiters.work_gen):
             return None
         now = int(self.clock() * 1000)
 
-        def body(notices):
-            task = self._engine.oldest_queued(kinds, self._work_gen)
+        def body():
+            task = engine.oldest_queued(kinds, waiters.work_gen)
             if task is None:
                 return None
-            return self._transition_locked(
-                notices, task, CLAIM if task.kind in loading_kinds else START, now,
-                fields={"owner": owner})
-        return self._engine.group_write(body, self._writing, self._insert_tasks_locked)
+            return self._transition_locked(task, CLAIM if task.kind in loading_kinds else START,
+                                           now, fields={"owner": owner})
+        task = engine.write(body)
+        waiters.committed(() if task is None else (_Change(task, "status"),))
+        return task
 
     def wait_for_work(self, seen, timeout):
         """Block until a task may have become queued in this process; return a generation.
@@ -4118,30 +4169,21 @@ class TaskStore:
         keep *timeout* short (the runner uses ``poll_interval``).  Returns
         at once once the store is closed (the next ``claim`` raises).
         """
-        with self._lock:
-            if seen == self._work_gen and not self._closed:
-                self._work_waiting += 1
-                try:
-                    self._work.wait(timeout)
-                finally:
-                    self._work_waiting -= 1
-            return self._work_gen
+        return self._waiters.wait_for_work(seen, timeout)
 
     def wake_workers(self):
         """End every ``wait_for_work`` now (a runner stopping): each returns a new generation.
 
         The generation moves on, so a worker about to wait returns at once too.
         """
-        with self._lock:
-            self._work_gen += 1
-            self._work.notify_all()
+        self._waiters.wake_workers()
 
     def register_process(self):
         """Register this process as a task owner; return its registration id."""
         now = int(self.clock() * 1000)
         proc_id = new_id("proc", now)
-        with self._writing():
-            self._engine.register(proc_id, now)
+        self._engine.write(lambda: self._engine.register(proc_id, now))
+        self._waiters.committed()
         _LIVE_PROCESS_IDS.add(proc_id)
         return proc_id
 
@@ -4152,8 +4194,9 @@ class TaskStore:
         runs ``recover()``: a dead process's tasks are recovered within the
         lease plus one heartbeat, not at the reaper's next pass.
         """
-        with self._writing():
-            alive = self._engine.heartbeat(proc_id, int(self.clock() * 1000))
+        now = int(self.clock() * 1000)
+        alive = self._engine.write(lambda: self._engine.heartbeat(proc_id, now))
+        self._waiters.committed()
         if alive and self._engine.shared:
             # The lease was renewed whatever happens here: an outage now is
             # the next heartbeat's to meet, and its recover() tries again.
@@ -4185,89 +4228,7 @@ class TaskStore:
         tasks it moved; *tally*, a dict, gets how many of them each policy
         moved added to it (key ``cancelling`` for cancels completed).
         """
-        _LIVE_PROCESS_IDS.discard(proc_id)
-        # Batches come from the engine (``owner_batch``).  A task this loop
-        # could miss would still name the owner, whose registration is gone:
-        # the next recover() releases it.
-        moved, after, tally = 0, "", {} if tally is None else tally
-        with self._engine.bulk():
-            while True:
-                now = int(self.clock() * 1000)
-                with self._writing() as notices:
-                    selector, last = self._engine.owner_batch(proc_id, after, RELEASE_BATCH,
-                                                              _RECOVERABLE)
-                    if present is None:
-                        rows = self._engine.restart_groups(selector)
-                    else:
-                        rows = [(status, policy, None) for status, policy in present]
-                    moved += self._restart_locked(notices, now, reason, selector, rows, tally)
-                    if last is None:
-                        self._engine.unregister(proc_id)
-                        return moved
-                    after = last
-
-    def _restart_locked(self, notices, now, reason, selector, rows, tally):
-        """Apply the restart table (``RESTART``) to the tasks *selector* selects; return the count.
-
-        *rows*: ``[(status, policy, count)]`` of those tasks (count None: not
-        counted).  Set-based: recovery moves 100,000 tasks in a few
-        statements, not 100,000 round trips.  The decision is the one
-        ``_transition_locked`` makes (``next_state``), once per status, with
-        the same compare-and-set guard.  *tally* gets the moves added per
-        policy (``cancelling`` for the cancels completed).
-        """
-        # Tasks that get the same event and the same fields move together,
-        # one status at a time; confirm_cancel writes the same whatever the policy.
-        plan, disown = {}, set()
-        for status, policy, count in rows:
-            event = RESTART[status][policy]
-            if event is None:
-                disown.add(status)
-                continue
-            key = (event, None if event == CONFIRM_CANCEL else policy, status)
-            plan[key] = None if None in (count, plan.get(key, 0)) else plan.get(key, 0) + count
-        moved = 0
-        for (event, policy, status), count in plan.items():
-            new = next_state("(several)", status, event)
-            fields, error, requeue = {"status": new}, None, new == QUEUED
-            if event == CONFIRM_CANCEL:
-                message = reason
-            elif requeue:
-                message = f"requeued ({policy}): {reason}"
-                fields.update(owner=None, input_request=None, input_answer=None,
-                              status_message=None)
-                if not RESTART_KEEPS_SNAPSHOT[policy]:
-                    fields["snapshot"] = None      # retry starts from the beginning
-            else:
-                message = (f"CRASH_RECOVERY: {reason} before it "
-                           f"{'started' if status == QUEUED else 'finished'}")
-                error = {"code": "server_restarted", "message": message}
-                fields.update(error=dumps(error), status_message=message)
-            done, ids = self._engine.move_tasks(
-                selector, status, fields, dumps(_status_data(status, new, message, error)), now,
-                ids=bool(self._listeners or self._cancel_events), policy=policy,
-                bump_attempt=requeue, finish=new in TERMINAL_STATES)
-            # One event per moved task, and as many as counted: cannot fail
-            # inside the transaction; the guard is the rule.
-            if done < 0 or count not in (None, done):
-                raise InvalidTransition("(several)", status, event)
-            notices.extend((task_id, "status") for task_id in ids or ())
-            if new in TERMINAL_STATES or requeue:
-                # Terminal: no cancel to signal.  Requeued: the next attempt
-                # must not inherit the cancel (or stop) of the one before.
-                for task_id in ids or ():
-                    self._cancel_events.pop(task_id, None)
-            if requeue and done:
-                self._work_gen += 1
-                if self._work_waiting:
-                    self._work.notify_all()
-            key = CANCELLING if event == CONFIRM_CANCEL else policy
-            tally[key] = tally.get(key, 0) + done
-            moved += done
-        if disown:
-            # The task stays where it is for any runner; only its owner goes.
-            self._engine.disown(selector, sorted(disown))
-        return moved
+        return self._recovery.release(proc_id, reason, present, tally)
 
     def recover(self, now=None):
         """Apply the restart policy to unfinished tasks whose owner is provably dead.
@@ -4278,20 +4239,7 @@ class TaskStore:
         open (unless disabled) and with every reaper pass; idempotent.
         Returns how many tasks it moved.
         """
-        now = int(self.clock() * 1000) if now is None else now
-        with self._engine.reading() as engine:
-            procs, present = engine.recovery_view(_RECOVERABLE)
-        moved, tally = 0, {}
-        for proc_id in sorted(present.keys() | procs.keys()):
-            if engine.owner_dead(procs.get(proc_id), now, self.lease_ms):
-                moved += self.release(proc_id, "the process running this task stopped",
-                                      present=present.get(proc_id, ()), tally=tally)
-        if moved:
-            # Once per pass, whoever runs it (a server opening the file, its
-            # reaper, the admin command): a crash should never pass unseen.
-            logger.warning("recovered %d %s of dead processes: %s", moved,
-                           "task" if moved == 1 else "tasks", _describe_recovery(tally))
-        return moved
+        return self._recovery.recover(now)
 
     def awaiting_recovery(self, tasks, now=None):
         """Return the ids of *tasks* that the next ``recover()`` will hand to their policy.
@@ -4302,15 +4250,7 @@ class TaskStore:
         ``taskstore tasks recover``) they still show the status they had
         when their process died.
         """
-        now = int(self.clock() * 1000) if now is None else now
-        owned = [t for t in tasks if t.owner is not None and t.status in _RECOVERABLE]
-        if not owned:
-            return set()
-        with self._engine.reading() as engine:
-            procs = engine.processes()
-        dead = {owner for owner in {t.owner for t in owned}
-                if engine.owner_dead(procs.get(owner), now, self.lease_ms)}
-        return {t.id for t in owned if t.owner in dead}
+        return self._recovery.awaiting(tasks, now)
 
     # -- retention -------------------------------------------------------------
 
@@ -4322,30 +4262,7 @@ class TaskStore:
         pruned; expired idempotency keys and tombstones are dropped.
         Unfinished tasks are never deleted.  Returns counts per kind.
         """
-        now = int(self.clock() * 1000) if now is None else now
-        counts = {"tasks": 0, "events": 0, "idempotency": 0, "tombstones": 0}
-        with self._engine.bulk():
-            more = True
-            while more:
-                with self._writing():
-                    more, deleted = self._engine.reap_tasks_once(now, batch_rows, counts,
-                                                                 self.tombstone_ms)
-                    for task_id in deleted:
-                        self._cancel_events.pop(task_id, None)
-            if self.event_retention_ms is not None:
-                more = True
-                while more:
-                    with self._writing():
-                        more = self._engine.prune_events_once(now - self.event_retention_ms,
-                                                              batch_rows, counts)
-            for table in ("idempotency", "tombstones"):
-                while True:
-                    with self._writing():
-                        deleted = self._engine.delete_expired(table, now, batch_rows)
-                    counts[table] += deleted
-                    if deleted < batch_rows:
-                        break
-        return counts
+        return _reap(self, int(self.clock() * 1000) if now is None else now, batch_rows)
 
     def checkpoint(self):
         """Copy the whole WAL into the database file now, and empty the WAL.
@@ -4364,8 +4281,8 @@ class TaskStore:
 
         ``close()`` stops it.  Returns the thread.
         """
-        with self._lock:
-            if self._closed:
+        with self._waiters.lock:
+            if self._waiters.closed:
                 raise StoreClosed()
             if self._reaper is None:
                 self._reaper = Reaper(self, interval)
@@ -4379,13 +4296,11 @@ class TaskStore:
 
         Later calls raise StoreClosed.
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._waiters.close():
+            return
+        with self._engine.lock:
             self._engine.shut()
-            self._changed.notify_all()
-            self._work.notify_all()
+        with self._waiters.lock:
             reaper, self._reaper = self._reaper, None
         if reaper is not None:
             reaper.stop()
@@ -4396,6 +4311,171 @@ class TaskStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _Recovery:
+    """Recovery: the restart table (``RESTART``) applied to the tasks of owners that stopped.
+
+    A runner's ``release`` at shutdown, and ``recover`` for owners that died
+    without one, move the owner's unfinished tasks set-based, in
+    transactions of at most ``RELEASE_BATCH`` tasks; each move is the one
+    ``_transition_locked`` would make (``next_state``), with the same
+    compare-and-set guard.  TaskStore's ``release``, ``recover`` and
+    ``awaiting_recovery`` are this class's.
+    """
+
+    def __init__(self, store):
+        self.store = store
+
+    def release(self, proc_id, reason, present, tally):
+        """``TaskStore.release``: move the owner's tasks batch by batch; unregister it."""
+        _LIVE_PROCESS_IDS.discard(proc_id)
+        store, engine = self.store, self.store._engine
+        # Batches come from the engine (``owner_batch``).  A task this loop
+        # could miss would still name the owner, whose registration is gone:
+        # the next recover() releases it.
+        moved, after, tally = 0, "", {} if tally is None else tally
+
+        def body():
+            selector, last = engine.owner_batch(proc_id, after, RELEASE_BATCH, _RECOVERABLE)
+            if present is None:
+                rows = engine.restart_groups(selector)
+            else:
+                rows = [(status, policy, None) for status, policy in present]
+            done = self._restart_locked(now, reason, selector, rows, tally)
+            if last is None:
+                engine.unregister(proc_id)
+            return done, last
+        with engine.bulk():
+            while True:
+                now = int(store.clock() * 1000)
+                (done, requeued, changes), after = engine.write(body)
+                store._waiters.committed(changes, queued=requeued)
+                moved += done
+                if after is None:
+                    return moved
+
+    def _restart_locked(self, now, reason, selector, rows, tally):
+        """Apply the restart table to the tasks *selector* selects: ``(moved, requeued, changes)``.
+
+        *rows*: ``[(status, policy, count)]`` of those tasks (count None: not
+        counted).  Set-based: recovery moves 100,000 tasks in a few
+        statements, not 100,000 round trips.  *tally* gets the moves added per
+        policy (``cancelling`` for the cancels completed).  *changes* are the
+        moved tasks as written, read only when someone listens.
+        """
+        store, engine = self.store, self.store._engine
+        # Tasks that get the same event and the same fields move together,
+        # one status at a time; confirm_cancel writes the same whatever the policy.
+        plan, disown = {}, set()
+        for status, policy, count in rows:
+            event = RESTART[status][policy]
+            if event is None:
+                disown.add(status)
+                continue
+            key = (event, None if event == CONFIRM_CANCEL else policy, status)
+            plan[key] = None if None in (count, plan.get(key, 0)) else plan.get(key, 0) + count
+        moved, requeued, moved_ids = 0, False, []
+        for (event, policy, status), count in plan.items():
+            new = next_state("(several)", status, event)
+            fields, error, requeue = {"status": new}, None, new == QUEUED
+            if event == CONFIRM_CANCEL:
+                message = reason
+            elif requeue:
+                message = f"requeued ({policy}): {reason}"
+                fields.update(owner=None, input_request=None, input_answer=None,
+                              status_message=None)
+                if not RESTART_KEEPS_SNAPSHOT[policy]:
+                    fields["snapshot"] = None      # retry starts from the beginning
+            else:
+                message = (f"CRASH_RECOVERY: {reason} before it "
+                           f"{'started' if status == QUEUED else 'finished'}")
+                error = {"code": "server_restarted", "message": message}
+                fields.update(error=dumps(error), status_message=message)
+            done, ids = engine.move_tasks(
+                selector, status, fields, dumps(_status_data(status, new, message, error)), now,
+                ids=bool(store._waiters.listeners or store._waiters.cancel_events), policy=policy,
+                bump_attempt=requeue, finish=new in TERMINAL_STATES)
+            # One event per moved task, and as many as counted: cannot fail
+            # inside the transaction; the guard is the rule.
+            if done < 0 or count not in (None, done):
+                raise InvalidTransition("(several)", status, event)
+            moved_ids += ids or ()
+            if new in TERMINAL_STATES or requeue:
+                # Terminal: no cancel to signal.  Requeued: the next attempt
+                # must not inherit the cancel (or stop) of the one before.
+                for task_id in ids or ():
+                    store._waiters.cancel_events.pop(task_id, None)
+            requeued = requeued or (requeue and done > 0)
+            key = CANCELLING if event == CONFIRM_CANCEL else policy
+            tally[key] = tally.get(key, 0) + done
+            moved += done
+        if disown:
+            # The task stays where it is for any runner; only its owner goes.
+            engine.disown(selector, sorted(disown))
+        changes = [_Change(engine.read_task(task_id), "status") for task_id in moved_ids
+                   ] if store._waiters.listeners else ()
+        return moved, requeued, changes
+
+    def recover(self, now):
+        """``TaskStore.recover``: release every provably dead owner; return the tasks moved."""
+        store = self.store
+        now = int(store.clock() * 1000) if now is None else now
+        with store._engine.reading() as engine:
+            procs, present = engine.recovery_view(_RECOVERABLE)
+        moved, tally = 0, {}
+        for proc_id in sorted(present.keys() | procs.keys()):
+            if engine.owner_dead(procs.get(proc_id), now, store.lease_ms):
+                moved += store.release(proc_id, "the process running this task stopped",
+                                       present=present.get(proc_id, ()), tally=tally)
+        if moved:
+            # Once per pass, whoever runs it (a server opening the file, its
+            # reaper, the admin command): a crash should never pass unseen.
+            logger.warning("recovered %d %s of dead processes: %s", moved,
+                           "task" if moved == 1 else "tasks", _describe_recovery(tally))
+        return moved
+
+    def awaiting(self, tasks, now):
+        """``TaskStore.awaiting_recovery``: the ids of *tasks* whose owner is provably dead."""
+        store = self.store
+        now = int(store.clock() * 1000) if now is None else now
+        owned = [t for t in tasks if t.owner is not None and t.status in _RECOVERABLE]
+        if not owned:
+            return set()
+        with store._engine.reading() as engine:
+            procs = engine.processes()
+        dead = {owner for owner in {t.owner for t in owned}
+                if engine.owner_dead(procs.get(owner), now, store.lease_ms)}
+        return {t.id for t in owned if t.owner in dead}
+
+
+def _reap(store, now, batch_rows):
+    """``TaskStore.reap``: delete what retention says is over, batch by batch; the counts."""
+    engine, waiters = store._engine, store._waiters
+    counts = {"tasks": 0, "events": 0, "idempotency": 0, "tombstones": 0}
+
+    def reap_tasks():
+        more, deleted = engine.reap_tasks_once(now, batch_rows, counts, store.tombstone_ms)
+        for task_id in deleted:
+            store._waiters.cancel_events.pop(task_id, None)
+        return more
+    steps = [reap_tasks]
+    if store.event_retention_ms is not None:
+        steps.append(lambda: engine.prune_events_once(now - store.event_retention_ms,
+                                                      batch_rows, counts))
+    for table in ("idempotency", "tombstones"):
+        def delete(table=table):
+            deleted = engine.delete_expired(table, now, batch_rows)
+            counts[table] += deleted
+            return deleted == batch_rows
+        steps.append(delete)
+    with engine.bulk():
+        for step in steps:
+            more = True
+            while more:
+                more = engine.write(step)       # one transaction a batch
+                waiters.committed()
+    return counts
 
 
 # -- the reaper thread --------------------------------------------------------

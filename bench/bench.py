@@ -106,6 +106,11 @@ class Bench:
         self.notes = {}
         self.program = None     # {"mcp"|"http": command prefix}; None: taskstore.py
         self.raw_first = False  # run_bench flips it between repetitions (see _pair)
+        # CPU seconds per operation of the last _rate (both sides: the process's
+        # CPU, every thread of it, so a store's background work counts too),
+        # and the (ours, theirs) pairs _pair measured in this workload's runs.
+        self.cpu_per_op = None
+        self.cpu_pairs = []
 
     @contextlib.contextmanager
     def _files(self):
@@ -115,11 +120,18 @@ class Bench:
     def _store(self, path, **kwargs):
         return TaskStore(path, synchronous=self.sync, **kwargs)
 
-    @staticmethod
-    def _rate(count, fn):
-        start = time.perf_counter()
+    def _rate(self, count, fn):
+        """Run *fn* (which does *count* operations); return operations per second.
+
+        Also notes the process's CPU time per operation (``cpu_per_op``): the
+        time the Python above the database costs shows there, where a fast
+        disk or a busy machine blurs the wall clock.
+        """
+        cpu, start = time.process_time(), time.perf_counter()
         fn()
-        return count / max(time.perf_counter() - start, 1e-9)
+        elapsed = time.perf_counter() - start
+        self.cpu_per_op = (time.process_time() - cpu) / max(count, 1)
+        return count / max(elapsed, 1e-9)
 
     def _pair(self, store, ours, theirs):
         """Measure ``ours()`` and ``theirs()`` (each returns a rate) in turn; return both.
@@ -131,12 +143,15 @@ class Bench:
         colder cache) then weighs on both sides alike.
         """
         if self.raw_first:
-            theirs_rate = theirs()
+            theirs_rate, theirs_cpu = theirs(), self.cpu_per_op
             store.checkpoint()
-            return ours(), theirs_rate
-        ours_rate = ours()
-        store.checkpoint()
-        return ours_rate, theirs()
+            ours_rate, ours_cpu = ours(), self.cpu_per_op
+        else:
+            ours_rate, ours_cpu = ours(), self.cpu_per_op
+            store.checkpoint()
+            theirs_rate, theirs_cpu = theirs(), self.cpu_per_op
+        self.cpu_pairs.append((ours_cpu, theirs_cpu))
+        return ours_rate, theirs_rate
 
     def create(self):
         """Workload: one create per call vs one raw INSERT per transaction."""
@@ -251,7 +266,10 @@ class Bench:
                 contextlib.closing(_raw_connect(rpath, self.sync)) as raw:
             def runner():
                 self._backlog(store)
-                return self.n / max(self.run_backlog(store, workers), 1e-9)
+                cpu = time.process_time()
+                rate = self.n / max(self.run_backlog(store, workers), 1e-9)
+                self.cpu_per_op = (time.process_time() - cpu) / self.n
+                return rate
 
             def bare():
                 self._backlog(store)
@@ -765,7 +783,7 @@ def run_bench(n=5000, sync="normal", repeat=3, only=None, memory=True, program=N
     for name, (method, target) in BENCH_WORKLOADS.items():
         if only and name not in only:
             continue
-        runs = []
+        runs, bench.cpu_pairs = [], []
         for rep in range(repeat):
             bench.raw_first = rep % 2 == 1      # ours first, then raw first, ...
             runs.append(getattr(bench, method)())
@@ -782,6 +800,12 @@ def run_bench(n=5000, sync="normal", repeat=3, only=None, memory=True, program=N
         results[name] = {"taskstore_ops_per_s": round(ours, 1), "raw_ops_per_s": round(theirs, 1),
                          "ratio": round(ours / theirs, 3), "target_ratio": target,
                          "meets_target": None if target is None else ours / theirs >= target}
+        cpu = [pair for pair in bench.cpu_pairs if None not in pair]
+        if cpu:
+            # Medians of CPU microseconds per operation, each side on its own.
+            results[name]["taskstore_cpu_us"] = round(
+                sorted(p[0] for p in cpu)[len(cpu) // 2] * 1e6, 1)
+            results[name]["raw_cpu_us"] = round(sorted(p[1] for p in cpu)[len(cpu) // 2] * 1e6, 1)
         if name == "runner_1" and bench.notes.get("runner_1_vs_bare_lifecycle"):
             bare = sorted(bench.notes["runner_1_vs_bare_lifecycle"])
             results[name]["vs_bare_lifecycle"] = round(bare[len(bare) // 2], 3)
@@ -813,11 +837,12 @@ def bench_table(report):
     for name, w in report["workloads"].items():
         if name == "memory":
             rows.append((name, f"{w['tasks']:,} tasks", "-", f"+{w['rss_growth_mb']} MB RSS",
-                         f"< {w['target_mb']} MB", "yes" if w["meets_target"] else "NO"))
+                         "-", "-", f"< {w['target_mb']} MB",
+                         "yes" if w["meets_target"] else "NO"))
         else:
             target = "-" if w["target_ratio"] is None else f">= {w['target_ratio']:.2f}"
             if "skipped" in w:
-                rows.append((name, "-", "-", "-", target, w["skipped"]))
+                rows.append((name, "-", "-", "-", "-", "-", target, w["skipped"]))
                 continue
             if "longest_transaction_ms" in w:
                 target += f", longest txn {w['longest_transaction_ms']} ms <= 50"
@@ -830,8 +855,10 @@ def bench_table(report):
                 else:
                     target += f" ({w['vs_bare_lifecycle']:.2f}x the store's bare loop)"
             met = {None: "-", True: "yes", False: "NO"}[w["meets_target"]]
+            cpu = ("-", "-") if "taskstore_cpu_us" not in w else (
+                f"{w['taskstore_cpu_us']:,.1f}", f"{w['raw_cpu_us']:,.1f}")
             rows.append((name, f"{w['taskstore_ops_per_s']:,.0f}", f"{w['raw_ops_per_s']:,.0f}",
-                         f"{w['ratio']:.2f}", target, met))
+                         f"{w['ratio']:.2f}", *cpu, target, met))
     return rows
 
 
@@ -944,7 +971,8 @@ def main(argv=None):
           f"(medians of {report['repeat']} runs; Python {report['python']}, "
           f"SQLite {report['sqlite']}, {report['cpus']} CPUs)")
     _print_table(bench_table(report),
-                 ("WORKLOAD", "TASKSTORE OPS/S", "RAW OPS/S", "RATIO", "TARGET", "MET"))
+                 ("WORKLOAD", "TASKSTORE OPS/S", "RAW OPS/S", "RATIO", "TASKSTORE CPU US/OP",
+                  "RAW CPU US/OP", "TARGET", "MET"))
     return 0
 
 
