@@ -12836,11 +12836,9 @@ class BenchCommandTests(unittest.TestCase):
                 for key in ("taskstore_ops_per_s", "raw_ops_per_s", "ratio"):
                     self.assertIsInstance(figures[key], number)
                     self.assertGreater(figures[key], 0)
-                if name in ("create", "lifecycle", "concurrent_create", "runner_1"):
-                    # CPU per operation, each side measured on its own
-                    for key in ("taskstore_cpu_us", "raw_cpu_us"):
-                        self.assertIsInstance(figures[key], number)
-                        self.assertGreaterEqual(figures[key], 0)
+                # No CPU per operation here: PostgreSQL's work is the server's, in
+                # other processes, so this process's CPU would tell half the story.
+                self.assertNotIn("taskstore_cpu_us", figures)
         for name, target in (("create", 0.5), ("lifecycle", 0.4)):
             self.assertEqual(workloads[name]["target_ratio"], target)
             self.assertEqual(workloads[name]["meets_target"],
