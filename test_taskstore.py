@@ -40,8 +40,7 @@ import time
 import types
 import unittest
 import unittest.mock
-import urllib.request
-import urllib.error
+import urllib.parse
 
 import taskstore
 from taskstore import *  # noqa: F401,F403  (the protocol sections' public names)
@@ -4585,22 +4584,54 @@ def create_body(text="Local model services make long work durable", model="demo-
 
 
 class Client:
-    """A small LMSP client over http.client; every call has a socket timeout."""
+    """The tests' one HTTP client (http.client underneath); every call has a socket timeout.
+
+    ``request`` sends one request on a connection of its own, ``connection``
+    gives one to hold open (keep-alive, a chunked body, a request a kill
+    races), ``stream`` reads an event stream.  Only a test of framing, which
+    must send bytes no client would, uses ``RawHttp`` or a raw socket instead.
+    """
 
     def __init__(self, host, port, token=None):
         self.host, self.port, self.token = host, port, token
 
-    def request(self, method, path, body=None, headers=None, raw=None):
-        """Return ``(status, headers, parsed JSON or bytes)``."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=TIMEOUT)
+    @classmethod
+    def for_url(cls, url):
+        """A client of the server at *url* (``http://host:port``)."""
+        parts = urllib.parse.urlsplit(url)
+        return cls(parts.hostname, parts.port)
+
+    def connection(self, timeout=TIMEOUT):
+        """A new ``http.client.HTTPConnection`` to the server; the caller closes it."""
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def request(self, method, path, body=None, headers=None, raw=None, timeout=TIMEOUT,
+                exact=False):
+        """Return ``(status, headers, parsed JSON or bytes)``.
+
+        *body* is sent as JSON, *raw* as it is.  *exact* sends exactly *headers*
+        (http.client adds only Host, unless given, and Content-Length): no
+        token, no Content-Type, no Accept-Encoding.
+        """
+        conn = self.connection(timeout)
         try:
             headers = dict(headers or {})
-            if self.token and "Authorization" not in headers:
-                headers["Authorization"] = f"Bearer {self.token}"
             data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-            if data is not None:
-                headers.setdefault("Content-Type", "application/json")
-            conn.request(method, path, body=data, headers=headers)
+            if exact:
+                names = {name.lower() for name in headers}
+                conn.putrequest(method, path, skip_host="host" in names,
+                                skip_accept_encoding=True)
+                for name, value in headers.items():
+                    conn.putheader(name, value)
+                if data is not None:
+                    conn.putheader("Content-Length", str(len(data)))
+                conn.endheaders(data)
+            else:
+                if self.token and "Authorization" not in headers:
+                    headers["Authorization"] = f"Bearer {self.token}"
+                if data is not None:
+                    headers.setdefault("Content-Type", "application/json")
+                conn.request(method, path, body=data, headers=headers)
             resp = conn.getresponse()
             payload = resp.read()
             kind = resp.getheader("Content-Type", "")
@@ -4631,7 +4662,7 @@ class EventReader:
     """Reads one SSE response block by block (socket timeout TIMEOUT)."""
 
     def __init__(self, client, path, headers=None):
-        self.conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+        self.conn = client.connection()
         headers = dict(headers or {}, Accept="text/event-stream")
         if client.token:
             headers["Authorization"] = f"Bearer {client.token}"
@@ -4903,7 +4934,7 @@ class LmspRouteTests(ServerTestCase):
         client = self.start_server(backend)
         task = client.create()
         path = f"/lmsp/v1/tasks/{task['id']}"
-        conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+        conn = client.connection()
         self.addCleanup(conn.close)
 
         def answer(method="GET"):
@@ -5131,7 +5162,7 @@ class LmspRouteTests(ServerTestCase):
 
     def test_keep_alive_serves_several_requests_on_one_connection(self):
         client = self.start_server()
-        conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+        conn = client.connection()
         self.addCleanup(conn.close)
         for _ in range(3):
             conn.request("GET", "/healthz")
@@ -5266,7 +5297,7 @@ class LmspEventStreamTests(ServerTestCase):
         client = self.start_server(DemoBackend(delay=0))
         task = self.finished_task(client)
         path = f"/lmsp/v1/tasks/{task['id']}/events"
-        conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+        conn = client.connection()
         self.addCleanup(conn.close)
         for headers, query in (({"Last-Event-ID": "11"}, ""), ({}, "?after=11"),
                                ({"Last-Event-ID": "11"}, "?after=3")):
@@ -5633,6 +5664,7 @@ class LmspSlowClientTests(ServerTestCase):
 
     def test_a_trickling_client_is_disconnected_at_the_deadline(self):
         client = self.start_server(request_timeout=0.5)
+        # A raw socket, not Client: the test is of framing, a request a byte at a time.
         sock = socket.create_connection((client.host, client.port), timeout=TIMEOUT)
         self.addCleanup(sock.close)
         self.assertCutWhileTrickling(sock, self.TRICKLED)
@@ -5642,6 +5674,7 @@ class LmspSlowClientTests(ServerTestCase):
         # The clock starts at a request's first read; a request in pieces
         # shortens the socket's timeout, and the answer restores it.
         client = self.start_server(request_timeout=0.5)
+        # A raw socket, not Client: the test is of framing, requests sent in pieces.
         sock = socket.create_connection((client.host, client.port), timeout=TIMEOUT)
         self.addCleanup(sock.close)
         reader = sock.makefile("rb")
@@ -5923,23 +5956,7 @@ class LmspOpenAIBackendTests(ServerTestCase):
 
 def plain_request(client, method, path, headers=None, body=None):
     """One request with exactly *headers* (http.client adds Host and Content-Length only)."""
-    conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
-    try:
-        names = {name.lower() for name in headers or {}}
-        conn.putrequest(method, path, skip_host="host" in names,
-                        skip_accept_encoding=True)
-        for name, value in (headers or {}).items():
-            conn.putheader(name, value)
-        if body is not None:
-            conn.putheader("Content-Length", str(len(body)))
-        conn.endheaders(body)
-        resp = conn.getresponse()
-        payload = resp.read()
-        if "json" in resp.getheader("Content-Type", "") and payload:
-            payload = json.loads(payload)
-        return resp.status, resp, payload
-    finally:
-        conn.close()
+    return client.request(method, path, headers=headers, raw=body, exact=True)
 
 
 def process_threads(pid):
@@ -6288,24 +6305,20 @@ def free_port():
 
 
 class WebDriver:
-    """A W3C WebDriver session over urllib: just what the board tests use."""
+    """A W3C WebDriver session over the tests' Client: just what the board tests use."""
 
     def __init__(self, url, capabilities):
-        self.url = url
+        self.driver = Client.for_url(url)
         self.session = self.call("POST", "/session", {"capabilities": capabilities},
                                  timeout=60)["sessionId"]
 
     def call(self, method, path, body=None, timeout=TIMEOUT):
         if path != "/session":
             path = f"/session/{self.session}{path}"
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as resp:
-                return json.loads(resp.read())["value"]
-        except urllib.error.HTTPError as exc:
-            raise AssertionError(f"WebDriver {method} {path}: {exc.read()[:500]!r}") from None
+        status, _, answer = self.driver.request(method, path, body, timeout=timeout)
+        if status >= 400:
+            raise AssertionError(f"WebDriver {method} {path}: {str(answer)[:500]}")
+        return (json.loads(answer) if isinstance(answer, bytes) else answer)["value"]
 
     def quit(self):
         with contextlib.suppress(Exception):
@@ -6569,7 +6582,7 @@ class LmspChunkedBodyTests(ServerTestCase):
     def test_a_chunked_body_is_read_like_any_other(self):
         client = self.start_server(DemoBackend(delay=0))
         body = json.dumps(create_body("chunked hello")).encode()
-        conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+        conn = client.connection()
         self.addCleanup(conn.close)
         # http.client streams an iterable body chunked, as requests does with a generator.
         conn.request("POST", "/lmsp/v1/tasks", body=iter([body[i:i + 7]
@@ -8740,6 +8753,10 @@ WIRE_ID_RE = re.compile(r"\A(task|resp|msg)_[0-9A-HJKMNP-TV-Z]{36}\Z")
 class RawHttp:
     """One raw TCP connection: send any bytes, parse answers strictly.
 
+    Not a second client: the tests of framing (malformed, smuggling-shaped or
+    half-sent requests) need bytes no HTTP client sends, and an answer parser
+    that fails on what a client would forgive.  Everything else uses Client.
+
     ``read_response`` returns ``(status, headers, body)`` with header names in
     lower case (lists of values), skipping 1xx interim answers, or None when
     the server closed the connection before a byte of an answer.  Anything
@@ -9006,7 +9023,7 @@ class LmspCrashTortureTests(unittest.TestCase):
                 headers = {"Idempotency-Key": key} if key else {}
                 if last and rng.random() < 0.5:
                     # The kill races the create: acknowledged only if the 202 arrived.
-                    conn = http.client.HTTPConnection(client.host, client.port, timeout=TIMEOUT)
+                    conn = client.connection()
                     try:
                         conn.request("POST", "/lmsp/v1/tasks", body=json.dumps(body).encode(),
                                      headers=dict(headers, **{"Content-Type": "application/json"}))
@@ -9824,7 +9841,7 @@ class LmspResourceLimitTests(ServerTestCase):
 
         def one(i):
             method, path, body = requests[i % len(requests)]
-            conn = http.client.HTTPConnection(client.host, client.port, timeout=3 * TIMEOUT)
+            conn = client.connection(3 * TIMEOUT)
             try:
                 try:
                     conn.connect()
@@ -9960,6 +9977,7 @@ class LmspResourceLimitTests(ServerTestCase):
         kinds = ["headers"] * 15 + ["body"] * 10 + ["idle"] * 5
         slow = []
         for kind in kinds:
+            # Raw sockets, not Client: the test is of framing, requests that never end.
             sock = socket.create_connection((client.host, client.port), timeout=TIMEOUT)
             self.addCleanup(sock.close)
             if kind == "headers":
@@ -13041,24 +13059,12 @@ def wire_request(client, method, path, body=None, headers=None, timeout=TIMEOUT)
     A connection-level error (refused, reset, closed) is an answer too during
     a fault; a timeout is reported as ``"timeout"`` (a call that hung).
     """
-    conn = http.client.HTTPConnection(client.host, client.port, timeout=timeout)
     try:
-        data = None if body is None else json.dumps(body).encode()
-        headers = dict(headers or {})
-        if data is not None:
-            headers.setdefault("Content-Type", "application/json")
-        conn.request(method, path, body=data, headers=headers)
-        resp = conn.getresponse()
-        payload = resp.read()
-        if "json" in resp.getheader("Content-Type", "") and payload:
-            payload = json.loads(payload)
-        return resp.status, resp, payload
+        return client.request(method, path, body, headers, timeout=timeout)
     except TimeoutError:
         return None, "timeout", None
     except (OSError, http.client.HTTPException) as exc:
         return None, type(exc).__name__, None
-    finally:
-        conn.close()
 
 
 class LoadGenerator:
