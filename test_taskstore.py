@@ -2956,18 +2956,14 @@ class WatchCommandTests(OwnedTaskTestCase):
         env = {**{k: v for k, v in os.environ.items() if k != "NO_COLOR"},
                "COLUMNS": "100", **(env or {})}
         if not tty:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env)
-            self.addCleanup(end_child, proc)
+            proc = start_child(self, argv, stdout=subprocess.PIPE, text=True, env=env)
             return proc, LinePeer(proc.stdout, "watch stdout")
         master, slave = pty.openpty()
         self.addCleanup(os.close, master)
         try:
-            proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=subprocess.PIPE,
-                                    env=env)
+            proc = start_child(self, argv, stdin=slave, stdout=slave, env=env)
         finally:
             os.close(slave)
-        self.addCleanup(end_child, proc)
         return proc, master
 
     def expect_line(self, peer, wanted):
@@ -3533,13 +3529,43 @@ class LinePeer(QueuePeer):
         return not self.thread.is_alive()
 
 
+CAPTURE = "capture"     # start_child(stderr=CAPTURE): into a temporary file, see captured()
+
+
+def start_child(test, argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE, **options):
+    """Start *argv*: the tests' one way to start a process that outlives a call.
+
+    stdin and stdout default to /dev/null, so nothing is shared by accident.
+    ``stderr=CAPTURE`` keeps the child's stderr in a temporary file that
+    ``captured(proc)`` reads back (for failure messages); a pipe is read with
+    ``LinePeer``, so every read has a timeout.  *test* ends the child when it
+    ends (``end_child``: killed unless it exited, reaped with a timeout, pipes
+    and capture closed); with None the caller does, with ``end_child``.  A
+    command that runs to its end is ``subprocess.run(..., timeout=...)``.
+    """
+    capture = tempfile.TemporaryFile() if stderr is CAPTURE else None
+    proc = subprocess.Popen(argv, stdin=stdin, stdout=stdout,
+                            stderr=capture if capture is not None else stderr, **options)
+    proc.capture = capture
+    if test is not None:
+        test.addCleanup(end_child, proc)
+    return proc
+
+
+def captured(proc, limit=3000):
+    """The last *limit* characters the child started with ``stderr=CAPTURE`` wrote to stderr."""
+    proc.capture.seek(0)
+    return proc.capture.read().decode("utf-8", "replace")[-limit:]
+
+
 def end_child(proc):
     """Kill *proc* unless it has exited, reap it, and close its pipes (a cleanup)."""
     if proc.poll() is None:
         proc.kill()
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=TIMEOUT)
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
+    for stream in (proc.stdin, proc.stdout, proc.stderr, getattr(proc, "capture", None)):
         if stream is not None:
             with contextlib.suppress(OSError, ValueError):
                 stream.close()
@@ -3553,10 +3579,9 @@ class ChildProcess:
     """
 
     def __init__(self, test, script, db, *args):
-        self._stderr = tempfile.TemporaryFile("w+", encoding="utf-8")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", script, TASKSTORE_DIR, db, str(TIMEOUT), *map(str, args)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+        self.proc = start_child(
+            None, [sys.executable, "-c", script, TASKSTORE_DIR, db, str(TIMEOUT), *map(str, args)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=CAPTURE, text=True,
             encoding="utf-8")
         self.pid = self.proc.pid
         self.peer = LinePeer(self.proc.stdout, f"child-{self.pid}-stdout",
@@ -3564,8 +3589,7 @@ class ChildProcess:
         test.addCleanup(self.close)
 
     def stderr(self):
-        self._stderr.seek(0)
-        return self._stderr.read()[-3000:]
+        return captured(self.proc)
 
     def readline(self, timeout=TIMEOUT):
         """Return the child's next line; fail the test on timeout or end of output."""
@@ -3614,7 +3638,6 @@ class ChildProcess:
     def close(self):
         end_child(self.proc)
         self.peer.wait_eof(TIMEOUT)
-        self._stderr.close()
 
 
 class MultiProcessTestCase(unittest.TestCase):
@@ -6375,8 +6398,8 @@ class BoardBrowserTests(unittest.TestCase):
         cls.shots = os.environ.get("TASKSTORE_SCREENSHOTS") or tempfile.mkdtemp(
             prefix="taskstore-board-")
         port = free_port()
-        cls.chromedriver = subprocess.Popen([CHROMEDRIVER, f"--port={port}"], text=True,
-                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        cls.chromedriver = start_child(None, [CHROMEDRIVER, f"--port={port}"], text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         cls.driver_out = LinePeer(cls.chromedriver.stdout, "chromedriver-stdout")
         url = f"http://127.0.0.1:{port}"
         printed = []            # it says when it listens: "... started successfully on port N."
@@ -6406,8 +6429,7 @@ class BoardBrowserTests(unittest.TestCase):
     def tearDownClass(cls):
         if getattr(cls, "browser", None) is not None:
             cls.browser.quit()
-        cls.chromedriver.kill()
-        cls.chromedriver.wait()
+        end_child(cls.chromedriver)
         cls.tmp.cleanup()
 
     def setUp(self):
@@ -6689,9 +6711,7 @@ class ServerProcess:
         """
         argv = ["--db", db, "--port", "0", *args]
         argv = http_command(*argv) if command is None else [*command, *argv]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, env=env)
-        test.addCleanup(self.cleanup)
+        self.proc = start_child(test, argv, text=True, env=env)
         self.peer = LinePeer(self.proc.stderr, f"server-{self.proc.pid}-stderr")
         # What it printed before listening: permission warnings (``warnings``),
         # recovery's log line (``before``).
@@ -6725,8 +6745,6 @@ class ServerProcess:
         assert self.proc.wait(timeout=TIMEOUT) == 0, self.proc.returncode
         return "".join(self.warnings + self.log())
 
-    def cleanup(self):
-        end_child(self.proc)
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
@@ -7162,16 +7180,14 @@ class McpTestBase(unittest.TestCase):
         """Start the server command; return (client, process)."""
         stderr = open(os.path.join(self.dir, "stderr.log"), "ab")
         self.addCleanup(stderr.close)
-        proc = subprocess.Popen(mcp_server_command(*args), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=stderr, cwd=cwd or self.dir)
+        proc = start_child(None, mcp_server_command(*args), stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=stderr, cwd=cwd or self.dir)
 
         client = McpTestClient(proc.stdin, proc.stdout)
 
         def reap():
             client.close()
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(TIMEOUT)
+            end_child(proc)
             self.assertTrue(client.wait_eof())
         self.addCleanup(reap)
         self.addCleanup(lambda: self.assertEqual(client.bad_lines, []))
@@ -11223,17 +11239,15 @@ class McpCrashTortureTests(unittest.TestCase):
     def start(self):
         stderr = open(os.path.join(self.dir, "stderr.log"), "ab")
         self.addCleanup(stderr.close)
-        proc = subprocess.Popen(
-            mcp_server_command("--db", self.db, "--workers", "8", "--reap-interval", "1e6",
-                               "--allow-unlimited-ttl", "--max-ttl", str(10**12)),
+        proc = start_child(
+            None, mcp_server_command("--db", self.db, "--workers", "8", "--reap-interval", "1e6",
+                                     "--allow-unlimited-ttl", "--max-ttl", str(10**12)),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, cwd=self.dir)
         client = McpTestClient(proc.stdin, proc.stdout)
 
         def reap():
             client.close()
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(TIMEOUT)
+            end_child(proc)
             client.wait_eof()
         self.addCleanup(reap)
         client.initialize()             # answered after the open, so after recovery
@@ -12843,9 +12857,9 @@ class _LabRun:
                       line)
 
     def spawn(self, line, stdin):
-        proc = subprocess.Popen(["bash", "-c", self.command(line)], cwd=self.cwd, env=self.env(),
-                                stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = start_child(None, ["bash", "-c", self.command(line)], cwd=self.cwd, env=self.env(),
+                           stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
         lines = queue.Queue()
 
         def pump():
