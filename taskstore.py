@@ -82,7 +82,7 @@ __all__ = [
     "fingerprint", "new_id", "is_task_id", "iso_time",
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
     "FAILED", "CANCELLED",
-    # MCP server (section 10)
+    # MCP server (section 9)
     "McpServer", "McpDispatcher", "McpWork", "McpTool", "ToolContext", "McpError",
     "ParseError", "InvalidRequest", "MethodNotFound", "ServerBusy", "add_demo_tools",
     "text_result", "mcp_task_to_wire", "check_arguments",
@@ -91,7 +91,7 @@ __all__ = [
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
     "ElicitationMismatch", "elicitation_problems",
     "MCP_CANCELLED_MESSAGE",
-    # LMSP HTTP server (section 11)
+    # LMSP HTTP server (section 10)
     "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
     "response_object", "lmsp_event", "task_error_problem", "parse_idempotency_key",
@@ -193,7 +193,7 @@ RELEASE_BATCH = 2000               # tasks one recovery transaction may move, at
 # change is legal (TRANSITIONS; a missing cell means "illegal"), which event
 # recovery fires (RESTART), what a repeat cancel does (CANCELLED_STATES) and
 # what becomes of an outcome reported late (LATE_OUTCOME).  The store
-# (section 8) and the runner (section 9) apply them; the store enforces each
+# (section 7) and the runner (section 8) apply them; the store enforces each
 # move with a compare-and-set in the same transaction as the event row.  The
 # README shows each table as the functions at the end of this section render it.
 
@@ -942,17 +942,17 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 
 
 # =============================================================================
-# 6. SQLite engine
+# 6. Engines: the interface, and SQLite
 # =============================================================================
 # Rules:
 # - Everything that is SQLite's lives here: the connection and its lock, the
 #   schema and its migrations, ``BEGIN IMMEDIATE`` transactions, group
 #   commit, WAL checkpoints, bulk jobs, and whether a process on this host is
-#   alive.  The store (section 8) decides; the engine reads and writes what
+#   alive.  The store (section 7) decides; the engine reads and writes what
 #   it is told, and decides nothing about the lifecycle.
 # - The store calls an engine only through ``Engine``, the interface written
 #   as a class: every method, its signature, what it returns and what it
-#   expects held.  ``SQLiteEngine`` and the PostgreSQL engine (section 7)
+#   expects held.  ``SQLiteEngine`` and the PostgreSQL engine (section 11)
 #   both implement it, siblings; a test holds them and the store to it.
 # - SQL both engines run is written once, in ``_SqlEngine`` and its
 #   ``_Statements``: the few words the two databases say differently (the
@@ -981,7 +981,7 @@ class Registration(typing.NamedTuple):
 
 
 class Engine:
-    """What the store (section 8) calls on a database: the whole seam, in code.
+    """What the store (section 7) calls on a database: the whole seam, in code.
 
     The store decides; an engine reads and writes what it is told.  Times
     (``now``) are epoch milliseconds.  Rows are plain tuples in the column
@@ -2522,757 +2522,19 @@ def is_postgres_url(path):
 
 
 def open_engine(path, **options):
-    """The engine for *path*: PostgresEngine (section 7) for a PostgreSQL URL, else SQLiteEngine."""
+    """The engine for *path*: PostgresEngine (section 11) for a PostgreSQL URL, else SQLiteEngine."""
     if is_postgres_url(path):
         return PostgresEngine(path, **options)
     return SQLiteEngine(path, **options)
 
 
 # =============================================================================
-# 7. PostgreSQL engine
-# =============================================================================
-# Rules:
-# - The second engine, for several processes on several hosts sharing one
-#   database: ``Engine`` (section 6) implemented again, ``on_remote`` and
-#   ``shared`` included, so the store (section 8) runs on it unchanged.
-#   psycopg 3 is imported only here, when a ``postgresql://`` URL is given.
-# - The SQL both engines run is section 6's ``_SqlEngine``, in this
-#   engine's ``_Dialect`` (``%s`` placeholders, ``ON CONFLICT`` upserts,
-#   the server's clock, ``SKIP LOCKED`` batches).  What PostgreSQL does
-#   besides is here: rows read inside a write transaction are locked (``FOR
-#   UPDATE``), so a concurrent writer in another process waits instead of
-#   reusing an event seq; claims and retention batches skip rows another
-#   process holds (``SKIP LOCKED``); an idempotency key is decided under a
-#   transaction-scoped advisory lock; every write notes what it changed.
-# - Time that decides ownership is the server's: heartbeats are written with
-#   ``clock_timestamp()`` and a registration's age is computed by the server,
-#   so hosts' clocks do not matter.  There is no pid check across hosts.
-# - Notifications go out after the commit, never inside it: a transaction
-#   that sent one holds PostgreSQL's notify queue lock from its pre-commit
-#   until its commit record is flushed, so such commits cannot share a WAL
-#   flush and concurrent writers commit one flush at a time.  A committed
-#   write hands its ids to the notifier (``_PgNotifier``, a thread with an
-#   autocommit connection of its own), which sends the ids of every commit
-#   since its last send in one statement: a ``NOTIFY`` per kind of change
-#   (more when the ids would not fit a payload).  That transaction writes no
-#   WAL, so it waits for no flush and holds up no data commit.  A commit
-#   after a quiet spell is sent at once; under a stream of commits sends are
-#   ``PG_NOTIFY_GAP_S`` apart, so a busy process costs itself, the server and
-#   every listening process a few sends and wake-ups a gap, not one a commit
-#   (another process then learns of a change up to two gaps later, the
-#   sender's and its listener's rest: a fifth of the default poll_interval).
-# - A daemon thread listens on a connection of its own and hands each burst
-#   of notifications to the store's ``on_remote`` callback, merged: one call
-#   per kind, so a busy database costs a few lock takes per burst, not one
-#   per commit.  After a delivery it rests ``PG_NOTIFY_GAP_S`` before it
-#   reads again: however many processes send, a listener wakes at most once
-#   a gap (a notification after a quiet spell is delivered at once).
-# - A notification can be lost: a crash between a commit and its notify, a
-#   dropped notifier connection.  The store's ``poll_interval`` re-read is the
-#   safety net that bounds how late a waiter then learns of the change.
-# - A psycopg error becomes StoreUnavailable and discards a broken connection;
-#   the next use reconnects.  ``synchronous`` and ``max_bytes`` mean nothing
-#   here: durability is the server's ``synchronous_commit``.
-
-PG_INSTALL = 'pip install "taskstore[postgres]"'
-PG_CHANNEL = "taskstore"               # the NOTIFY channel of every store on a database
-PG_NOTIFY_BYTES = 7000                 # under NOTIFY's 8,000-byte payload limit
-PG_LISTEN_RETRY_S = 1.0                # between attempts to reconnect the listener
-# Under a stream of commits the notifier sends at most once per this gap,
-# everything committed meanwhile together (see _PgNotifier); and after a
-# delivery the listener rests as long before it reads again (_PgListener).
-PG_NOTIFY_GAP_S = 0.010
-# How PostgreSQL's recovery_view opens its one snapshot (a plain BEGIN is not one).
-_PG_SNAPSHOT_BEGIN = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
-_PG_SCHEMA_LOCK = 0x7461736b           # advisory lock key of schema creation ("task")
-# The server's clock in epoch milliseconds: ownership is judged in database time.
-_PG_NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
-
-
-def _pg_ddl(ddl):
-    """SQLite's DDL (section 6) for PostgreSQL: 64-bit integers, byte-order text, no rowid.
-
-    ``COLLATE "C"`` makes ``ORDER BY id`` the byte order SQLite uses, so
-    ids sort by creation time whatever the database's locale.
-    """
-    ddl = ddl.replace(" WITHOUT ROWID", "").replace(" REAL", " DOUBLE PRECISION")
-    ddl = re.sub(r"\bINTEGER\b", "BIGINT", ddl)
-    return re.sub(r"\bTEXT\b", 'TEXT COLLATE "C"', ddl)
-
-
-# _purge_at (section 5) in SQL, for the set-based moves section 6 writes.  Made
-# anew at every open, so the formula is always this version's constants.
-_PG_PURGE_AT = f"""CREATE OR REPLACE FUNCTION taskstore_purge_at(now BIGINT, created_at BIGINT,
-        ttl_ms BIGINT, retention_ms BIGINT) RETURNS BIGINT IMMUTABLE LANGUAGE SQL AS $$
-    SELECT CASE WHEN ttl_ms IS NOT NULL THEN
-               CASE WHEN now < created_at + ttl_ms THEN created_at + ttl_ms
-                    ELSE now + {LATE_FINISH_GRACE_MS} END
-           WHEN retention_ms IS NOT NULL THEN now + retention_ms END $$"""
-
-# PG_MIGRATIONS[n] takes a database from version n-1 to n, like MIGRATIONS.
-PG_MIGRATIONS = {1: ("CREATE TABLE taskstore_schema (version BIGINT NOT NULL)",
-                     "INSERT INTO taskstore_schema VALUES (0)",
-                     *(_pg_ddl(ddl) for ddl in _SCHEMA_V1)),
-                 2: tuple(_pg_ddl(ddl) for ddl in _SCHEMA_V2)}
-
-
-def _redact_url(url):
-    """*url* without its password, for messages."""
-    return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
-
-
-def _refuse_nul(params):
-    # PostgreSQL's text cannot hold NUL, which SQLite's can: refuse the input
-    # (JSON columns never have one, dumps() escapes it).
-    for value in params:
-        if isinstance(value, str) and "\x00" in value:
-            raise InvalidParams("text with a NUL character cannot be stored on PostgreSQL")
-
-
-def _nul_free(text):
-    """*text* with NUL written ``\\0`` (and ``\\`` doubled): a lookup key PostgreSQL can hold."""
-    return text.replace("\\", "\\\\").replace("\x00", "\\0")
-
-
-class _PgConnection:
-    """A psycopg connection with the ``execute`` and ``executemany`` of sqlite3's connections.
-
-    Statements are psycopg's (``%s`` placeholders), passed on as they are;
-    parameters with a NUL are refused.  ``total_changes`` counts rows written, as
-    sqlite3's does, for the engine's ``changes()``.  A transaction's
-    ``BEGIN``, ``COMMIT`` and ``ROLLBACK`` (no parameters, no rows: half the
-    statements of a claim or a move) go to libpq's plain exec, which costs
-    the process a fraction of a psycopg cursor's execute; they return None
-    and fail with psycopg's errors, as the others do.
-    """
-
-    # Any other text takes the usual path.
-    _COMMANDS = {sql: sql.encode() for sql in ("BEGIN", "COMMIT", "ROLLBACK", _PG_SNAPSHOT_BEGIN)}
-
-    def __init__(self, raw):
-        self.raw = raw
-        self.total_changes = 0
-        from psycopg import errors, pq          # imported already: the engine connected
-        self._command_ok = pq.ExecStatus.COMMAND_OK
-        self._error_from_result = errors.error_from_result
-
-    def execute(self, sql, params=()):
-        command = self._COMMANDS.get(sql)
-        if command is not None:
-            result = self.raw.pgconn.exec_(command)    # the GIL is released while it waits
-            if result.status != self._command_ok:
-                raise self._error_from_result(result, self.raw.info.encoding)
-            return None
-        _refuse_nul(params)
-        cursor = self.raw.execute(sql, params)
-        if cursor.rowcount > 0 and not sql.lstrip().startswith("SELECT"):
-            self.total_changes += cursor.rowcount
-        return cursor
-
-    def executemany(self, sql, rows):
-        rows = list(rows)
-        for row in rows:
-            _refuse_nul(row)
-        with self.raw.cursor() as cursor:
-            cursor.executemany(sql, rows)
-        self.total_changes += len(rows)
-
-    @property
-    def broken(self):
-        return self.raw.closed or self.raw.broken
-
-
-class _PgTransaction:
-    """``PostgresEngine.transaction()``: BEGIN; then COMMIT and hand the notes on, or ROLLBACK."""
-
-    __slots__ = ("engine",)
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def __enter__(self):
-        engine = self.engine
-        if engine.closed:
-            raise StoreClosed()
-        try:
-            engine._usable_locked().execute("BEGIN")
-        except engine.psycopg.Error as exc:
-            raise engine._unavailable(exc) from None
-        engine._in_write = True
-        engine._notes.clear()
-
-    def __exit__(self, kind, exc, tb):
-        engine = self.engine
-        engine._in_write = False
-        try:
-            if kind is None:
-                engine.conn.execute("COMMIT")
-                if engine._notes:
-                    engine._notifier.add(engine._notes)
-            else:
-                engine.conn.execute("ROLLBACK")
-        except engine.psycopg.Error as error:
-            raise engine._unavailable(error) from None
-        finally:
-            engine._notes.clear()
-        if kind is not None and issubclass(kind, engine.psycopg.Error):
-            raise engine._unavailable(exc) from None
-        return False
-
-
-class _PgReads:
-    """``PostgresEngine.reading()``: the lock, a live connection; StoreUnavailable for errors."""
-
-    __slots__ = ("engine", "lock")
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.lock = engine.lock
-
-    def __enter__(self):
-        self.lock.acquire()
-        try:
-            if self.engine.closed:
-                raise StoreClosed()
-            self.engine._usable_locked()
-        except BaseException:
-            self.lock.release()
-            raise
-        return self.engine
-
-    def __exit__(self, kind, exc, tb):
-        self.lock.release()
-        if kind is not None and issubclass(kind, self.engine.psycopg.Error):
-            raise self.engine._unavailable(exc) from None
-        return False
-
-
-class _PgListener(threading.Thread):
-    """The engine's ``LISTEN``: a connection of its own; each burst goes to the callback, merged.
-
-    A payload is ``token kind id,id,``: a notification this engine sent
-    itself (its token) is dropped, the store having woken its own waiters
-    already.  What arrived together is delivered as one call per kind;
-    after a delivery it rests ``PG_NOTIFY_GAP_S``, so what arrives
-    meanwhile is delivered together at the end of the rest.
-    When the connection drops, it reconnects and wakes everybody once
-    (``callback("lost", ())``): they re-read what they wait for.
-    """
-
-    def __init__(self, engine, callback):
-        super().__init__(name="taskstore-pg-listen", daemon=True)
-        self._engine = engine
-        self._callback = callback
-        self._stopping = threading.Event()
-        self._conn = None
-        self.own_channel = f"{PG_CHANNEL}_{engine.token}"     # stop() wakes it here
-
-    def listen(self):
-        """Connect and ``LISTEN`` now (raises psycopg's errors): news from here on is heard."""
-        self._conn = self._engine._connect(autocommit=True)
-        self._conn.execute(f"LISTEN {PG_CHANNEL}")
-        self._conn.execute(f"LISTEN {self.own_channel}")
-
-    def run(self):
-        lost = False
-        while not self._stopping.is_set():
-            try:
-                if self._conn is None:
-                    self.listen()
-                if lost:
-                    self._callback("lost", ())
-                    lost = False
-                while not self._stopping.is_set():
-                    notes = list(self._conn.notifies(timeout=PG_LISTEN_RETRY_S, stop_after=1))
-                    if notes:                      # and whatever else has arrived meanwhile
-                        notes += self._conn.notifies(timeout=0)
-                    # stop()'s wake-up (its own channel) only ends the wait.
-                    self._deliver([n.payload for n in notes if n.channel == PG_CHANNEL])
-                    if notes:        # rest: what arrives meanwhile is one burst, one wake-up
-                        self._stopping.wait(PG_NOTIFY_GAP_S)
-            except Exception as exc:             # psycopg's errors, or the closed connection
-                if self._stopping.is_set():
-                    return
-                logger.warning("PostgreSQL listener lost (%s); reconnecting", exc)
-                lost = True
-                self._close()
-                self._stopping.wait(PG_LISTEN_RETRY_S)
-        self._close()
-
-    def _deliver(self, payloads):
-        merged = {}
-        for payload in payloads:
-            token, kind, ids = (payload.split(" ") + ["", ""])[:3]
-            if token != self._engine.token:
-                merged.setdefault(kind, set()).update(ids.split(","))
-        for kind, ids in merged.items():
-            ids.discard("")
-            self._callback(kind, sorted(ids))
-
-    def _close(self):
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
-
-    def stop(self, wake, timeout=5.0):
-        """End the thread: *wake* (a NOTIFY on ``own_channel``) ends its wait at once."""
-        self._stopping.set()
-        wake()
-        self.join(timeout)
-
-
-class _PgNotifier(threading.Thread):
-    """Sends the engine's notifications after their commits, coalesced, on a connection of its own.
-
-    ``add`` (after a commit) merges ids into what is pending; the thread
-    sends all that is pending in one autocommit statement, so the commits
-    made while a send is under way, or within ``PG_NOTIFY_GAP_S`` of the
-    last send, go out together in the next one.  When
-    the connection fails the ids stay pending and it reconnects; the poll
-    covers the delay.
-    """
-
-    def __init__(self, engine):
-        super().__init__(name="taskstore-pg-notify", daemon=True)
-        self._engine = engine
-        self._cond = threading.Condition()
-        self._pending = {}            # kind -> ids committed, not sent yet
-        self._stopping = threading.Event()
-        self._conn = None
-
-    def add(self, notes):
-        with self._cond:
-            for kind, ids in notes.items():
-                self._pending.setdefault(kind, set()).update(ids)
-            self._cond.notify()
-
-    def run(self):
-        sent_at = -math.inf
-        while True:
-            with self._cond:
-                while not self._pending and not self._stopping.is_set():
-                    self._cond.wait()
-            # A commit after a quiet spell goes out at once; under a stream of
-            # commits the next send waits out the gap, gathering what comes.
-            gap = sent_at + PG_NOTIFY_GAP_S - time.monotonic()
-            if gap > 0:
-                self._stopping.wait(gap)                  # stop() sends at once
-            with self._cond:
-                notes, self._pending = self._pending, {}
-            sent_at = time.monotonic()
-            if not notes:
-                break                               # stopping, everything sent
-            try:
-                self._send(notes)
-            except Exception as exc:              # psycopg's errors, or the closed connection
-                self._close()
-                if self._stopping.is_set():
-                    logger.warning("PostgreSQL notifications not sent at close (%s)", exc)
-                    break
-                logger.warning("PostgreSQL notifier lost (%s); reconnecting", exc)
-                self.add(notes)
-                self._stopping.wait(PG_LISTEN_RETRY_S)      # then all that is pending
-        self._close()
-
-    def _send(self, notes):
-        payloads = []
-        for kind, ids in notes.items():
-            payload = head = f"{self._engine.token} {kind} "   # then ids, each followed by a comma
-            for task_id in sorted(ids):
-                if payload != head and len(payload) + len(task_id) >= PG_NOTIFY_BYTES:
-                    payloads.append(payload)
-                    payload = head
-                payload += task_id + ","
-            payloads.append(payload)
-        if self._conn is None:
-            self._conn = self._engine._connect(autocommit=True)
-        # One statement, one transaction: every notification is delivered at its end.
-        self._conn.execute("SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p",
-                           (PG_CHANNEL, payloads))
-
-    def _close(self):
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
-
-    def stop(self, timeout=5.0):
-        """Send what is pending, then end the thread."""
-        with self._cond:
-            self._stopping.set()
-            self._cond.notify()
-        self.join(timeout)
-
-
-class PostgresEngine(_SqlEngine):
-    """The engine for several hosts: one PostgreSQL database, one connection per engine.
-
-    Args:
-        url: ``postgresql://user:password@host:port/database`` (or ``postgres://``).
-        synchronous: accepted for the store's sake and ignored: a commit's
-            durability is the server's ``synchronous_commit``.
-        busy_timeout: seconds for connecting and the longest any statement
-            or lock wait may take (``statement_timeout``, ``lock_timeout``);
-            a session idle in a transaction for half of it is ended by the server.
-        max_bytes: refused: a PostgreSQL database has no size cap of ours.
-        readonly: every transaction is read-only; a write raises StoreUnavailable.
-
-    Raises:
-        StoreUnavailable: psycopg is not installed (the message says how to
-            install it), the server cannot be reached, or the database holds
-            a newer schema.
-    """
-
-    shared = True
-    _dialect = _Dialect(
-        param="%s", no_limit=None,
-        batch_lock=" FOR UPDATE SKIP LOCKED",     # reapers on several hosts take other rows
-        snapshot_begin=_PG_SNAPSHOT_BEGIN,         # a plain BEGIN is not one snapshot
-        registration_age=f"{_PG_NOW_MS} - heartbeat_at",     # leases in database time
-        upsert_replaces=False,
-        owner_in_range=None,         # a planner with statistics picks the path itself
-        # The compare-and-set and its event row in one statement (see move_task).
-        move=("WITH moved AS (UPDATE tasks SET {sets}, version = version + 1 "
-              "WHERE id = %s AND status = %s RETURNING last_seq) "
-              "INSERT INTO events (task_id, seq, type, data, created_at) "
-              "SELECT %s, last_seq, 'status', %s, %s FROM moved"))
-    _sql = _Statements(_dialect)
-
-    def __init__(self, url, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
-                 max_bytes=None, readonly=False):
-        try:
-            import psycopg
-        except ImportError:
-            raise MissingDependency(
-                f"PostgreSQL needs psycopg, which is not installed: {PG_INSTALL}") from None
-        if max_bytes is not None:
-            raise InvalidParams("max_bytes applies to SQLite only", param="max_bytes")
-        self.psycopg = psycopg
-        self.path = _redact_url(url)
-        self._url = url
-        self.synchronous = synchronous
-        self.readonly = bool(readonly)
-        self._busy_timeout = float(busy_timeout)
-        self.lock = threading.Lock()
-        self.closed = False
-        self.token = secrets.token_hex(6)      # names this engine's own notifications
-        self._group = _GroupCommit(self)
-        self._move_sql = {}
-        self._transaction = _PgTransaction(self)
-        self._reads = _PgReads(self)
-        # None: a claim reads at once until oldest_queued has come up empty.
-        # Here a write transaction holds up no other writer (rows are locked,
-        # not the database), so the probe SQLite needs would only cost a read.
-        self._empty_gen = None
-        self._in_write = False        # inside transaction(): task rows read are locked
-        self._notes = {}              # kind -> ids this transaction changed, for the notifier
-        self._notifier = _PgNotifier(self)
-        self._listener = None
-        self.conn = None
-        with self.lock:
-            try:
-                self._usable_locked()
-                if not self.readonly:
-                    self._migrate_locked()
-                self._check_version_locked()
-            except BaseException as exc:
-                if self.conn is not None:
-                    self.conn.raw.close()
-                if isinstance(exc, psycopg.Error):
-                    raise self._unavailable(exc) from None
-                raise
-        self._notifier.start()
-
-    # -- connecting ------------------------------------------------------------
-
-    def _connect(self, autocommit=True):
-        """A new psycopg connection with the engine's timeouts (raises psycopg errors)."""
-        ms = max(2, int(self._busy_timeout * 1000))
-        # A process paused inside a transaction (SIGSTOP, a long GC pause)
-        # holds its row locks: the server ends its session after half the
-        # busy timeout, so a writer waiting for those rows gets them before its
-        # own lock_timeout.  Our transactions never sit idle that long.
-        options = (f"-c statement_timeout={ms} -c lock_timeout={ms} "
-                   f"-c idle_in_transaction_session_timeout={ms // 2}")
-        if self.readonly:
-            options += " -c default_transaction_read_only=on"
-        return self.psycopg.connect(self._url, autocommit=autocommit, options=options,
-                                    connect_timeout=max(1, math.ceil(self._busy_timeout)))
-
-    def _usable_locked(self):
-        """The connection, made anew when there is none or the last one broke."""
-        if self.conn is None or self.conn.broken:
-            if self.conn is not None:
-                with contextlib.suppress(Exception):
-                    self.conn.raw.close()
-                self.conn = None
-            try:
-                self.conn = _PgConnection(self._connect())
-            except self.psycopg.Error as exc:
-                raise self._unavailable(exc) from None
-        return self.conn
-
-    def _unavailable(self, exc):
-        """Turn a psycopg error into a StoreUnavailable naming the database (never SQL)."""
-        text = str(exc).strip().splitlines()
-        return StoreUnavailable(f"{self.path}: database error: {exc.__class__.__name__}: "
-                                f"{text[0] if text else ''}")
-
-    def _migrate_locked(self):
-        # Several processes opening an empty database at once: the advisory
-        # lock lets one create the schema; the others then find it current.
-        conn = self.conn
-        conn.execute("BEGIN")
-        try:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_SCHEMA_LOCK,))
-            version = self._version_locked()
-            if version <= SCHEMA_VERSION:      # a newer one is refused, untouched
-                for step in range(version + 1, SCHEMA_VERSION + 1):
-                    for ddl in PG_MIGRATIONS[step]:
-                        conn.execute(ddl)
-                conn.execute("UPDATE taskstore_schema SET version = %s", (SCHEMA_VERSION,))
-                conn.execute(_PG_PURGE_AT)
-            conn.execute("COMMIT")
-        except BaseException:
-            if not conn.broken:
-                conn.execute("ROLLBACK")
-            raise
-
-    def _version_locked(self):
-        if self.conn.execute("SELECT to_regclass('taskstore_schema')").fetchone()[0] is None:
-            return 0
-        return self.conn.execute("SELECT max(version) FROM taskstore_schema").fetchone()[0]
-
-    def _check_version_locked(self):
-        version = self._version_locked()
-        if version > SCHEMA_VERSION:
-            raise StoreUnavailable(
-                f"{self.path} was written by a newer taskstore (schema {version}; "
-                f"this version reads up to {SCHEMA_VERSION})")
-        if version < SCHEMA_VERSION:
-            raise StoreUnavailable(f"{self.path}: read-only, and not at schema {SCHEMA_VERSION}")
-
-    # -- transactions, notifications -------------------------------------------
-
-    def transaction(self):
-        """One transaction (lock held): committed, then its notes sent; or rolled back."""
-        return self._transaction
-
-    def reading(self):
-        """Hold the lock and a live connection for reads; psycopg errors become StoreUnavailable."""
-        return self._reads
-
-    def on_remote(self, callback):
-        """Call ``callback(kind, ids)`` for other processes' commits; starts the listener.
-
-        *kind* is ``changed`` (ids changed), ``queued`` (ids became queued),
-        ``cancelling`` (ids became cancelling) or ``lost`` (notifications
-        may have been missed: re-read everything).
-        """
-        self._listener = _PgListener(self, callback)
-        try:
-            self._listener.listen()      # before the store's first read: no news is missed
-        except self.psycopg.Error as exc:
-            logger.warning("PostgreSQL listener not connected yet (%s); retrying", exc)
-        self._listener.start()
-
-    def _note(self, kind, ids):
-        self._notes.setdefault(kind, set()).update(ids)
-
-    @contextlib.contextmanager
-    def bulk(self):
-        """A plain context: PostgreSQL has no log to checkpoint after a long job."""
-        if self.closed:
-            raise StoreClosed()
-        yield
-
-    def checkpoint(self):
-        """Nothing to copy: the server checkpoints by itself; ``(0, 0)``."""
-        return 0, 0
-
-    def _wake_listener(self, channel):
-        # Without a connection the listener sees the stop within a second anyway.
-        with self.lock:
-            if self.conn is not None and not self.conn.broken:
-                with contextlib.suppress(self.psycopg.Error):
-                    self.conn.execute(f"NOTIFY {channel}")
-
-    def close(self):
-        """Send the last notifications, stop the listener, close the connection (writers stopped)."""
-        with self.lock:
-            self.closed = True
-            listener, self._listener = self._listener, None
-        self._notifier.stop()
-        if listener is not None:
-            listener.stop(lambda: self._wake_listener(listener.own_channel))
-        with self.lock:
-            if self.conn is not None:
-                self.conn.raw.close()
-
-    # -- tasks -----------------------------------------------------------------
-
-    def _locking(self, sql):
-        # Inside a write transaction the row read is the row about to be
-        # written: lock it, so another process's writer waits for our commit
-        # and then reads our seq instead of reusing it.
-        return sql + " FOR UPDATE" if self._in_write else sql
-
-    # An id from outside may hold a NUL, which no stored id does (and which
-    # PostgreSQL refuses as a parameter): such a lookup finds nothing.
-
-    def read_task(self, task_id):
-        if "\x00" in task_id:
-            return None
-        row = self.conn.execute(self._locking(self._sql.read_task), (task_id,)).fetchone()
-        return None if row is None else _task_from_row(row)
-
-    def task_row_at(self, task_id, now, summary=False):
-        if "\x00" in task_id:
-            return None
-        sql = self._sql.summary_at if summary else self._sql.task_at
-        return self.conn.execute(self._locking(sql), (now, task_id)).fetchone()
-
-    def tombstoned(self, task_id):
-        return "\x00" not in task_id and super().tombstoned(task_id)
-
-    def event_bounds(self, task_id, now):
-        return None if "\x00" in task_id else super().event_bounds(task_id, now)
-
-    def event_head(self, task_id):
-        if "\x00" in task_id:
-            return None
-        return self.conn.execute(self._locking(self._sql.event_head), (task_id,)).fetchone()
-
-    def insert_tasks(self, rows, events):
-        super().insert_tasks(rows, events)
-        self._note("queued", [row[0] for row in rows])
-
-    def move_task(self, task_id, status, values, event_json, now):
-        """The compare-and-set and its event row in one statement: one round trip.
-
-        The event is inserted from the updated row (``WITH ... RETURNING``),
-        so it is written exactly when the compare-and-set took; the row
-        lock the ``UPDATE`` takes keeps the seq dense as before.
-        """
-        moved = self.conn.execute(self._move_statement(values), (
-            *values.values(), task_id, status, task_id, event_json, now)).rowcount == 1
-        if moved:
-            new = values["status"]
-            self._note("queued" if new == QUEUED else "changed", (task_id,))
-            if new == CANCELLING:
-                self._note("cancelling", (task_id,))
-        return moved
-
-    def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
-                   bump_attempt=False, finish=False):
-        """The shared ``move_tasks``, the rows locked first (two recoverers of one owner wait)."""
-        guard, args = self._guard(selector, status, policy)
-        locked = [r[0] for r in self.conn.execute(
-            f"SELECT id FROM tasks WHERE {guard} ORDER BY id FOR UPDATE", args)]
-        done, moved_ids = super().move_tasks(selector, status, values, event_json, now,
-                                             ids=ids, policy=policy,
-                                             bump_attempt=bump_attempt, finish=finish)
-        self._note("queued" if values.get("status") == QUEUED else "changed", locked)
-        return done, moved_ids
-
-    def set_progress(self, task_id, values, statuses, attempt, now):
-        changed = super().set_progress(task_id, values, statuses, attempt, now)
-        if changed:
-            self._note("changed", (task_id,))
-        return changed
-
-    def append_event(self, task_id, seq, etype, data_json, snapshot_json, now):
-        super().append_event(task_id, seq, etype, data_json, snapshot_json, now)
-        self._note("changed", (task_id,))
-
-    def oldest_queued(self, kinds, gen):
-        """The oldest queued Task of *kinds* no other process is claiming, or None (locked)."""
-        row = self.conn.execute(
-            f"{_SELECT_TASK} WHERE status = '{QUEUED}' AND kind = ANY(%s) "
-            "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED", (list(kinds),)).fetchone()
-        if row is None:
-            self._empty_gen = gen
-            return None
-        return _task_from_row(row)
-
-    def idempotency_get(self, scope, key):
-        # Two processes creating with one key: the second waits here for the
-        # first's commit, then reads its row (the unique key stays the backstop).
-        scope, key = _nul_free(scope), _nul_free(key)
-        if self._in_write:
-            self.conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s || ' ' || %s, 0))",
-                              (scope, key))
-        return super().idempotency_get(scope, key)
-
-    def idempotency_put(self, scope, key, fingerprint, task_id, now, expires_at):
-        super().idempotency_put(_nul_free(scope), _nul_free(key), fingerprint, task_id, now,
-                                expires_at)
-
-    # -- processes -------------------------------------------------------------
-
-    def register(self, proc_id, now):
-        self.conn.execute(
-            "INSERT INTO processes (id, pid, host, proc_start, started_at, heartbeat_at) "
-            f"VALUES (%s, %s, %s, NULL, {_PG_NOW_MS}, {_PG_NOW_MS})",
-            (proc_id, os.getpid(), _HOST()))
-
-    def heartbeat(self, proc_id, now):
-        return self.conn.execute(f"UPDATE processes SET heartbeat_at = {_PG_NOW_MS} WHERE id = %s",
-                                 (proc_id,)).rowcount == 1
-
-    @staticmethod
-    def owner_dead(proc, now, lease_ms):
-        """Is the ``Registration`` *proc* (or None) dead: unregistered, or its lease expired?
-
-        The lease is judged by the age the server computed, never by *now*
-        (this host's clock).  A registration of this very process is alive
-        only while a runner holds it, as on SQLite.
-        """
-        if proc is None:
-            return True
-        if proc.age_ms > lease_ms:
-            return True
-        if proc.host == _HOST() and proc.pid == os.getpid():
-            return proc.id not in _LIVE_PROCESS_IDS
-        return False
-
-    # -- retention -------------------------------------------------------------
-
-    def reap_tasks_once(self, now, budget, counts, tombstone_ms):
-        """Delete one batch of expired tasks with their events; ``(more, deleted ids)``.
-
-        As SQLite's, except that the batch is the rows this transaction
-        locked (``SKIP LOCKED``): reapers in several processes take
-        different batches instead of deleting the same rows twice.
-        """
-        rows = self.conn.execute(
-            f"SELECT id, first_seq, last_seq - first_seq + 1 FROM tasks WHERE {self._sql.expired} "
-            "ORDER BY purge_at, id LIMIT %s FOR UPDATE SKIP LOCKED", (now, budget)).fetchall()
-        take = _reap_take(rows, budget)
-        if not take and rows:
-            return self._reap_slice(rows[0][0], rows[0][1], budget, counts)
-        ids = [row[0] for row in rows[:take]]
-        if ids:
-            counts["events"] += self.conn.execute(
-                "DELETE FROM events WHERE task_id = ANY(%s)", (ids,)).rowcount
-            self.conn.execute(
-                "INSERT INTO tombstones (id, deleted_at, expires_at) "
-                "SELECT unnest(%s::text[]), %s, %s ON CONFLICT (id) DO UPDATE SET "
-                "deleted_at = EXCLUDED.deleted_at, expires_at = EXCLUDED.expires_at",
-                (ids, now, now + tombstone_ms))
-            counts["tasks"] += self.conn.execute(
-                "DELETE FROM tasks WHERE id = ANY(%s)", (ids,)).rowcount
-        return len(rows) == budget or take < len(rows), ids
-
-
-# =============================================================================
-# 8. The store
+# 7. The store
 # =============================================================================
 # Rules:
 # - The verbs and the rules, written once: transitions, the event log,
 #   idempotency, retention, recovery decisions, waiting.  Everything that is
-#   SQLite's or PostgreSQL's is the engine's (sections 6 and 7), reached only
+#   SQLite's or PostgreSQL's is the engine's (sections 6 and 11), reached only
 #   through the methods of ``Engine`` (section 6); no SQL text lives here.
 # - One write path.  A verb builds a body (its statements: the engine's data
 #   methods) and hands it to the engine's ``write``, which runs it with the
@@ -4515,7 +3777,7 @@ class Reaper(threading.Thread):
 
 
 # =============================================================================
-# 9. Runner and handler context
+# 8. Runner and handler context
 # =============================================================================
 # Rules:
 # - A runner registers its process, claims queued tasks of the kinds it has
@@ -5090,7 +4352,7 @@ class Runner:
 
 
 # =============================================================================
-# 10. MCP server (stdio JSON-RPC)
+# 9. MCP server (stdio JSON-RPC)
 # =============================================================================
 # The MCP adapter, for both eras of MCP tasks over one store:
 #   2025-11-25 ("legacy"): the initialize handshake and the core tasks methods;
@@ -5105,7 +4367,7 @@ class Runner:
 # One lifecycle, two wire projections: mcp_task_to_wire (legacy Task) and
 # mcp_task_to_modern_wire (modern CreateTaskResult / DetailedTask) are the only
 # producers of a task's wire shape.
-# Two layers, as for LMSP in section 11: McpDispatcher decides (one decoded
+# Two layers, as for LMSP in section 10: McpDispatcher decides (one decoded
 # message in, the messages to send and the blocking work to run out; no
 # streams, no threads), McpServer moves lines (a reader thread, two bounded
 # pools that run the dispatcher's work, past which a request is refused, and
@@ -7130,96 +6392,8 @@ def add_demo_tools(server):
                     input_schema=_schema(question="string"))
 
 
-# -- command line -------------------------------------------------------------
-
-def _at_least(minimum, kind=int):
-    """An argparse type: a number of *kind* that is at least *minimum*."""
-    def parse(text):
-        value = kind(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {text}")
-        return value
-    return parse
-
-
-def add_mcp_parser(subparsers):
-    """Add the ``mcp`` subcommand (an MCP server on stdin/stdout) to *subparsers*."""
-    p = subparsers.add_parser(
-        "mcp", help="run the MCP server (with the demo tools) on stdin/stdout",
-        description="MCP server with tasks for both eras (2025-11-25 after initialize; "
-                    "2026-07-28 with the io.modelcontextprotocol/tasks extension when the "
-                    "first request carries the _meta envelope), one JSON-RPC message per "
-                    "line on stdin/stdout; logs go to stderr.  A finished task expires at "
-                    "createdAt + ttl (one that finished later: 60 s after it finished) and "
-                    "answers \"has expired\" from that moment on; its row is deleted by the "
-                    "next reaper pass (every --reap-interval seconds).")
-    _add_db_option(p)                   # --db PATH (./taskstore.db), --sync
-    _add_lease_options(p)               # --lease S (30), --heartbeat S (1)
-    p.add_argument("--default-ttl", metavar="MS", type=_at_least(1), default=DEFAULT_MCP_TTL_MS,
-                   help="ttl granted to a task request that names none (default: %(default)s)")
-    p.add_argument("--max-ttl", metavar="MS", type=_at_least(1), default=DEFAULT_MAX_TTL_MS,
-                   help="largest ttl granted; larger requests are capped (default: %(default)s)")
-    p.add_argument("--allow-unlimited-ttl", action="store_true",
-                   help="grant ttl null (never expires) when asked; otherwise null gets "
-                        "--max-ttl (default: off)")
-    p.add_argument("--poll-interval", metavar="MS", type=_at_least(1),
-                   default=DEFAULT_MCP_POLL_INTERVAL_MS,
-                   help="pollInterval suggested to clients (default: %(default)s)")
-    p.add_argument("--no-list", action="store_true",
-                   help="do not declare or serve tasks/list (default: declared)")
-    p.add_argument("--page-size", metavar="N", type=_at_least(1), default=DEFAULT_MCP_PAGE_SIZE,
-                   help="tasks per tasks/list page (default: %(default)s)")
-    p.add_argument("--workers", metavar="N", type=_at_least(1), default=4,
-                   help="worker threads running tasks (default: %(default)s)")
-    p.add_argument("--max-waiting", metavar="N", type=_at_least(1),
-                   default=DEFAULT_MCP_MAX_WAITING,
-                   help="requests that wait for work served at once, a thread each (a "
-                        "tasks/result for an unfinished task, a tools/call run inline); one "
-                        "more is answered -32005 'try again later' at once "
-                        "(default: %(default)s)")
-    p.add_argument("--max-line-bytes", metavar="N", type=_at_least(1024),
-                   default=DEFAULT_MAX_LINE_BYTES,
-                   help="longest accepted input line; longer ones get -32600 "
-                        "(default: %(default)s)")
-    p.add_argument("--reap-interval", metavar="S", type=_at_least(0.001, float),
-                   default=DEFAULT_REAP_INTERVAL_S,
-                   help="seconds between passes deleting expired tasks (they answer "
-                        "\"has expired\" from the moment they expire, deleted or not) and "
-                        "recovering those of dead processes (default: %(default)s)")
-    p.set_defaults(func=run_mcp)
-    return p
-
-
-def run_mcp(args):
-    """Run ``taskstore.py mcp``: serve the demo tools until EOF or SIGTERM; return 0."""
-    problem = _check_lease_options(args)
-    if problem:
-        print(f"taskstore: {problem}", file=sys.stderr)
-        return 2
-    out = sys.stdout.buffer
-    store = TaskStore(args.db, synchronous=args.sync, max_ttl_ms=args.max_ttl,
-                      lease_s=args.lease)
-    with contextlib.ExitStack() as stack:
-        stack.callback(store.close)     # also stops the reaper
-        store.start_reaper(args.reap_interval)
-        # stdout belongs to the protocol: a stray print in a tool goes to stderr.
-        stack.enter_context(contextlib.redirect_stdout(sys.stderr))
-        server = McpServer(store, default_ttl_ms=args.default_ttl, max_ttl_ms=args.max_ttl,
-                           allow_unlimited_ttl=args.allow_unlimited_ttl,
-                           poll_interval_ms=args.poll_interval, list_tasks=not args.no_list,
-                           page_size=args.page_size, workers=args.workers,
-                           max_line_bytes=args.max_line_bytes, max_waiting=args.max_waiting,
-                           heartbeat_s=args.heartbeat)
-        add_demo_tools(server)
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
-            stack.callback(signal.signal, signal.SIGTERM, previous)
-        server.serve(outfile=out)
-    return 0
-
-
 # =============================================================================
-# 11. LMSP HTTP server
+# 10. LMSP HTTP server
 # =============================================================================
 # The LMSP 1.0 task routes under /lmsp/v1 (create, list, get, cancel and a
 # resumable event stream; the README lists them) over the standard library's
@@ -7794,149 +6968,6 @@ class DemoBackend:
         return {"usage": _usage(len(text.split()), out.writes), "incomplete_reason": reason}
 
 
-def _is_api_key(key):
-    """True for a key that goes into a header as it is: visible ASCII, no spaces."""
-    return isinstance(key, str) and re.fullmatch(r"[!-~]+", key) is not None
-
-
-class OpenAIBackend:
-    """Forward response requests to an OpenAI-compatible server, streaming.
-
-    It posts to ``{url}/chat/completions`` (what Ollama, llama.cpp and vLLM all
-    serve) with ``stream: true`` and streams each content delta.  A cancel
-    closes the upstream connection, which stops the generation there.  It has
-    no snapshots: a remote stream cannot be resumed, so ``resume`` is refused.
-
-    The ``api_key``, when given, is sent as ``Authorization: Bearer`` to *url*
-    and nowhere else (redirects are not followed).  It is cut out of every
-    error message, since upstreams echo it back ("invalid key sk-..."), and
-    the repr hides it.
-    """
-
-    name = "openai"
-    snapshots = False
-
-    def __init__(self, url=DEFAULT_BACKEND_URL, timeout=300.0, api_key=None):
-        parts = urllib.parse.urlsplit(url)
-        if "@" in parts.netloc:
-            # Not echoed: what precedes the @ is a password.
-            raise ValueError("backend URL must not carry credentials (user:password@); "
-                             "give the key in OPENAI_API_KEY or --backend-key-file")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"backend URL must be http(s)://host[:port][/path], not {url!r}")
-        if api_key and not _is_api_key(api_key):
-            # Not echoed; http.client would refuse it later with the whole value in its message.
-            raise ValueError("api_key must be visible ASCII characters, without spaces")
-        self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key or None
-
-    def __repr__(self):
-        return f"OpenAIBackend({self.url!r}, api_key={'<hidden>' if self.api_key else None})"
-
-    def _redact(self, text):
-        """Return *text* with every copy of the key, in any quoting, replaced."""
-        if self.api_key:
-            for form in {self.api_key, json.dumps(self.api_key)[1:-1], repr(self.api_key)[1:-1]}:
-                text = text.replace(form, "[redacted]")
-        return text
-
-    @staticmethod
-    def chat_request(request):
-        """Translate a response request into a chat-completions request."""
-        messages = []
-        if isinstance(request.get("instructions"), str):
-            messages.append({"role": "system", "content": request["instructions"]})
-        items = request["input"]
-        if isinstance(items, str):
-            items = [{"role": "user", "content": items}]
-        for item in items:
-            if item.get("type", "message") != "message":
-                continue
-            content = item.get("content")
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
-                                  and p.get("type") in ("input_text", "output_text", "text"))
-            messages.append({"role": item.get("role", "user"), "content": content or ""})
-        body = {"model": request["model"], "messages": messages, "stream": True,
-                "stream_options": {"include_usage": True}}
-        for key, target in (("temperature", "temperature"), ("top_p", "top_p"),
-                            ("max_output_tokens", "max_tokens")):
-            if request.get(key) is not None:
-                body[target] = request[key]
-        return body
-
-    def __call__(self, request, out):
-        parts = urllib.parse.urlsplit(self.url)
-        # The route goes after the URL's path; its query (an api-version, say) stays at the end.
-        path = parts.path.rstrip("/") + "/chat/completions" + (
-            "?" + parts.query if parts.query else "")
-        connection = (http.client.HTTPSConnection if parts.scheme == "https"
-                      else http.client.HTTPConnection)
-        conn = connection(parts.hostname, parts.port, timeout=self.timeout)
-        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        done = threading.Event()
-        # A blocking read cannot see the cancel signal, so a watcher shuts the
-        # socket down; the read then fails and we return as cancelled.
-        usage, finish = None, None
-        try:
-            conn.request("POST", path, body=dumps(self.chat_request(request)).encode(),
-                         headers=headers)
-            # Keep the socket: getresponse() forgets it for a Connection: close answer.
-            threading.Thread(target=self._watch, args=(out.cancelled, done, conn.sock),
-                             name="taskstore-openai-cancel", daemon=True).start()
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raw = resp.read(2000)
-                detail = self._redact(raw.decode("utf-8", "replace"))
-                if len(raw) == 2000 and self.api_key:
-                    # The read may have cut a copy of the key: drop what could be its start.
-                    detail = detail[:len(detail) + 1 - len(self.api_key)]
-                detail = detail.strip()[:300]
-                raise BackendError(f"backend answered {resp.status}: {detail}")
-            for raw in resp:
-                line = raw.decode("utf-8", "replace").strip()
-                if out.cancelled.is_set():
-                    return None
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    raise BackendError(self._redact(f"backend error: {chunk['error']}"))
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or ():
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
-                        out.write(piece)
-                    finish = choice.get("finish_reason") or finish
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            if out.cancelled.is_set():
-                return None
-            raise BackendError(self._redact(f"backend request failed: "
-                                            f"{exc.__class__.__name__}: {exc}")) from None
-        finally:
-            done.set()
-            conn.close()
-        if usage:
-            usage = _usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
-        return {"usage": usage,
-                "incomplete_reason": "max_output_tokens" if finish == "length" else None}
-
-    @staticmethod
-    def _watch(cancelled, done, sock):
-        while not done.is_set():
-            if cancelled.wait(_STREAM_WAKE_S):
-                if not done.is_set():
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                return
-
-
 # -- The application: routes and operations, no sockets --
 
 class Reply:
@@ -8380,9 +7411,1082 @@ def _board_page():
     return BOARD_HTML.replace("/*BOARD_DATA*/", data).encode()
 
 
-# -- The task board (GET /) --
-# One page, served by this module: HTML, CSS and script inline, nothing
-# fetched from elsewhere.  The script talks to the routes above only (with
+# -- Transport: http.server --
+
+class _DeadlineReader(io.RawIOBase):
+    """Socket reads that fail once the request's deadline has passed.
+
+    A per-recv timeout alone lets a client that trickles one byte at a time
+    hold a thread for ever; this bounds the whole request (--request-timeout).
+    The request's clock starts at its first read from the socket, when the
+    socket's timeout is the whole --request-timeout (see _dispatch): that
+    read needs no settimeout() (a syscall), so a request that arrives in one
+    piece costs none.  Later reads of the same request get what remains.
+    """
+
+    def __init__(self, handler):
+        self.handler = handler
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        handler = self.handler
+        if handler.deadline is None:
+            handler.deadline = time.monotonic() + handler.server.app.request_timeout
+        else:
+            remaining = handler.deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("request timeout")
+            handler.connection.settimeout(remaining)
+        return handler.connection.recv_into(buffer)
+
+
+class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
+    """Moves bytes between a socket and LMSPApp.handle(); HTTP/1.1 keep-alive."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = f"taskstore/{__version__}"
+    deadline = None             # the current request's, from its first read (_DeadlineReader)
+
+    def setup(self):
+        super().setup()
+        # Without this, a keep-alive answer written as head + body waits ~40 ms
+        # for the client's delayed ACK (Nagle); SSE frames would lag the same way.
+        with contextlib.suppress(OSError):
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.connection.settimeout(self.server.app.request_timeout)
+        self.rfile.close()      # its socket reference would keep the connection open
+        self.rfile = io.BufferedReader(_DeadlineReader(self))
+
+    def handle_one_request(self):
+        self.deadline = None
+        self._body_read = False
+        super().handle_one_request()
+
+    def version_string(self):
+        """The Server header: name and version (http.server adds " Python/x.y")."""
+        return self.server_version
+
+    def log_message(self, format, *args):   # noqa: A002 -- http.server's signature
+        # The request line only: headers (and so tokens) are never logged.
+        # Checked first: formatting it for a disabled level costs every request.
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s - %s", self.address_string(), format % args)
+
+    def parse_request(self):
+        """http.server's parsing, minus HTTP/0.9: its answers have no status line at all."""
+        if not super().parse_request():
+            return False
+        if self.request_version == "HTTP/0.9":
+            self.send_error(400, "HTTP/0.9 requests are not supported; send HTTP/1.1")
+            return False
+        return True
+
+    def send_error(self, code, message=None, explain=None):
+        """Answer http.server's own errors (bad request line, 501) as problem objects."""
+        # A request line too broken to name a version leaves http.server's
+        # default, HTTP/0.9, which would send the body without a status line.
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"
+        status = code if code in (400, 501) else 400
+        problem = problem_object(status, "not_implemented" if status == 501 else "invalid_request",
+                                 message or "bad request")
+        self.close_connection = True
+        self._send(Reply(status, problem, content_type="application/problem+json"))
+
+    def _read_body(self):
+        self._body_read = True
+        codings = self.headers.get_all("Transfer-Encoding")
+        if codings:
+            keep, self.close_connection = self.close_connection, True   # unless all is read
+            codings = [c.strip().lower() for c in ",".join(codings).split(",")]
+            if codings != ["chunked"] or self.request_version == "HTTP/1.0":
+                raise InvalidParams("Transfer-Encoding must be chunked alone, on HTTP/1.1",
+                                    param="Transfer-Encoding")
+            if "Content-Length" in self.headers:
+                # RFC 9112 6.1: both framings at once is how requests get smuggled.
+                raise InvalidParams("send Content-Length or Transfer-Encoding: chunked, "
+                                    "not both", param="Transfer-Encoding")
+            body = self._read_chunked(self.server.app.max_body)
+            self.close_connection = keep
+            return body
+        lengths = self.headers.get_all("Content-Length") or ["0"]
+        length = lengths[0].strip()
+        if len({v.strip() for v in lengths}) > 1 or not re.fullmatch(r"[0-9]{1,15}", length):
+            # RFC 9112 6.3: differing lengths make the framing unknowable.
+            self.close_connection = True
+            raise InvalidParams("Content-Length must be one non-negative integer",
+                                param="Content-Length")
+        if int(length) > self.server.app.max_body:
+            self.close_connection = True     # the body stays unread: end the connection
+            raise PayloadTooLarge(f"the body has {length} bytes; at most "
+                                  f"{self.server.app.max_body} are accepted")
+        body = self.rfile.read(int(length))
+        if len(body) != int(length):
+            raise ConnectionResetError("client closed the connection inside the body")
+        return body
+
+    def _read_chunked(self, limit):
+        """Decode a chunked body (RFC 9112 7.1), counting it against *limit* as chunks arrive."""
+        body = bytearray()
+        while True:
+            size = self._chunk_line().partition(b";")[0].strip(b" \t")
+            if not re.fullmatch(rb"[0-9A-Fa-f]{1,16}", size):
+                raise InvalidParams("the chunked body is malformed: a chunk size is not hex",
+                                    param="Transfer-Encoding")
+            size = int(size, 16)
+            if size == 0:
+                break
+            if len(body) + size > limit:     # refused before the chunk is read
+                raise PayloadTooLarge(f"the body has more than {limit} bytes; at most "
+                                      f"{limit} are accepted")
+            data = self.rfile.read(size + 2)
+            if len(data) != size + 2:
+                raise ConnectionResetError("client closed the connection inside the body")
+            if data[size:] != b"\r\n":
+                raise InvalidParams("the chunked body is malformed: a chunk is longer than "
+                                    "its size", param="Transfer-Encoding")
+            body += data[:size]
+        for _ in range(_MAX_TRAILERS + 1):   # trailer fields are read and ignored
+            if self._chunk_line() == b"":
+                return bytes(body)
+        raise InvalidParams("the chunked body is malformed: too many trailer fields",
+                            param="Transfer-Encoding")
+
+    def _chunk_line(self):
+        line = self.rfile.readline(_CHUNK_LINE_LIMIT + 1)
+        if line.endswith(b"\r\n"):
+            return line[:-2]
+        if len(line) > _CHUNK_LINE_LIMIT or line.endswith(b"\n"):
+            raise InvalidParams("the chunked body is malformed: a line is too long or does "
+                                "not end with CRLF", param="Transfer-Encoding")
+        raise ConnectionResetError("client closed the connection inside the body")
+
+    def _dispatch(self):
+        reply = self.server.app.handle(self.command, self.path, self.headers, self._read_body)
+        has_body = self.headers.get("Transfer-Encoding") or self.headers.get(
+            "Content-Length", "0").strip() not in ("", "0")
+        if has_body and not self._body_read:
+            self.close_connection = True     # an unread body would be read as a request
+        # Writes get the full timeout, not the rest of the request deadline;
+        # that is also what the next request's first read expects.  Unless a
+        # read shortened it, the socket has it already (and a syscall is saved).
+        timeout = self.server.app.request_timeout
+        if self.connection.gettimeout() != timeout:
+            self.connection.settimeout(timeout)
+        self._send(reply)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch
+
+    def _send(self, reply):
+        self.send_response(reply.status)
+        if reply.content_type is not None:
+            self.send_header("Content-Type", reply.content_type)
+        for name, value in reply.headers:
+            self.send_header(name, value)
+        if reply.stream is not None:
+            self._send_stream(reply.stream)
+            return
+        if reply.status != 204:             # RFC 9110 8.6: a 204 has no Content-Length
+            self.send_header("Content-Length", str(len(reply.body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        # Headers and body leave in one write (one segment on the wire for a
+        # small answer) instead of end_headers()'s flush plus a second write.
+        self._headers_buffer.append(b"\r\n")
+        if self.command != "HEAD":
+            self._headers_buffer.append(reply.body)
+        self.flush_headers()
+
+    def _send_stream(self, stream):
+        # HTTP/1.1: each frame is a chunk, and the terminating chunk follows the
+        # final event only, so a stream cut short (a crash, a shutdown, pruned
+        # events) is an incomplete body to any HTTP client.  HTTP/1.0 has no
+        # chunks: closing the connection delimits the stream there.
+        chunked = self.request_version != "HTTP/1.0"
+        self.close_connection = True
+        try:
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.flush()
+            stream.client_gone = self._client_gone
+            for frame in stream:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(frame), frame) if chunked else frame)
+                self.wfile.flush()
+            if chunked and stream.complete:
+                self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            # The client went away.  The task runs on (a stream only watches it),
+            # and the client may come back with Last-Event-ID.
+            pass
+        finally:
+            stream.close()
+
+
+    def _client_gone(self):
+        # An idle stream writes nothing for a while; a readable socket with
+        # nothing to read means the client closed, so its slot comes back now.
+        try:
+            readable = select.select([self.connection], [], [], 0)[0]
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+
+class LMSPServer(http.server.ThreadingHTTPServer):
+    """A threaded HTTP server whose handler answers LMSPApp's routes.
+
+    One thread per connection, at most *max_connections* at once; a
+    connection past that gets a 503 from the accepting thread and is closed.
+    Bound to a loopback address, it has the app refuse a ``Host`` that is not
+    a loopback name or address.
+    """
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, app, host=DEFAULT_HTTP_HOST, port=0,
+                 max_connections=DEFAULT_MAX_CONNECTIONS):
+        self.app, self.max_connections = app, max_connections
+        # The listen backlog holds a burst as large as the cap: a smaller one
+        # (socketserver's 5, or 128) overflows while the accepting thread is
+        # slow, and the kernel then drops or resets connections the cap would
+        # have served (seen as resets under load with 500 clients at once).
+        self.request_queue_size = max(128, max_connections)
+        self.connections = 0            # open connections, each with its thread
+        self._connections_lock = threading.Lock()
+        app.loopback_only = _is_loopback(host)
+        if ":" in host:
+            self.address_family = socket.AF_INET6
+        super().__init__((host, port), LMSPRequestHandler)
+
+    def process_request(self, request, client_address):
+        """Serve the connection on a thread of its own, or refuse it past the cap."""
+        with self._connections_lock:
+            full = self.connections >= self.max_connections
+            if not full:
+                self.connections += 1
+        if full:
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._connection_ended()     # no thread started: the slot is free again
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connection_ended()
+
+    def _connection_ended(self):
+        with self._connections_lock:
+            self.connections -= 1
+
+    def _refuse(self, sock):
+        # On the accepting thread, so it must never block: one non-blocking
+        # send into the new socket's empty buffer.  Whatever of the request has
+        # arrived is read and dropped first, so the close is a FIN: closing
+        # with unread bytes would send a reset, which can destroy the answer.
+        status, problem = to_problem(ServiceUnavailable(
+            f"too many connections (at most {self.max_connections}); try again shortly"))
+        body = dumps(problem).encode()
+        head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\n"
+                f"Server: {LMSPRequestHandler.server_version}\r\n"
+                f"Date: {email.utils.formatdate(usegmt=True)}\r\n"
+                f"Content-Type: application/problem+json\r\n"
+                f"Retry-After: {RETRY_AFTER_S}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            for _ in range(16):
+                if not sock.recv(65536):
+                    break
+        with contextlib.suppress(OSError):
+            sock.send(head.encode() + body)
+        self.shutdown_request(sock)
+
+    def handle_error(self, request, client_address):
+        """Log a failed connection: a client going away is routine, anything else a bug."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            logger.debug("connection from %s ended: %r", client_address[0], exc)
+        else:
+            logger.exception("error while serving %s", client_address[0])
+
+    @property
+    def url(self):
+        """The base URL the server accepts connections on (the real port)."""
+        host, port = self.server_address[:2]
+        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def _is_loopback(host):
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def make_backend(name, *, demo_delay=DEFAULT_DEMO_DELAY_S, url=DEFAULT_BACKEND_URL,
+                 api_key=None):
+    """Return the backend the ``http`` command's ``--backend`` names."""
+    if name == "openai":
+        return OpenAIBackend(url, api_key=api_key)
+    return DemoBackend(demo_delay)
+
+
+# =============================================================================
+# 11. PostgreSQL engine
+# =============================================================================
+# Rules:
+# - The second engine, for several processes on several hosts sharing one
+#   database: ``Engine`` (section 6) implemented again, ``on_remote`` and
+#   ``shared`` included, so the store (section 7) runs on it unchanged.
+#   psycopg 3 is imported only here, when a ``postgresql://`` URL is given.
+# - The SQL both engines run is section 6's ``_SqlEngine``, in this
+#   engine's ``_Dialect`` (``%s`` placeholders, ``ON CONFLICT`` upserts,
+#   the server's clock, ``SKIP LOCKED`` batches).  What PostgreSQL does
+#   besides is here: rows read inside a write transaction are locked (``FOR
+#   UPDATE``), so a concurrent writer in another process waits instead of
+#   reusing an event seq; claims and retention batches skip rows another
+#   process holds (``SKIP LOCKED``); an idempotency key is decided under a
+#   transaction-scoped advisory lock; every write notes what it changed.
+# - Time that decides ownership is the server's: heartbeats are written with
+#   ``clock_timestamp()`` and a registration's age is computed by the server,
+#   so hosts' clocks do not matter.  There is no pid check across hosts.
+# - Notifications go out after the commit, never inside it: a transaction
+#   that sent one holds PostgreSQL's notify queue lock from its pre-commit
+#   until its commit record is flushed, so such commits cannot share a WAL
+#   flush and concurrent writers commit one flush at a time.  A committed
+#   write hands its ids to the notifier (``_PgNotifier``, a thread with an
+#   autocommit connection of its own), which sends the ids of every commit
+#   since its last send in one statement: a ``NOTIFY`` per kind of change
+#   (more when the ids would not fit a payload).  That transaction writes no
+#   WAL, so it waits for no flush and holds up no data commit.  A commit
+#   after a quiet spell is sent at once; under a stream of commits sends are
+#   ``PG_NOTIFY_GAP_S`` apart, so a busy process costs itself, the server and
+#   every listening process a few sends and wake-ups a gap, not one a commit
+#   (another process then learns of a change up to two gaps later, the
+#   sender's and its listener's rest: a fifth of the default poll_interval).
+# - A daemon thread listens on a connection of its own and hands each burst
+#   of notifications to the store's ``on_remote`` callback, merged: one call
+#   per kind, so a busy database costs a few lock takes per burst, not one
+#   per commit.  After a delivery it rests ``PG_NOTIFY_GAP_S`` before it
+#   reads again: however many processes send, a listener wakes at most once
+#   a gap (a notification after a quiet spell is delivered at once).
+# - A notification can be lost: a crash between a commit and its notify, a
+#   dropped notifier connection.  The store's ``poll_interval`` re-read is the
+#   safety net that bounds how late a waiter then learns of the change.
+# - A psycopg error becomes StoreUnavailable and discards a broken connection;
+#   the next use reconnects.  ``synchronous`` and ``max_bytes`` mean nothing
+#   here: durability is the server's ``synchronous_commit``.
+
+PG_INSTALL = 'pip install "taskstore[postgres]"'
+PG_CHANNEL = "taskstore"               # the NOTIFY channel of every store on a database
+PG_NOTIFY_BYTES = 7000                 # under NOTIFY's 8,000-byte payload limit
+PG_LISTEN_RETRY_S = 1.0                # between attempts to reconnect the listener
+# Under a stream of commits the notifier sends at most once per this gap,
+# everything committed meanwhile together (see _PgNotifier); and after a
+# delivery the listener rests as long before it reads again (_PgListener).
+PG_NOTIFY_GAP_S = 0.010
+# How PostgreSQL's recovery_view opens its one snapshot (a plain BEGIN is not one).
+_PG_SNAPSHOT_BEGIN = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
+_PG_SCHEMA_LOCK = 0x7461736b           # advisory lock key of schema creation ("task")
+# The server's clock in epoch milliseconds: ownership is judged in database time.
+_PG_NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
+
+
+def _pg_ddl(ddl):
+    """SQLite's DDL (section 6) for PostgreSQL: 64-bit integers, byte-order text, no rowid.
+
+    ``COLLATE "C"`` makes ``ORDER BY id`` the byte order SQLite uses, so
+    ids sort by creation time whatever the database's locale.
+    """
+    ddl = ddl.replace(" WITHOUT ROWID", "").replace(" REAL", " DOUBLE PRECISION")
+    ddl = re.sub(r"\bINTEGER\b", "BIGINT", ddl)
+    return re.sub(r"\bTEXT\b", 'TEXT COLLATE "C"', ddl)
+
+
+# _purge_at (section 5) in SQL, for the set-based moves section 6 writes.  Made
+# anew at every open, so the formula is always this version's constants.
+_PG_PURGE_AT = f"""CREATE OR REPLACE FUNCTION taskstore_purge_at(now BIGINT, created_at BIGINT,
+        ttl_ms BIGINT, retention_ms BIGINT) RETURNS BIGINT IMMUTABLE LANGUAGE SQL AS $$
+    SELECT CASE WHEN ttl_ms IS NOT NULL THEN
+               CASE WHEN now < created_at + ttl_ms THEN created_at + ttl_ms
+                    ELSE now + {LATE_FINISH_GRACE_MS} END
+           WHEN retention_ms IS NOT NULL THEN now + retention_ms END $$"""
+
+# PG_MIGRATIONS[n] takes a database from version n-1 to n, like MIGRATIONS.
+PG_MIGRATIONS = {1: ("CREATE TABLE taskstore_schema (version BIGINT NOT NULL)",
+                     "INSERT INTO taskstore_schema VALUES (0)",
+                     *(_pg_ddl(ddl) for ddl in _SCHEMA_V1)),
+                 2: tuple(_pg_ddl(ddl) for ddl in _SCHEMA_V2)}
+
+
+def _redact_url(url):
+    """*url* without its password, for messages."""
+    return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
+
+
+def _refuse_nul(params):
+    # PostgreSQL's text cannot hold NUL, which SQLite's can: refuse the input
+    # (JSON columns never have one, dumps() escapes it).
+    for value in params:
+        if isinstance(value, str) and "\x00" in value:
+            raise InvalidParams("text with a NUL character cannot be stored on PostgreSQL")
+
+
+def _nul_free(text):
+    """*text* with NUL written ``\\0`` (and ``\\`` doubled): a lookup key PostgreSQL can hold."""
+    return text.replace("\\", "\\\\").replace("\x00", "\\0")
+
+
+class _PgConnection:
+    """A psycopg connection with the ``execute`` and ``executemany`` of sqlite3's connections.
+
+    Statements are psycopg's (``%s`` placeholders), passed on as they are;
+    parameters with a NUL are refused.  ``total_changes`` counts rows written, as
+    sqlite3's does, for the engine's ``changes()``.  A transaction's
+    ``BEGIN``, ``COMMIT`` and ``ROLLBACK`` (no parameters, no rows: half the
+    statements of a claim or a move) go to libpq's plain exec, which costs
+    the process a fraction of a psycopg cursor's execute; they return None
+    and fail with psycopg's errors, as the others do.
+    """
+
+    # Any other text takes the usual path.
+    _COMMANDS = {sql: sql.encode() for sql in ("BEGIN", "COMMIT", "ROLLBACK", _PG_SNAPSHOT_BEGIN)}
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.total_changes = 0
+        from psycopg import errors, pq          # imported already: the engine connected
+        self._command_ok = pq.ExecStatus.COMMAND_OK
+        self._error_from_result = errors.error_from_result
+
+    def execute(self, sql, params=()):
+        command = self._COMMANDS.get(sql)
+        if command is not None:
+            result = self.raw.pgconn.exec_(command)    # the GIL is released while it waits
+            if result.status != self._command_ok:
+                raise self._error_from_result(result, self.raw.info.encoding)
+            return None
+        _refuse_nul(params)
+        cursor = self.raw.execute(sql, params)
+        if cursor.rowcount > 0 and not sql.lstrip().startswith("SELECT"):
+            self.total_changes += cursor.rowcount
+        return cursor
+
+    def executemany(self, sql, rows):
+        rows = list(rows)
+        for row in rows:
+            _refuse_nul(row)
+        with self.raw.cursor() as cursor:
+            cursor.executemany(sql, rows)
+        self.total_changes += len(rows)
+
+    @property
+    def broken(self):
+        return self.raw.closed or self.raw.broken
+
+
+class _PgTransaction:
+    """``PostgresEngine.transaction()``: BEGIN; then COMMIT and hand the notes on, or ROLLBACK."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __enter__(self):
+        engine = self.engine
+        if engine.closed:
+            raise StoreClosed()
+        try:
+            engine._usable_locked().execute("BEGIN")
+        except engine.psycopg.Error as exc:
+            raise engine._unavailable(exc) from None
+        engine._in_write = True
+        engine._notes.clear()
+
+    def __exit__(self, kind, exc, tb):
+        engine = self.engine
+        engine._in_write = False
+        try:
+            if kind is None:
+                engine.conn.execute("COMMIT")
+                if engine._notes:
+                    engine._notifier.add(engine._notes)
+            else:
+                engine.conn.execute("ROLLBACK")
+        except engine.psycopg.Error as error:
+            raise engine._unavailable(error) from None
+        finally:
+            engine._notes.clear()
+        if kind is not None and issubclass(kind, engine.psycopg.Error):
+            raise engine._unavailable(exc) from None
+        return False
+
+
+class _PgReads:
+    """``PostgresEngine.reading()``: the lock, a live connection; StoreUnavailable for errors."""
+
+    __slots__ = ("engine", "lock")
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.lock = engine.lock
+
+    def __enter__(self):
+        self.lock.acquire()
+        try:
+            if self.engine.closed:
+                raise StoreClosed()
+            self.engine._usable_locked()
+        except BaseException:
+            self.lock.release()
+            raise
+        return self.engine
+
+    def __exit__(self, kind, exc, tb):
+        self.lock.release()
+        if kind is not None and issubclass(kind, self.engine.psycopg.Error):
+            raise self.engine._unavailable(exc) from None
+        return False
+
+
+class _PgListener(threading.Thread):
+    """The engine's ``LISTEN``: a connection of its own; each burst goes to the callback, merged.
+
+    A payload is ``token kind id,id,``: a notification this engine sent
+    itself (its token) is dropped, the store having woken its own waiters
+    already.  What arrived together is delivered as one call per kind;
+    after a delivery it rests ``PG_NOTIFY_GAP_S``, so what arrives
+    meanwhile is delivered together at the end of the rest.
+    When the connection drops, it reconnects and wakes everybody once
+    (``callback("lost", ())``): they re-read what they wait for.
+    """
+
+    def __init__(self, engine, callback):
+        super().__init__(name="taskstore-pg-listen", daemon=True)
+        self._engine = engine
+        self._callback = callback
+        self._stopping = threading.Event()
+        self._conn = None
+        self.own_channel = f"{PG_CHANNEL}_{engine.token}"     # stop() wakes it here
+
+    def listen(self):
+        """Connect and ``LISTEN`` now (raises psycopg's errors): news from here on is heard."""
+        self._conn = self._engine._connect(autocommit=True)
+        self._conn.execute(f"LISTEN {PG_CHANNEL}")
+        self._conn.execute(f"LISTEN {self.own_channel}")
+
+    def run(self):
+        lost = False
+        while not self._stopping.is_set():
+            try:
+                if self._conn is None:
+                    self.listen()
+                if lost:
+                    self._callback("lost", ())
+                    lost = False
+                while not self._stopping.is_set():
+                    notes = list(self._conn.notifies(timeout=PG_LISTEN_RETRY_S, stop_after=1))
+                    if notes:                      # and whatever else has arrived meanwhile
+                        notes += self._conn.notifies(timeout=0)
+                    # stop()'s wake-up (its own channel) only ends the wait.
+                    self._deliver([n.payload for n in notes if n.channel == PG_CHANNEL])
+                    if notes:        # rest: what arrives meanwhile is one burst, one wake-up
+                        self._stopping.wait(PG_NOTIFY_GAP_S)
+            except Exception as exc:             # psycopg's errors, or the closed connection
+                if self._stopping.is_set():
+                    return
+                logger.warning("PostgreSQL listener lost (%s); reconnecting", exc)
+                lost = True
+                self._close()
+                self._stopping.wait(PG_LISTEN_RETRY_S)
+        self._close()
+
+    def _deliver(self, payloads):
+        merged = {}
+        for payload in payloads:
+            token, kind, ids = (payload.split(" ") + ["", ""])[:3]
+            if token != self._engine.token:
+                merged.setdefault(kind, set()).update(ids.split(","))
+        for kind, ids in merged.items():
+            ids.discard("")
+            self._callback(kind, sorted(ids))
+
+    def _close(self):
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def stop(self, wake, timeout=5.0):
+        """End the thread: *wake* (a NOTIFY on ``own_channel``) ends its wait at once."""
+        self._stopping.set()
+        wake()
+        self.join(timeout)
+
+
+class _PgNotifier(threading.Thread):
+    """Sends the engine's notifications after their commits, coalesced, on a connection of its own.
+
+    ``add`` (after a commit) merges ids into what is pending; the thread
+    sends all that is pending in one autocommit statement, so the commits
+    made while a send is under way, or within ``PG_NOTIFY_GAP_S`` of the
+    last send, go out together in the next one.  When
+    the connection fails the ids stay pending and it reconnects; the poll
+    covers the delay.
+    """
+
+    def __init__(self, engine):
+        super().__init__(name="taskstore-pg-notify", daemon=True)
+        self._engine = engine
+        self._cond = threading.Condition()
+        self._pending = {}            # kind -> ids committed, not sent yet
+        self._stopping = threading.Event()
+        self._conn = None
+
+    def add(self, notes):
+        with self._cond:
+            for kind, ids in notes.items():
+                self._pending.setdefault(kind, set()).update(ids)
+            self._cond.notify()
+
+    def run(self):
+        sent_at = -math.inf
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopping.is_set():
+                    self._cond.wait()
+            # A commit after a quiet spell goes out at once; under a stream of
+            # commits the next send waits out the gap, gathering what comes.
+            gap = sent_at + PG_NOTIFY_GAP_S - time.monotonic()
+            if gap > 0:
+                self._stopping.wait(gap)                  # stop() sends at once
+            with self._cond:
+                notes, self._pending = self._pending, {}
+            sent_at = time.monotonic()
+            if not notes:
+                break                               # stopping, everything sent
+            try:
+                self._send(notes)
+            except Exception as exc:              # psycopg's errors, or the closed connection
+                self._close()
+                if self._stopping.is_set():
+                    logger.warning("PostgreSQL notifications not sent at close (%s)", exc)
+                    break
+                logger.warning("PostgreSQL notifier lost (%s); reconnecting", exc)
+                self.add(notes)
+                self._stopping.wait(PG_LISTEN_RETRY_S)      # then all that is pending
+        self._close()
+
+    def _send(self, notes):
+        payloads = []
+        for kind, ids in notes.items():
+            payload = head = f"{self._engine.token} {kind} "   # then ids, each followed by a comma
+            for task_id in sorted(ids):
+                if payload != head and len(payload) + len(task_id) >= PG_NOTIFY_BYTES:
+                    payloads.append(payload)
+                    payload = head
+                payload += task_id + ","
+            payloads.append(payload)
+        if self._conn is None:
+            self._conn = self._engine._connect(autocommit=True)
+        # One statement, one transaction: every notification is delivered at its end.
+        self._conn.execute("SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p",
+                           (PG_CHANNEL, payloads))
+
+    def _close(self):
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def stop(self, timeout=5.0):
+        """Send what is pending, then end the thread."""
+        with self._cond:
+            self._stopping.set()
+            self._cond.notify()
+        self.join(timeout)
+
+
+class PostgresEngine(_SqlEngine):
+    """The engine for several hosts: one PostgreSQL database, one connection per engine.
+
+    Args:
+        url: ``postgresql://user:password@host:port/database`` (or ``postgres://``).
+        synchronous: accepted for the store's sake and ignored: a commit's
+            durability is the server's ``synchronous_commit``.
+        busy_timeout: seconds for connecting and the longest any statement
+            or lock wait may take (``statement_timeout``, ``lock_timeout``);
+            a session idle in a transaction for half of it is ended by the server.
+        max_bytes: refused: a PostgreSQL database has no size cap of ours.
+        readonly: every transaction is read-only; a write raises StoreUnavailable.
+
+    Raises:
+        StoreUnavailable: psycopg is not installed (the message says how to
+            install it), the server cannot be reached, or the database holds
+            a newer schema.
+    """
+
+    shared = True
+    _dialect = _Dialect(
+        param="%s", no_limit=None,
+        batch_lock=" FOR UPDATE SKIP LOCKED",     # reapers on several hosts take other rows
+        snapshot_begin=_PG_SNAPSHOT_BEGIN,         # a plain BEGIN is not one snapshot
+        registration_age=f"{_PG_NOW_MS} - heartbeat_at",     # leases in database time
+        upsert_replaces=False,
+        owner_in_range=None,         # a planner with statistics picks the path itself
+        # The compare-and-set and its event row in one statement (see move_task).
+        move=("WITH moved AS (UPDATE tasks SET {sets}, version = version + 1 "
+              "WHERE id = %s AND status = %s RETURNING last_seq) "
+              "INSERT INTO events (task_id, seq, type, data, created_at) "
+              "SELECT %s, last_seq, 'status', %s, %s FROM moved"))
+    _sql = _Statements(_dialect)
+
+    def __init__(self, url, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
+                 max_bytes=None, readonly=False):
+        try:
+            import psycopg
+        except ImportError:
+            raise MissingDependency(
+                f"PostgreSQL needs psycopg, which is not installed: {PG_INSTALL}") from None
+        if max_bytes is not None:
+            raise InvalidParams("max_bytes applies to SQLite only", param="max_bytes")
+        self.psycopg = psycopg
+        self.path = _redact_url(url)
+        self._url = url
+        self.synchronous = synchronous
+        self.readonly = bool(readonly)
+        self._busy_timeout = float(busy_timeout)
+        self.lock = threading.Lock()
+        self.closed = False
+        self.token = secrets.token_hex(6)      # names this engine's own notifications
+        self._group = _GroupCommit(self)
+        self._move_sql = {}
+        self._transaction = _PgTransaction(self)
+        self._reads = _PgReads(self)
+        # None: a claim reads at once until oldest_queued has come up empty.
+        # Here a write transaction holds up no other writer (rows are locked,
+        # not the database), so the probe SQLite needs would only cost a read.
+        self._empty_gen = None
+        self._in_write = False        # inside transaction(): task rows read are locked
+        self._notes = {}              # kind -> ids this transaction changed, for the notifier
+        self._notifier = _PgNotifier(self)
+        self._listener = None
+        self.conn = None
+        with self.lock:
+            try:
+                self._usable_locked()
+                if not self.readonly:
+                    self._migrate_locked()
+                self._check_version_locked()
+            except BaseException as exc:
+                if self.conn is not None:
+                    self.conn.raw.close()
+                if isinstance(exc, psycopg.Error):
+                    raise self._unavailable(exc) from None
+                raise
+        self._notifier.start()
+
+    # -- connecting ------------------------------------------------------------
+
+    def _connect(self, autocommit=True):
+        """A new psycopg connection with the engine's timeouts (raises psycopg errors)."""
+        ms = max(2, int(self._busy_timeout * 1000))
+        # A process paused inside a transaction (SIGSTOP, a long GC pause)
+        # holds its row locks: the server ends its session after half the
+        # busy timeout, so a writer waiting for those rows gets them before its
+        # own lock_timeout.  Our transactions never sit idle that long.
+        options = (f"-c statement_timeout={ms} -c lock_timeout={ms} "
+                   f"-c idle_in_transaction_session_timeout={ms // 2}")
+        if self.readonly:
+            options += " -c default_transaction_read_only=on"
+        return self.psycopg.connect(self._url, autocommit=autocommit, options=options,
+                                    connect_timeout=max(1, math.ceil(self._busy_timeout)))
+
+    def _usable_locked(self):
+        """The connection, made anew when there is none or the last one broke."""
+        if self.conn is None or self.conn.broken:
+            if self.conn is not None:
+                with contextlib.suppress(Exception):
+                    self.conn.raw.close()
+                self.conn = None
+            try:
+                self.conn = _PgConnection(self._connect())
+            except self.psycopg.Error as exc:
+                raise self._unavailable(exc) from None
+        return self.conn
+
+    def _unavailable(self, exc):
+        """Turn a psycopg error into a StoreUnavailable naming the database (never SQL)."""
+        text = str(exc).strip().splitlines()
+        return StoreUnavailable(f"{self.path}: database error: {exc.__class__.__name__}: "
+                                f"{text[0] if text else ''}")
+
+    def _migrate_locked(self):
+        # Several processes opening an empty database at once: the advisory
+        # lock lets one create the schema; the others then find it current.
+        conn = self.conn
+        conn.execute("BEGIN")
+        try:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_SCHEMA_LOCK,))
+            version = self._version_locked()
+            if version <= SCHEMA_VERSION:      # a newer one is refused, untouched
+                for step in range(version + 1, SCHEMA_VERSION + 1):
+                    for ddl in PG_MIGRATIONS[step]:
+                        conn.execute(ddl)
+                conn.execute("UPDATE taskstore_schema SET version = %s", (SCHEMA_VERSION,))
+                conn.execute(_PG_PURGE_AT)
+            conn.execute("COMMIT")
+        except BaseException:
+            if not conn.broken:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _version_locked(self):
+        if self.conn.execute("SELECT to_regclass('taskstore_schema')").fetchone()[0] is None:
+            return 0
+        return self.conn.execute("SELECT max(version) FROM taskstore_schema").fetchone()[0]
+
+    def _check_version_locked(self):
+        version = self._version_locked()
+        if version > SCHEMA_VERSION:
+            raise StoreUnavailable(
+                f"{self.path} was written by a newer taskstore (schema {version}; "
+                f"this version reads up to {SCHEMA_VERSION})")
+        if version < SCHEMA_VERSION:
+            raise StoreUnavailable(f"{self.path}: read-only, and not at schema {SCHEMA_VERSION}")
+
+    # -- transactions, notifications -------------------------------------------
+
+    def transaction(self):
+        """One transaction (lock held): committed, then its notes sent; or rolled back."""
+        return self._transaction
+
+    def reading(self):
+        """Hold the lock and a live connection for reads; psycopg errors become StoreUnavailable."""
+        return self._reads
+
+    def on_remote(self, callback):
+        """Call ``callback(kind, ids)`` for other processes' commits; starts the listener.
+
+        *kind* is ``changed`` (ids changed), ``queued`` (ids became queued),
+        ``cancelling`` (ids became cancelling) or ``lost`` (notifications
+        may have been missed: re-read everything).
+        """
+        self._listener = _PgListener(self, callback)
+        try:
+            self._listener.listen()      # before the store's first read: no news is missed
+        except self.psycopg.Error as exc:
+            logger.warning("PostgreSQL listener not connected yet (%s); retrying", exc)
+        self._listener.start()
+
+    def _note(self, kind, ids):
+        self._notes.setdefault(kind, set()).update(ids)
+
+    @contextlib.contextmanager
+    def bulk(self):
+        """A plain context: PostgreSQL has no log to checkpoint after a long job."""
+        if self.closed:
+            raise StoreClosed()
+        yield
+
+    def checkpoint(self):
+        """Nothing to copy: the server checkpoints by itself; ``(0, 0)``."""
+        return 0, 0
+
+    def _wake_listener(self, channel):
+        # Without a connection the listener sees the stop within a second anyway.
+        with self.lock:
+            if self.conn is not None and not self.conn.broken:
+                with contextlib.suppress(self.psycopg.Error):
+                    self.conn.execute(f"NOTIFY {channel}")
+
+    def close(self):
+        """Send the last notifications, stop the listener, close the connection (writers stopped)."""
+        with self.lock:
+            self.closed = True
+            listener, self._listener = self._listener, None
+        self._notifier.stop()
+        if listener is not None:
+            listener.stop(lambda: self._wake_listener(listener.own_channel))
+        with self.lock:
+            if self.conn is not None:
+                self.conn.raw.close()
+
+    # -- tasks -----------------------------------------------------------------
+
+    def _locking(self, sql):
+        # Inside a write transaction the row read is the row about to be
+        # written: lock it, so another process's writer waits for our commit
+        # and then reads our seq instead of reusing it.
+        return sql + " FOR UPDATE" if self._in_write else sql
+
+    # An id from outside may hold a NUL, which no stored id does (and which
+    # PostgreSQL refuses as a parameter): such a lookup finds nothing.
+
+    def read_task(self, task_id):
+        if "\x00" in task_id:
+            return None
+        row = self.conn.execute(self._locking(self._sql.read_task), (task_id,)).fetchone()
+        return None if row is None else _task_from_row(row)
+
+    def task_row_at(self, task_id, now, summary=False):
+        if "\x00" in task_id:
+            return None
+        sql = self._sql.summary_at if summary else self._sql.task_at
+        return self.conn.execute(self._locking(sql), (now, task_id)).fetchone()
+
+    def tombstoned(self, task_id):
+        return "\x00" not in task_id and super().tombstoned(task_id)
+
+    def event_bounds(self, task_id, now):
+        return None if "\x00" in task_id else super().event_bounds(task_id, now)
+
+    def event_head(self, task_id):
+        if "\x00" in task_id:
+            return None
+        return self.conn.execute(self._locking(self._sql.event_head), (task_id,)).fetchone()
+
+    def insert_tasks(self, rows, events):
+        super().insert_tasks(rows, events)
+        self._note("queued", [row[0] for row in rows])
+
+    def move_task(self, task_id, status, values, event_json, now):
+        """The compare-and-set and its event row in one statement: one round trip.
+
+        The event is inserted from the updated row (``WITH ... RETURNING``),
+        so it is written exactly when the compare-and-set took; the row
+        lock the ``UPDATE`` takes keeps the seq dense as before.
+        """
+        moved = self.conn.execute(self._move_statement(values), (
+            *values.values(), task_id, status, task_id, event_json, now)).rowcount == 1
+        if moved:
+            new = values["status"]
+            self._note("queued" if new == QUEUED else "changed", (task_id,))
+            if new == CANCELLING:
+                self._note("cancelling", (task_id,))
+        return moved
+
+    def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
+                   bump_attempt=False, finish=False):
+        """The shared ``move_tasks``, the rows locked first (two recoverers of one owner wait)."""
+        guard, args = self._guard(selector, status, policy)
+        locked = [r[0] for r in self.conn.execute(
+            f"SELECT id FROM tasks WHERE {guard} ORDER BY id FOR UPDATE", args)]
+        done, moved_ids = super().move_tasks(selector, status, values, event_json, now,
+                                             ids=ids, policy=policy,
+                                             bump_attempt=bump_attempt, finish=finish)
+        self._note("queued" if values.get("status") == QUEUED else "changed", locked)
+        return done, moved_ids
+
+    def set_progress(self, task_id, values, statuses, attempt, now):
+        changed = super().set_progress(task_id, values, statuses, attempt, now)
+        if changed:
+            self._note("changed", (task_id,))
+        return changed
+
+    def append_event(self, task_id, seq, etype, data_json, snapshot_json, now):
+        super().append_event(task_id, seq, etype, data_json, snapshot_json, now)
+        self._note("changed", (task_id,))
+
+    def oldest_queued(self, kinds, gen):
+        """The oldest queued Task of *kinds* no other process is claiming, or None (locked)."""
+        row = self.conn.execute(
+            f"{_SELECT_TASK} WHERE status = '{QUEUED}' AND kind = ANY(%s) "
+            "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED", (list(kinds),)).fetchone()
+        if row is None:
+            self._empty_gen = gen
+            return None
+        return _task_from_row(row)
+
+    def idempotency_get(self, scope, key):
+        # Two processes creating with one key: the second waits here for the
+        # first's commit, then reads its row (the unique key stays the backstop).
+        scope, key = _nul_free(scope), _nul_free(key)
+        if self._in_write:
+            self.conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s || ' ' || %s, 0))",
+                              (scope, key))
+        return super().idempotency_get(scope, key)
+
+    def idempotency_put(self, scope, key, fingerprint, task_id, now, expires_at):
+        super().idempotency_put(_nul_free(scope), _nul_free(key), fingerprint, task_id, now,
+                                expires_at)
+
+    # -- processes -------------------------------------------------------------
+
+    def register(self, proc_id, now):
+        self.conn.execute(
+            "INSERT INTO processes (id, pid, host, proc_start, started_at, heartbeat_at) "
+            f"VALUES (%s, %s, %s, NULL, {_PG_NOW_MS}, {_PG_NOW_MS})",
+            (proc_id, os.getpid(), _HOST()))
+
+    def heartbeat(self, proc_id, now):
+        return self.conn.execute(f"UPDATE processes SET heartbeat_at = {_PG_NOW_MS} WHERE id = %s",
+                                 (proc_id,)).rowcount == 1
+
+    @staticmethod
+    def owner_dead(proc, now, lease_ms):
+        """Is the ``Registration`` *proc* (or None) dead: unregistered, or its lease expired?
+
+        The lease is judged by the age the server computed, never by *now*
+        (this host's clock).  A registration of this very process is alive
+        only while a runner holds it, as on SQLite.
+        """
+        if proc is None:
+            return True
+        if proc.age_ms > lease_ms:
+            return True
+        if proc.host == _HOST() and proc.pid == os.getpid():
+            return proc.id not in _LIVE_PROCESS_IDS
+        return False
+
+    # -- retention -------------------------------------------------------------
+
+    def reap_tasks_once(self, now, budget, counts, tombstone_ms):
+        """Delete one batch of expired tasks with their events; ``(more, deleted ids)``.
+
+        As SQLite's, except that the batch is the rows this transaction
+        locked (``SKIP LOCKED``): reapers in several processes take
+        different batches instead of deleting the same rows twice.
+        """
+        rows = self.conn.execute(
+            f"SELECT id, first_seq, last_seq - first_seq + 1 FROM tasks WHERE {self._sql.expired} "
+            "ORDER BY purge_at, id LIMIT %s FOR UPDATE SKIP LOCKED", (now, budget)).fetchall()
+        take = _reap_take(rows, budget)
+        if not take and rows:
+            return self._reap_slice(rows[0][0], rows[0][1], budget, counts)
+        ids = [row[0] for row in rows[:take]]
+        if ids:
+            counts["events"] += self.conn.execute(
+                "DELETE FROM events WHERE task_id = ANY(%s)", (ids,)).rowcount
+            self.conn.execute(
+                "INSERT INTO tombstones (id, deleted_at, expires_at) "
+                "SELECT unnest(%s::text[]), %s, %s ON CONFLICT (id) DO UPDATE SET "
+                "deleted_at = EXCLUDED.deleted_at, expires_at = EXCLUDED.expires_at",
+                (ids, now, now + tombstone_ms))
+            counts["tasks"] += self.conn.execute(
+                "DELETE FROM tasks WHERE id = ANY(%s)", (ids,)).rowcount
+        return len(rows) == budget or take < len(rows), ids
+
+
+# =============================================================================
+# 12. The task board page
+# =============================================================================
+# One page, served by this module at GET / (the HTTP server, section 10, only
+# routes it here): HTML, CSS and script inline, nothing fetched from
+# elsewhere.  The script talks to the public routes only (with
 # the bearer token, if the server has tokens), streams with fetch() because
 # EventSource cannot send a header, and puts task data into the page as
 # text (textContent), never as markup.  The lifecycle diagram is drawn from
@@ -8789,336 +8893,481 @@ _BOARD_CSP = (f"default-src 'none'; script-src {_csp_hash(BOARD_SCRIPT)}; "
               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
-# -- Transport: http.server --
+# =============================================================================
+# 13. The OpenAI backend
+# =============================================================================
+# An LMSP backend that streams from any OpenAI-compatible chat completions
+# endpoint (Ollama, vLLM, llama.cpp's server, OpenAI).  It only streams text;
+# ResponseOutput (section 10) turns text into the Responses events.
 
-class _DeadlineReader(io.RawIOBase):
-    """Socket reads that fail once the request's deadline has passed.
+def _is_api_key(key):
+    """True for a key that goes into a header as it is: visible ASCII, no spaces."""
+    return isinstance(key, str) and re.fullmatch(r"[!-~]+", key) is not None
 
-    A per-recv timeout alone lets a client that trickles one byte at a time
-    hold a thread for ever; this bounds the whole request (--request-timeout).
-    The request's clock starts at its first read from the socket, when the
-    socket's timeout is the whole --request-timeout (see _dispatch): that
-    read needs no settimeout() (a syscall), so a request that arrives in one
-    piece costs none.  Later reads of the same request get what remains.
+
+class OpenAIBackend:
+    """Forward response requests to an OpenAI-compatible server, streaming.
+
+    It posts to ``{url}/chat/completions`` (what Ollama, llama.cpp and vLLM all
+    serve) with ``stream: true`` and streams each content delta.  A cancel
+    closes the upstream connection, which stops the generation there.  It has
+    no snapshots: a remote stream cannot be resumed, so ``resume`` is refused.
+
+    The ``api_key``, when given, is sent as ``Authorization: Bearer`` to *url*
+    and nowhere else (redirects are not followed).  It is cut out of every
+    error message, since upstreams echo it back ("invalid key sk-..."), and
+    the repr hides it.
     """
 
-    def __init__(self, handler):
-        self.handler = handler
+    name = "openai"
+    snapshots = False
 
-    def readable(self):
-        return True
+    def __init__(self, url=DEFAULT_BACKEND_URL, timeout=300.0, api_key=None):
+        parts = urllib.parse.urlsplit(url)
+        if "@" in parts.netloc:
+            # Not echoed: what precedes the @ is a password.
+            raise ValueError("backend URL must not carry credentials (user:password@); "
+                             "give the key in OPENAI_API_KEY or --backend-key-file")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"backend URL must be http(s)://host[:port][/path], not {url!r}")
+        if api_key and not _is_api_key(api_key):
+            # Not echoed; http.client would refuse it later with the whole value in its message.
+            raise ValueError("api_key must be visible ASCII characters, without spaces")
+        self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key or None
 
-    def readinto(self, buffer):
-        handler = self.handler
-        if handler.deadline is None:
-            handler.deadline = time.monotonic() + handler.server.app.request_timeout
-        else:
-            remaining = handler.deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("request timeout")
-            handler.connection.settimeout(remaining)
-        return handler.connection.recv_into(buffer)
+    def __repr__(self):
+        return f"OpenAIBackend({self.url!r}, api_key={'<hidden>' if self.api_key else None})"
 
+    def _redact(self, text):
+        """Return *text* with every copy of the key, in any quoting, replaced."""
+        if self.api_key:
+            for form in {self.api_key, json.dumps(self.api_key)[1:-1], repr(self.api_key)[1:-1]}:
+                text = text.replace(form, "[redacted]")
+        return text
 
-class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
-    """Moves bytes between a socket and LMSPApp.handle(); HTTP/1.1 keep-alive."""
-
-    protocol_version = "HTTP/1.1"
-    server_version = f"taskstore/{__version__}"
-    deadline = None             # the current request's, from its first read (_DeadlineReader)
-
-    def setup(self):
-        super().setup()
-        # Without this, a keep-alive answer written as head + body waits ~40 ms
-        # for the client's delayed ACK (Nagle); SSE frames would lag the same way.
-        with contextlib.suppress(OSError):
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.connection.settimeout(self.server.app.request_timeout)
-        self.rfile.close()      # its socket reference would keep the connection open
-        self.rfile = io.BufferedReader(_DeadlineReader(self))
-
-    def handle_one_request(self):
-        self.deadline = None
-        self._body_read = False
-        super().handle_one_request()
-
-    def version_string(self):
-        """The Server header: name and version (http.server adds " Python/x.y")."""
-        return self.server_version
-
-    def log_message(self, format, *args):   # noqa: A002 -- http.server's signature
-        # The request line only: headers (and so tokens) are never logged.
-        # Checked first: formatting it for a disabled level costs every request.
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s - %s", self.address_string(), format % args)
-
-    def parse_request(self):
-        """http.server's parsing, minus HTTP/0.9: its answers have no status line at all."""
-        if not super().parse_request():
-            return False
-        if self.request_version == "HTTP/0.9":
-            self.send_error(400, "HTTP/0.9 requests are not supported; send HTTP/1.1")
-            return False
-        return True
-
-    def send_error(self, code, message=None, explain=None):
-        """Answer http.server's own errors (bad request line, 501) as problem objects."""
-        # A request line too broken to name a version leaves http.server's
-        # default, HTTP/0.9, which would send the body without a status line.
-        if self.request_version == "HTTP/0.9":
-            self.request_version = "HTTP/1.0"
-        status = code if code in (400, 501) else 400
-        problem = problem_object(status, "not_implemented" if status == 501 else "invalid_request",
-                                 message or "bad request")
-        self.close_connection = True
-        self._send(Reply(status, problem, content_type="application/problem+json"))
-
-    def _read_body(self):
-        self._body_read = True
-        codings = self.headers.get_all("Transfer-Encoding")
-        if codings:
-            keep, self.close_connection = self.close_connection, True   # unless all is read
-            codings = [c.strip().lower() for c in ",".join(codings).split(",")]
-            if codings != ["chunked"] or self.request_version == "HTTP/1.0":
-                raise InvalidParams("Transfer-Encoding must be chunked alone, on HTTP/1.1",
-                                    param="Transfer-Encoding")
-            if "Content-Length" in self.headers:
-                # RFC 9112 6.1: both framings at once is how requests get smuggled.
-                raise InvalidParams("send Content-Length or Transfer-Encoding: chunked, "
-                                    "not both", param="Transfer-Encoding")
-            body = self._read_chunked(self.server.app.max_body)
-            self.close_connection = keep
-            return body
-        lengths = self.headers.get_all("Content-Length") or ["0"]
-        length = lengths[0].strip()
-        if len({v.strip() for v in lengths}) > 1 or not re.fullmatch(r"[0-9]{1,15}", length):
-            # RFC 9112 6.3: differing lengths make the framing unknowable.
-            self.close_connection = True
-            raise InvalidParams("Content-Length must be one non-negative integer",
-                                param="Content-Length")
-        if int(length) > self.server.app.max_body:
-            self.close_connection = True     # the body stays unread: end the connection
-            raise PayloadTooLarge(f"the body has {length} bytes; at most "
-                                  f"{self.server.app.max_body} are accepted")
-        body = self.rfile.read(int(length))
-        if len(body) != int(length):
-            raise ConnectionResetError("client closed the connection inside the body")
+    @staticmethod
+    def chat_request(request):
+        """Translate a response request into a chat-completions request."""
+        messages = []
+        if isinstance(request.get("instructions"), str):
+            messages.append({"role": "system", "content": request["instructions"]})
+        items = request["input"]
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        for item in items:
+            if item.get("type", "message") != "message":
+                continue
+            content = item.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
+                                  and p.get("type") in ("input_text", "output_text", "text"))
+            messages.append({"role": item.get("role", "user"), "content": content or ""})
+        body = {"model": request["model"], "messages": messages, "stream": True,
+                "stream_options": {"include_usage": True}}
+        for key, target in (("temperature", "temperature"), ("top_p", "top_p"),
+                            ("max_output_tokens", "max_tokens")):
+            if request.get(key) is not None:
+                body[target] = request[key]
         return body
 
-    def _read_chunked(self, limit):
-        """Decode a chunked body (RFC 9112 7.1), counting it against *limit* as chunks arrive."""
-        body = bytearray()
-        while True:
-            size = self._chunk_line().partition(b";")[0].strip(b" \t")
-            if not re.fullmatch(rb"[0-9A-Fa-f]{1,16}", size):
-                raise InvalidParams("the chunked body is malformed: a chunk size is not hex",
-                                    param="Transfer-Encoding")
-            size = int(size, 16)
-            if size == 0:
-                break
-            if len(body) + size > limit:     # refused before the chunk is read
-                raise PayloadTooLarge(f"the body has more than {limit} bytes; at most "
-                                      f"{limit} are accepted")
-            data = self.rfile.read(size + 2)
-            if len(data) != size + 2:
-                raise ConnectionResetError("client closed the connection inside the body")
-            if data[size:] != b"\r\n":
-                raise InvalidParams("the chunked body is malformed: a chunk is longer than "
-                                    "its size", param="Transfer-Encoding")
-            body += data[:size]
-        for _ in range(_MAX_TRAILERS + 1):   # trailer fields are read and ignored
-            if self._chunk_line() == b"":
-                return bytes(body)
-        raise InvalidParams("the chunked body is malformed: too many trailer fields",
-                            param="Transfer-Encoding")
-
-    def _chunk_line(self):
-        line = self.rfile.readline(_CHUNK_LINE_LIMIT + 1)
-        if line.endswith(b"\r\n"):
-            return line[:-2]
-        if len(line) > _CHUNK_LINE_LIMIT or line.endswith(b"\n"):
-            raise InvalidParams("the chunked body is malformed: a line is too long or does "
-                                "not end with CRLF", param="Transfer-Encoding")
-        raise ConnectionResetError("client closed the connection inside the body")
-
-    def _dispatch(self):
-        reply = self.server.app.handle(self.command, self.path, self.headers, self._read_body)
-        has_body = self.headers.get("Transfer-Encoding") or self.headers.get(
-            "Content-Length", "0").strip() not in ("", "0")
-        if has_body and not self._body_read:
-            self.close_connection = True     # an unread body would be read as a request
-        # Writes get the full timeout, not the rest of the request deadline;
-        # that is also what the next request's first read expects.  Unless a
-        # read shortened it, the socket has it already (and a syscall is saved).
-        timeout = self.server.app.request_timeout
-        if self.connection.gettimeout() != timeout:
-            self.connection.settimeout(timeout)
-        self._send(reply)
-
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch
-
-    def _send(self, reply):
-        self.send_response(reply.status)
-        if reply.content_type is not None:
-            self.send_header("Content-Type", reply.content_type)
-        for name, value in reply.headers:
-            self.send_header(name, value)
-        if reply.stream is not None:
-            self._send_stream(reply.stream)
-            return
-        if reply.status != 204:             # RFC 9110 8.6: a 204 has no Content-Length
-            self.send_header("Content-Length", str(len(reply.body)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        # Headers and body leave in one write (one segment on the wire for a
-        # small answer) instead of end_headers()'s flush plus a second write.
-        self._headers_buffer.append(b"\r\n")
-        if self.command != "HEAD":
-            self._headers_buffer.append(reply.body)
-        self.flush_headers()
-
-    def _send_stream(self, stream):
-        # HTTP/1.1: each frame is a chunk, and the terminating chunk follows the
-        # final event only, so a stream cut short (a crash, a shutdown, pruned
-        # events) is an incomplete body to any HTTP client.  HTTP/1.0 has no
-        # chunks: closing the connection delimits the stream there.
-        chunked = self.request_version != "HTTP/1.0"
-        self.close_connection = True
+    def __call__(self, request, out):
+        parts = urllib.parse.urlsplit(self.url)
+        # The route goes after the URL's path; its query (an api-version, say) stays at the end.
+        path = parts.path.rstrip("/") + "/chat/completions" + (
+            "?" + parts.query if parts.query else "")
+        connection = (http.client.HTTPSConnection if parts.scheme == "https"
+                      else http.client.HTTPConnection)
+        conn = connection(parts.hostname, parts.port, timeout=self.timeout)
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        done = threading.Event()
+        # A blocking read cannot see the cancel signal, so a watcher shuts the
+        # socket down; the read then fails and we return as cancelled.
+        usage, finish = None, None
         try:
-            if chunked:
-                self.send_header("Transfer-Encoding", "chunked")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.flush()
-            stream.client_gone = self._client_gone
-            for frame in stream:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(frame), frame) if chunked else frame)
-                self.wfile.flush()
-            if chunked and stream.complete:
-                self.wfile.write(b"0\r\n\r\n")
-        except OSError:
-            # The client went away.  The task runs on (a stream only watches it),
-            # and the client may come back with Last-Event-ID.
-            pass
+            conn.request("POST", path, body=dumps(self.chat_request(request)).encode(),
+                         headers=headers)
+            # Keep the socket: getresponse() forgets it for a Connection: close answer.
+            threading.Thread(target=self._watch, args=(out.cancelled, done, conn.sock),
+                             name="taskstore-openai-cancel", daemon=True).start()
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raw = resp.read(2000)
+                detail = self._redact(raw.decode("utf-8", "replace"))
+                if len(raw) == 2000 and self.api_key:
+                    # The read may have cut a copy of the key: drop what could be its start.
+                    detail = detail[:len(detail) + 1 - len(self.api_key)]
+                detail = detail.strip()[:300]
+                raise BackendError(f"backend answered {resp.status}: {detail}")
+            for raw in resp:
+                line = raw.decode("utf-8", "replace").strip()
+                if out.cancelled.is_set():
+                    return None
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    raise BackendError(self._redact(f"backend error: {chunk['error']}"))
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        out.write(piece)
+                    finish = choice.get("finish_reason") or finish
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            if out.cancelled.is_set():
+                return None
+            raise BackendError(self._redact(f"backend request failed: "
+                                            f"{exc.__class__.__name__}: {exc}")) from None
         finally:
-            stream.close()
+            done.set()
+            conn.close()
+        if usage:
+            usage = _usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+        return {"usage": usage,
+                "incomplete_reason": "max_output_tokens" if finish == "length" else None}
+
+    @staticmethod
+    def _watch(cancelled, done, sock):
+        while not done.is_set():
+            if cancelled.wait(_STREAM_WAKE_S):
+                if not done.is_set():
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                return
 
 
-    def _client_gone(self):
-        # An idle stream writes nothing for a while; a readable socket with
-        # nothing to read means the client closed, so its slot comes back now.
-        try:
-            readable = select.select([self.connection], [], [], 0)[0]
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
+# =============================================================================
+# 14. The terminal watch
+# =============================================================================
+# ``taskstore.py tasks watch``: follows tasks live from the event log, one row
+# per task redrawn in place on a terminal, one line per change elsewhere.
+
+def _printable(text):
+    """*text* on one line, every control character (escape sequences too) a space."""
+    return "".join(c if c.isprintable() else " " for c in str(text))
 
 
-class LMSPServer(http.server.ThreadingHTTPServer):
-    """A threaded HTTP server whose handler answers LMSPApp's routes.
+def _watch_message(task, printable=True):
+    """The task's status message, or a failed task's error message, on one line.
 
-    One thread per connection, at most *max_connections* at once; a
-    connection past that gets a 503 from the accepting thread and is closed.
-    Bound to a loopback address, it has the app refuse a ``Host`` that is not
-    a loopback name or address.
+    Not *printable*: as stored, None when there is none (``--json``).
+    """
+    message = task.status_message
+    if message is None and isinstance(task.error, dict):
+        message = task.error.get("message")
+    if not printable:
+        return message
+    return "" if message is None else _printable(message)
+
+
+def _watch_percent(task):
+    """Progress as text: ``40%`` against a total, the count without one, "" with none."""
+    if task.progress is None:
+        return ""
+    if task.progress_total:
+        return f"{min(max(task.progress / task.progress_total, 0.0), 1.0):.0%}"
+    return f"{task.progress:g}"
+
+
+def _watch_json(task_id, task, awaiting, status=None, seq=None, message=None):
+    """One change as ``--json`` prints it; *status*, *seq*, *message*: a past status event's."""
+    if task is None:
+        return {"id": task_id, "kind": None, "status": None, "mcp_status": None,
+                "lmsp_status": None, "owner_dead": False, "progress": None,
+                "progress_total": None, "message": _GONE, "seq": None}
+    status = status or task.status
+    return {"id": task_id, "kind": task.kind, "status": status,
+            "mcp_status": mcp_status(status), "lmsp_status": lmsp_status(status),
+            "owner_dead": task.id in awaiting and status == task.status,
+            "progress": task.progress, "progress_total": task.progress_total,
+            "message": _watch_message(task, printable=False) if seq is None else message,
+            "seq": task.last_seq if seq is None else seq}
+
+
+def _watch_fit(pieces, width, colour):
+    """Join ``(text, SGR code or None)`` *pieces*, cut to *width* columns, coloured if asked."""
+    out = []
+    for text, code in pieces:
+        if width <= 0:
+            break
+        text = _clip(text, width)
+        width -= len(text)
+        out.append(f"\x1b[{code}m{text}\x1b[0m" if colour and code and text else text)
+    return "".join(out)
+
+
+class _WatchView:
+    """What ``tasks watch`` prints: ``show`` gets each read of the tasks.
+
+    It prints a task only when what it shows has changed: its status (each
+    status event), owner death, progress, message.
     """
 
-    daemon_threads = True
-    block_on_close = False
+    def __init__(self, out, as_json, colour):
+        self._out = out
+        self._json = as_json
+        self._live = not as_json and out.isatty()
+        self._colour = colour and self._live
+        self._shown = {}        # task id -> what was printed of it last
+        self._rows = 0          # lines of the board drawn last (live view)
+        self._width = None
 
-    def __init__(self, app, host=DEFAULT_HTTP_HOST, port=0,
-                 max_connections=DEFAULT_MAX_CONNECTIONS):
-        self.app, self.max_connections = app, max_connections
-        # The listen backlog holds a burst as large as the cap: a smaller one
-        # (socketserver's 5, or 128) overflows while the accepting thread is
-        # slow, and the kernel then drops or resets connections the cap would
-        # have served (seen as resets under load with 500 clients at once).
-        self.request_queue_size = max(128, max_connections)
-        self.connections = 0            # open connections, each with its thread
-        self._connections_lock = threading.Lock()
-        app.loopback_only = _is_loopback(host)
-        if ":" in host:
-            self.address_family = socket.AF_INET6
-        super().__init__((host, port), LMSPRequestHandler)
+    def _key(self, task, awaiting):
+        if task is None:
+            return None
+        return (task.status, task.id in awaiting, _watch_percent(task), _watch_message(task))
 
-    def process_request(self, request, client_address):
-        """Serve the connection on a thread of its own, or refuse it past the cap."""
-        with self._connections_lock:
-            full = self.connections >= self.max_connections
-            if not full:
-                self.connections += 1
-        if full:
-            self._refuse(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._connection_ended()     # no thread started: the slot is free again
-            raise
+    def show(self, tasks, steps, awaiting):
+        """Print what changed: *tasks* ``{id: Task or None}``, *steps* ``{id: [status Event]}``."""
+        lines, changed = [], False
+        for task_id, task in tasks.items():
+            key = self._key(task, awaiting)
+            passed = steps.get(task_id, ())
+            if self._shown.get(task_id, ()) == key and not passed:
+                continue
+            changed = True
+            if self._json:
+                for event in passed[:-1]:    # the last one is the task as read now
+                    data = event.data
+                    lines.append(dumps(_watch_json(task_id, task, awaiting, data["status"],
+                                                   event.seq, data.get("message"))))
+                lines.append(dumps(_watch_json(task_id, task, awaiting)))
+            elif self._live:
+                for event in passed:
+                    lines.append(self._step(task_id, event.data))
+            else:
+                for event in passed[:-1]:
+                    lines.append(f"{task_id}  {event.data['status']}")
+                lines.append(self._line(task_id, task, awaiting))
+            self._shown[task_id] = key
+        size = shutil.get_terminal_size()
+        # A terminal that reports no size (a fresh pty, a serial console) gets the
+        # usual fallback, as shutil itself does from Python 3.11 on.
+        columns, height = size.columns or 80, size.lines or 24
+        width = columns - 1             # a line filling the last column would wrap
+        if self._live and (changed or width != self._width):
+            self._draw(lines, self._rows_fitting(tasks, awaiting, width, height), width)
+        elif lines:
+            self._out.write("".join(line + "\n" for line in lines))
+            self._out.flush()
 
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._connection_ended()
+    def _rows_fitting(self, tasks, awaiting, width, height):
+        """The board's rows: one per task, unless more than the terminal holds (cursor up
+        cannot reach a line scrolled off); then the unfinished first, and a count of the rest."""
+        if len(tasks) < height:
+            return [self._row(i, t, awaiting, width) for i, t in tasks.items()]
+        order = sorted(tasks.items(), key=lambda item: item[1] is None or item[1].terminal)
+        shown = max(1, height - 2)
+        return [*(self._row(i, t, awaiting, width) for i, t in order[:shown]),
+                [(f"\u2026 and {len(tasks) - shown} more tasks", None)]]
 
-    def _connection_ended(self):
-        with self._connections_lock:
-            self.connections -= 1
+    def _line(self, task_id, task, awaiting):
+        if task is None:
+            return f"{task_id}  {_GONE}"
+        return "  ".join(part for part in (task_id, _status_cell(task, awaiting),
+                                           _watch_percent(task), _watch_message(task)) if part)
 
-    def _refuse(self, sock):
-        # On the accepting thread, so it must never block: one non-blocking
-        # send into the new socket's empty buffer.  Whatever of the request has
-        # arrived is read and dropped first, so the close is a FIN: closing
-        # with unread bytes would send a reset, which can destroy the answer.
-        status, problem = to_problem(ServiceUnavailable(
-            f"too many connections (at most {self.max_connections}); try again shortly"))
-        body = dumps(problem).encode()
-        head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\n"
-                f"Server: {LMSPRequestHandler.server_version}\r\n"
-                f"Date: {email.utils.formatdate(usegmt=True)}\r\n"
-                f"Content-Type: application/problem+json\r\n"
-                f"Retry-After: {RETRY_AFTER_S}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-        with contextlib.suppress(OSError):
-            sock.setblocking(False)
-            for _ in range(16):
-                if not sock.recv(65536):
-                    break
-        with contextlib.suppress(OSError):
-            sock.send(head.encode() + body)
-        self.shutdown_request(sock)
+    def _step(self, task_id, data):
+        """A status change on the live view: ``id  running -> succeeded  message``."""
+        pieces = [(f"{task_id}  {data.get('from')} -> ", None),
+                  (data["status"], _WATCH_COLOURS.get(data["status"]))]
+        if data.get("message"):
+            pieces.append(("  " + _printable(data["message"]), None))
+        return pieces
 
-    def handle_error(self, request, client_address):
-        """Log a failed connection: a client going away is routine, anything else a bug."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, OSError):
-            logger.debug("connection from %s ended: %r", client_address[0], exc)
-        else:
-            logger.exception("error while serving %s", client_address[0])
+    def _row(self, task_id, task, awaiting, width):
+        """A task's row on the live view: ``id  status  [#####-----]  50%  message``."""
+        if task is None:
+            return [(f"{task_id}  ", None), (_GONE, None)]
+        pieces = [(f"{task_id}  ", None),
+                  (_status_cell(task, awaiting), _WATCH_COLOURS.get(task.status))]
+        percent = _watch_percent(task)
+        status = pieces[-1][0]
+        # The bar gives way to 20 columns of message first, and goes when under 5.
+        bar = min(_WATCH_BAR, width - len(task_id) - len(status) - 11 - 20)
+        if task.progress_total and bar >= 5:
+            done = round(bar * min(max(task.progress / task.progress_total, 0.0), 1.0))
+            pieces.append((f"  [{'#' * done}{'-' * (bar - done)}] {percent:>4}", None))
+        elif percent:
+            pieces.append((f"  {percent}", None))
+        message = _watch_message(task)
+        if message:
+            pieces.append(("  " + message, None))
+        return pieces
 
-    @property
-    def url(self):
-        """The base URL the server accepts connections on (the real port)."""
-        host, port = self.server_address[:2]
-        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    def _draw(self, steps, rows, width):
+        """Redraw the board in place, the status changes printed above it first."""
+        parts = []
+        if self._rows:
+            parts.append(f"\x1b[{self._rows}F\x1b[J")   # to the board's first line; clear below
+        for pieces in (*steps, *rows):
+            parts.append(_watch_fit(pieces, width, self._colour) + "\n")
+        self._rows, self._width = len(rows), width
+        self._out.write("".join(parts))
+        self._out.flush()
 
 
-def _is_loopback(host):
-    if host == "localhost":
-        return True
+def _watch_targets(store, ids):
+    """The tasks to watch, ``{id: Task}``: *ids* in order, or every unfinished task, oldest first."""
+    if ids:
+        return {task_id: store.get(task_id) for task_id in dict.fromkeys(ids)}
+    found, cursor = [], None
+    while True:
+        page, cursor = store.list(status=UNFINISHED_STATES, limit=500, cursor=cursor)
+        found += page
+        if cursor is None:
+            return {task.id: task for task in reversed(found)}
+
+
+def _watch_read(store, task):
+    """*task* read again, and the status events it passed since: ``(Task or None, [Event])``."""
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        new = store.get(task.id)
+    except TaskNotFound:            # expired or deleted meanwhile (TaskExpired too)
+        return None, []
+    if new.last_seq == task.last_seq:
+        return new, []
+    try:
+        events = store.events(task.id, after=task.last_seq)
+    except (TaskNotFound, EventsExpired):
+        events = []
+    # Events written since the get show with the next read, not twice.
+    return new, [e for e in events if e.type == "status" and e.seq <= new.last_seq]
 
 
-def make_backend(name, *, demo_delay=DEFAULT_DEMO_DELAY_S, url=DEFAULT_BACKEND_URL,
-                 api_key=None):
-    """Return the backend the ``http`` command's ``--backend`` names."""
-    if name == "openai":
-        return OpenAIBackend(url, api_key=api_key)
-    return DemoBackend(demo_delay)
+def _tasks_watch(args):
+    """``tasks watch``: print the watched tasks as they change until all have finished."""
+    colour = not os.environ.get("NO_COLOR")
+    with _admin_store(args) as store:
+        tasks = _watch_targets(store, args.task_id)
+        if not tasks:
+            if not args.json:
+                print("no unfinished tasks to watch")
+            return 0
+        view = _WatchView(sys.stdout, args.json, colour)
+        steps = {}
+        try:
+            while True:
+                live = [t for t in tasks.values() if t is not None and not t.terminal]
+                view.show(tasks, steps, store.awaiting_recovery(live))
+                if not live:
+                    return 0
+                # Wakes at once on a status change; progress shows at the next --interval.
+                store.wait_any({t.id: t.last_seq for t in live}, timeout=args.interval)
+                steps = {}
+                for task in live:
+                    tasks[task.id], steps[task.id] = _watch_read(store, task)
+        except BrokenPipeError:         # the reader has gone (``| head``): nobody to tell
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+
+
+# =============================================================================
+# 15. Command line
+# =============================================================================
+# ``main(argv) -> int``: 0 on success, 1 on a store error (one line on
+# stderr), 2 on a usage error (argparse) or a missing package (PostgreSQL's).
+# Every command names its own function with ``set_defaults(func=...)`` and
+# main() calls it, so no command is special:
+# the mcp command, the http command (with the secrets it reads), then the
+# ``tasks`` verbs.  Every command that opens a store takes
+# --db and --sync from one helper, so they mean the same everywhere.  Options
+# refine, never enable: every command works with no options on ./taskstore.db.
+# Only command-line code prints (here and the http command); the library logs.
+
+# -- the mcp command ----------------------------------------------------------
+
+def _at_least(minimum, kind=int):
+    """An argparse type: a number of *kind* that is at least *minimum*."""
+    def parse(text):
+        value = kind(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {text}")
+        return value
+    return parse
+
+
+def add_mcp_parser(subparsers):
+    """Add the ``mcp`` subcommand (an MCP server on stdin/stdout) to *subparsers*."""
+    p = subparsers.add_parser(
+        "mcp", help="run the MCP server (with the demo tools) on stdin/stdout",
+        description="MCP server with tasks for both eras (2025-11-25 after initialize; "
+                    "2026-07-28 with the io.modelcontextprotocol/tasks extension when the "
+                    "first request carries the _meta envelope), one JSON-RPC message per "
+                    "line on stdin/stdout; logs go to stderr.  A finished task expires at "
+                    "createdAt + ttl (one that finished later: 60 s after it finished) and "
+                    "answers \"has expired\" from that moment on; its row is deleted by the "
+                    "next reaper pass (every --reap-interval seconds).")
+    _add_db_option(p)                   # --db PATH (./taskstore.db), --sync
+    _add_lease_options(p)               # --lease S (30), --heartbeat S (1)
+    p.add_argument("--default-ttl", metavar="MS", type=_at_least(1), default=DEFAULT_MCP_TTL_MS,
+                   help="ttl granted to a task request that names none (default: %(default)s)")
+    p.add_argument("--max-ttl", metavar="MS", type=_at_least(1), default=DEFAULT_MAX_TTL_MS,
+                   help="largest ttl granted; larger requests are capped (default: %(default)s)")
+    p.add_argument("--allow-unlimited-ttl", action="store_true",
+                   help="grant ttl null (never expires) when asked; otherwise null gets "
+                        "--max-ttl (default: off)")
+    p.add_argument("--poll-interval", metavar="MS", type=_at_least(1),
+                   default=DEFAULT_MCP_POLL_INTERVAL_MS,
+                   help="pollInterval suggested to clients (default: %(default)s)")
+    p.add_argument("--no-list", action="store_true",
+                   help="do not declare or serve tasks/list (default: declared)")
+    p.add_argument("--page-size", metavar="N", type=_at_least(1), default=DEFAULT_MCP_PAGE_SIZE,
+                   help="tasks per tasks/list page (default: %(default)s)")
+    p.add_argument("--workers", metavar="N", type=_at_least(1), default=4,
+                   help="worker threads running tasks (default: %(default)s)")
+    p.add_argument("--max-waiting", metavar="N", type=_at_least(1),
+                   default=DEFAULT_MCP_MAX_WAITING,
+                   help="requests that wait for work served at once, a thread each (a "
+                        "tasks/result for an unfinished task, a tools/call run inline); one "
+                        "more is answered -32005 'try again later' at once "
+                        "(default: %(default)s)")
+    p.add_argument("--max-line-bytes", metavar="N", type=_at_least(1024),
+                   default=DEFAULT_MAX_LINE_BYTES,
+                   help="longest accepted input line; longer ones get -32600 "
+                        "(default: %(default)s)")
+    p.add_argument("--reap-interval", metavar="S", type=_at_least(0.001, float),
+                   default=DEFAULT_REAP_INTERVAL_S,
+                   help="seconds between passes deleting expired tasks (they answer "
+                        "\"has expired\" from the moment they expire, deleted or not) and "
+                        "recovering those of dead processes (default: %(default)s)")
+    p.set_defaults(func=run_mcp)
+    return p
+
+
+def run_mcp(args):
+    """Run ``taskstore.py mcp``: serve the demo tools until EOF or SIGTERM; return 0."""
+    problem = _check_lease_options(args)
+    if problem:
+        print(f"taskstore: {problem}", file=sys.stderr)
+        return 2
+    out = sys.stdout.buffer
+    store = TaskStore(args.db, synchronous=args.sync, max_ttl_ms=args.max_ttl,
+                      lease_s=args.lease)
+    with contextlib.ExitStack() as stack:
+        stack.callback(store.close)     # also stops the reaper
+        store.start_reaper(args.reap_interval)
+        # stdout belongs to the protocol: a stray print in a tool goes to stderr.
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+        server = McpServer(store, default_ttl_ms=args.default_ttl, max_ttl_ms=args.max_ttl,
+                           allow_unlimited_ttl=args.allow_unlimited_ttl,
+                           poll_interval_ms=args.poll_interval, list_tasks=not args.no_list,
+                           page_size=args.page_size, workers=args.workers,
+                           max_line_bytes=args.max_line_bytes, max_waiting=args.max_waiting,
+                           heartbeat_s=args.heartbeat)
+        add_demo_tools(server)
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
+            stack.callback(signal.signal, signal.SIGTERM, previous)
+        server.serve(outfile=out)
+    return 0
 
 
 # -- Secrets: bearer tokens and the backend key, off the command line --
@@ -9239,7 +9488,7 @@ def _load_backend_key(key_file=None, environ=None, warn=None):
     return key
 
 
-# -- command line: the http command (section 12 adds it to the parser) --------
+# -- the http command ---------------------------------------------------------
 
 def _origin_arg(value):
     """argparse type of ``--allow-origin``: an origin pattern, lower-cased."""
@@ -9400,19 +9649,6 @@ def cmd_http(args):
     return 0
 
 
-# =============================================================================
-# 12. Command line
-# =============================================================================
-# ``main(argv) -> int``: 0 on success, 1 on a store error (one line on
-# stderr), 2 on a usage error (argparse) or a missing package (PostgreSQL's).
-# Every command names its own function with ``set_defaults(func=...)`` and
-# main() calls it, so no command is special:
-# mcp and http keep their parser and runner beside their server (sections 10 and
-# 11), the ``tasks`` verbs live here.  Every command that opens a store takes
-# --db and --sync from one helper, so they mean the same everywhere.  Options
-# refine, never enable: every command works with no options on ./taskstore.db.
-# Only command-line code prints (here and the http command); the library logs.
-
 def _add_db_option(parser):
     """Add the two options of every command that opens a store file: ``--db``, ``--sync``."""
     parser.add_argument("--db", default=DEFAULT_DB, metavar="PATH",
@@ -9450,8 +9686,8 @@ def build_parser():
     parser.add_argument("--version", action="version", version=f"taskstore {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
-    add_mcp_parser(commands)            # section 10
-    add_http_parser(commands)           # section 11
+    add_mcp_parser(commands)
+    add_http_parser(commands)
     _add_tasks_parser(commands)
     return parser
 
@@ -9672,226 +9908,6 @@ _WATCH_BAR = 20                 # the progress bar's width, at most
 _WATCH_COLOURS = {QUEUED: "2", LOADING: "36", RUNNING: "36", INPUT_REQUIRED: "35",
                   CANCELLING: "33", CANCELLED: "33", SUCCEEDED: "32", FAILED: "31"}
 _GONE = "gone (expired or deleted)"
-
-
-def _printable(text):
-    """*text* on one line, every control character (escape sequences too) a space."""
-    return "".join(c if c.isprintable() else " " for c in str(text))
-
-
-def _watch_message(task, printable=True):
-    """The task's status message, or a failed task's error message, on one line.
-
-    Not *printable*: as stored, None when there is none (``--json``).
-    """
-    message = task.status_message
-    if message is None and isinstance(task.error, dict):
-        message = task.error.get("message")
-    if not printable:
-        return message
-    return "" if message is None else _printable(message)
-
-
-def _watch_percent(task):
-    """Progress as text: ``40%`` against a total, the count without one, "" with none."""
-    if task.progress is None:
-        return ""
-    if task.progress_total:
-        return f"{min(max(task.progress / task.progress_total, 0.0), 1.0):.0%}"
-    return f"{task.progress:g}"
-
-
-def _watch_json(task_id, task, awaiting, status=None, seq=None, message=None):
-    """One change as ``--json`` prints it; *status*, *seq*, *message*: a past status event's."""
-    if task is None:
-        return {"id": task_id, "kind": None, "status": None, "mcp_status": None,
-                "lmsp_status": None, "owner_dead": False, "progress": None,
-                "progress_total": None, "message": _GONE, "seq": None}
-    status = status or task.status
-    return {"id": task_id, "kind": task.kind, "status": status,
-            "mcp_status": mcp_status(status), "lmsp_status": lmsp_status(status),
-            "owner_dead": task.id in awaiting and status == task.status,
-            "progress": task.progress, "progress_total": task.progress_total,
-            "message": _watch_message(task, printable=False) if seq is None else message,
-            "seq": task.last_seq if seq is None else seq}
-
-
-def _watch_fit(pieces, width, colour):
-    """Join ``(text, SGR code or None)`` *pieces*, cut to *width* columns, coloured if asked."""
-    out = []
-    for text, code in pieces:
-        if width <= 0:
-            break
-        text = _clip(text, width)
-        width -= len(text)
-        out.append(f"\x1b[{code}m{text}\x1b[0m" if colour and code and text else text)
-    return "".join(out)
-
-
-class _WatchView:
-    """What ``tasks watch`` prints: ``show`` gets each read of the tasks.
-
-    It prints a task only when what it shows has changed: its status (each
-    status event), owner death, progress, message.
-    """
-
-    def __init__(self, out, as_json, colour):
-        self._out = out
-        self._json = as_json
-        self._live = not as_json and out.isatty()
-        self._colour = colour and self._live
-        self._shown = {}        # task id -> what was printed of it last
-        self._rows = 0          # lines of the board drawn last (live view)
-        self._width = None
-
-    def _key(self, task, awaiting):
-        if task is None:
-            return None
-        return (task.status, task.id in awaiting, _watch_percent(task), _watch_message(task))
-
-    def show(self, tasks, steps, awaiting):
-        """Print what changed: *tasks* ``{id: Task or None}``, *steps* ``{id: [status Event]}``."""
-        lines, changed = [], False
-        for task_id, task in tasks.items():
-            key = self._key(task, awaiting)
-            passed = steps.get(task_id, ())
-            if self._shown.get(task_id, ()) == key and not passed:
-                continue
-            changed = True
-            if self._json:
-                for event in passed[:-1]:    # the last one is the task as read now
-                    data = event.data
-                    lines.append(dumps(_watch_json(task_id, task, awaiting, data["status"],
-                                                   event.seq, data.get("message"))))
-                lines.append(dumps(_watch_json(task_id, task, awaiting)))
-            elif self._live:
-                for event in passed:
-                    lines.append(self._step(task_id, event.data))
-            else:
-                for event in passed[:-1]:
-                    lines.append(f"{task_id}  {event.data['status']}")
-                lines.append(self._line(task_id, task, awaiting))
-            self._shown[task_id] = key
-        size = shutil.get_terminal_size()
-        # A terminal that reports no size (a fresh pty, a serial console) gets the
-        # usual fallback, as shutil itself does from Python 3.11 on.
-        columns, height = size.columns or 80, size.lines or 24
-        width = columns - 1             # a line filling the last column would wrap
-        if self._live and (changed or width != self._width):
-            self._draw(lines, self._rows_fitting(tasks, awaiting, width, height), width)
-        elif lines:
-            self._out.write("".join(line + "\n" for line in lines))
-            self._out.flush()
-
-    def _rows_fitting(self, tasks, awaiting, width, height):
-        """The board's rows: one per task, unless more than the terminal holds (cursor up
-        cannot reach a line scrolled off); then the unfinished first, and a count of the rest."""
-        if len(tasks) < height:
-            return [self._row(i, t, awaiting, width) for i, t in tasks.items()]
-        order = sorted(tasks.items(), key=lambda item: item[1] is None or item[1].terminal)
-        shown = max(1, height - 2)
-        return [*(self._row(i, t, awaiting, width) for i, t in order[:shown]),
-                [(f"\u2026 and {len(tasks) - shown} more tasks", None)]]
-
-    def _line(self, task_id, task, awaiting):
-        if task is None:
-            return f"{task_id}  {_GONE}"
-        return "  ".join(part for part in (task_id, _status_cell(task, awaiting),
-                                           _watch_percent(task), _watch_message(task)) if part)
-
-    def _step(self, task_id, data):
-        """A status change on the live view: ``id  running -> succeeded  message``."""
-        pieces = [(f"{task_id}  {data.get('from')} -> ", None),
-                  (data["status"], _WATCH_COLOURS.get(data["status"]))]
-        if data.get("message"):
-            pieces.append(("  " + _printable(data["message"]), None))
-        return pieces
-
-    def _row(self, task_id, task, awaiting, width):
-        """A task's row on the live view: ``id  status  [#####-----]  50%  message``."""
-        if task is None:
-            return [(f"{task_id}  ", None), (_GONE, None)]
-        pieces = [(f"{task_id}  ", None),
-                  (_status_cell(task, awaiting), _WATCH_COLOURS.get(task.status))]
-        percent = _watch_percent(task)
-        status = pieces[-1][0]
-        # The bar gives way to 20 columns of message first, and goes when under 5.
-        bar = min(_WATCH_BAR, width - len(task_id) - len(status) - 11 - 20)
-        if task.progress_total and bar >= 5:
-            done = round(bar * min(max(task.progress / task.progress_total, 0.0), 1.0))
-            pieces.append((f"  [{'#' * done}{'-' * (bar - done)}] {percent:>4}", None))
-        elif percent:
-            pieces.append((f"  {percent}", None))
-        message = _watch_message(task)
-        if message:
-            pieces.append(("  " + message, None))
-        return pieces
-
-    def _draw(self, steps, rows, width):
-        """Redraw the board in place, the status changes printed above it first."""
-        parts = []
-        if self._rows:
-            parts.append(f"\x1b[{self._rows}F\x1b[J")   # to the board's first line; clear below
-        for pieces in (*steps, *rows):
-            parts.append(_watch_fit(pieces, width, self._colour) + "\n")
-        self._rows, self._width = len(rows), width
-        self._out.write("".join(parts))
-        self._out.flush()
-
-
-def _watch_targets(store, ids):
-    """The tasks to watch, ``{id: Task}``: *ids* in order, or every unfinished task, oldest first."""
-    if ids:
-        return {task_id: store.get(task_id) for task_id in dict.fromkeys(ids)}
-    found, cursor = [], None
-    while True:
-        page, cursor = store.list(status=UNFINISHED_STATES, limit=500, cursor=cursor)
-        found += page
-        if cursor is None:
-            return {task.id: task for task in reversed(found)}
-
-
-def _watch_read(store, task):
-    """*task* read again, and the status events it passed since: ``(Task or None, [Event])``."""
-    try:
-        new = store.get(task.id)
-    except TaskNotFound:            # expired or deleted meanwhile (TaskExpired too)
-        return None, []
-    if new.last_seq == task.last_seq:
-        return new, []
-    try:
-        events = store.events(task.id, after=task.last_seq)
-    except (TaskNotFound, EventsExpired):
-        events = []
-    # Events written since the get show with the next read, not twice.
-    return new, [e for e in events if e.type == "status" and e.seq <= new.last_seq]
-
-
-def _tasks_watch(args):
-    """``tasks watch``: print the watched tasks as they change until all have finished."""
-    colour = not os.environ.get("NO_COLOR")
-    with _admin_store(args) as store:
-        tasks = _watch_targets(store, args.task_id)
-        if not tasks:
-            if not args.json:
-                print("no unfinished tasks to watch")
-            return 0
-        view = _WatchView(sys.stdout, args.json, colour)
-        steps = {}
-        try:
-            while True:
-                live = [t for t in tasks.values() if t is not None and not t.terminal]
-                view.show(tasks, steps, store.awaiting_recovery(live))
-                if not live:
-                    return 0
-                # Wakes at once on a status change; progress shows at the next --interval.
-                store.wait_any({t.id: t.last_seq for t in live}, timeout=args.interval)
-                steps = {}
-                for task in live:
-                    tasks[task.id], steps[task.id] = _watch_read(store, task)
-        except BrokenPipeError:         # the reader has gone (``| head``): nobody to tell
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 0
 
 
 def main(argv=None):
