@@ -2885,21 +2885,24 @@ class _Waiters:
 
 
 class TaskStore:
-    """A durable task store on one SQLite file.
+    """A durable task store on a SQLite file or a PostgreSQL database.
 
-    Several ``TaskStore`` objects, in one process or many, may share a file.
-    Example::
+    Several ``TaskStore`` objects, in one process or many, may share a
+    SQLite file; processes on several hosts share a PostgreSQL database
+    (a ``postgresql://`` URL, through psycopg).  Example::
 
         store = TaskStore("tasks.db")
         task = store.create("report", {"topic": "q3"})
         store.get(task.id).status          # 'queued'
 
     Args:
-        path: the database file (created when missing).
+        path: the SQLite file (created when missing), or a
+            ``postgresql://`` URL of an existing database.
         clock: a ``time.time``-like function (seconds); tests pass a fake.
-        synchronous: ``"normal"`` (default; a process crash loses nothing
-            committed, a power loss may lose the last transactions) or
-            ``"full"`` (every commit is on disk before it returns).
+        synchronous: SQLite's ``"normal"`` (default; a process crash
+            loses nothing committed, a power loss may lose the last
+            transactions) or ``"full"`` (every commit is on disk before it
+            returns).  On PostgreSQL durability is the server's.
         busy_timeout: seconds to wait for another process's write lock.
         poll_interval: seconds between re-reads while waiting, to see other
             processes' writes.
@@ -2909,14 +2912,15 @@ class TaskStore:
         tombstone_ms: how long a purged id answers "expired" rather than
             "not found".
         lease_s: a runner whose heartbeat is older than this is dead.
-        max_bytes: cap on the database size (SQLite ``max_page_count``).
+        max_bytes: cap on the database size (SQLite only: ``max_page_count``).
         recover_on_open: run ``recover()`` when opening.
         readonly: open for reading only (the admin read commands do); any
             write raises StoreUnavailable.
 
     Raises:
-        StoreUnavailable: the file is not a taskstore database, was written
-            by a newer version, is read-only, or cannot be opened.
+        StoreUnavailable: the database is not a taskstore database, was
+            written by a newer version, is read-only, or cannot be opened
+            (MissingDependency: a PostgreSQL URL without psycopg).
     """
 
     def __init__(self, path=DEFAULT_DB, *, clock=time.time, synchronous="normal",
