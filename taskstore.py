@@ -955,9 +955,10 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #   expects held.  ``SQLiteEngine`` and the PostgreSQL engine (section 11)
 #   both implement it, siblings; a test holds them and the store to it.
 # - SQL both engines run is written once, in ``_SqlEngine`` and its
-#   ``_Statements``: the few words the two databases say differently (the
-#   placeholder, locking clauses, the upsert, the clock) come from each
-#   engine's ``_Dialect``.  Nothing of SQLite's is inherited by PostgreSQL.
+#   ``_Statements``, and the schema in ``SCHEMA``: the few words the two
+#   databases say differently (the placeholder, locking clauses, the upsert,
+#   the clock; column types) come from each engine's ``_Dialect`` and
+#   ``_SchemaWords``.  Nothing of SQLite's is inherited by PostgreSQL.
 # - An engine is built with ``(path, synchronous=, busy_timeout=, max_bytes=,
 #   readonly=)`` and raises StoreUnavailable when the database cannot serve.
 #   ``open_engine``, at the end of this section, picks the engine for a path
@@ -1285,8 +1286,12 @@ class _SchemaWords(typing.NamedTuple):
 # The schema, written once for both engines: SCHEMA[n] takes a database from
 # version n-1 to n.  Each engine renders it with its words (_schema_ddl): this
 # section's _SQLITE_WORDS give MIGRATIONS, section 11's give PG_MIGRATIONS.
-# SQLite keeps the text of each CREATE in sqlite_master, so SQLite's words
-# must render these statements byte for byte as earlier versions wrote them.
+# {statuses} and {policies} are the CHECKs' lists, the same on both.  SQLite
+# keeps the text of each CREATE in sqlite_master, so SQLite's words must
+# render these statements byte for byte as earlier versions wrote them
+# (hence a lone {without_rowid} is indented one space short: SQLite's word
+# starts with one).  A released version's statements never change; a
+# change is a new version.
 SCHEMA = {
     1: (
         # WITHOUT ROWID: the id is the table's key, so a create writes one
@@ -7784,7 +7789,8 @@ def make_backend(name, *, demo_delay=DEFAULT_DEMO_DELAY_S, url=DEFAULT_BACKEND_U
 #   psycopg 3 is imported only here, when a ``postgresql://`` URL is given.
 # - The SQL both engines run is section 6's ``_SqlEngine``, in this
 #   engine's ``_Dialect`` (``%s`` placeholders, ``ON CONFLICT`` upserts,
-#   the server's clock, ``SKIP LOCKED`` batches).  What PostgreSQL does
+#   the server's clock, ``SKIP LOCKED`` batches), and its ``SCHEMA`` in
+#   ``_PG_WORDS`` (64-bit integers, byte-order text).  What PostgreSQL does
 #   besides is here: rows read inside a write transaction are locked (``FOR
 #   UPDATE``), so a concurrent writer in another process waits instead of
 #   reusing an event seq; claims and retention batches skip rows another
