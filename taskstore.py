@@ -955,9 +955,10 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 #   expects held.  ``SQLiteEngine`` and the PostgreSQL engine (section 11)
 #   both implement it, siblings; a test holds them and the store to it.
 # - SQL both engines run is written once, in ``_SqlEngine`` and its
-#   ``_Statements``: the few words the two databases say differently (the
-#   placeholder, locking clauses, the upsert, the clock) come from each
-#   engine's ``_Dialect``.  Nothing of SQLite's is inherited by PostgreSQL.
+#   ``_Statements``, and the schema in ``SCHEMA``: the few words the two
+#   databases say differently (the placeholder, locking clauses, the upsert,
+#   the clock; column types) come from each engine's ``_Dialect`` and
+#   ``_SchemaWords``.  Nothing of SQLite's is inherited by PostgreSQL.
 # - An engine is built with ``(path, synchronous=, busy_timeout=, max_bytes=,
 #   readonly=)`` and raises StoreUnavailable when the database cannot serve.
 #   ``open_engine``, at the end of this section, picks the engine for a path
@@ -1269,59 +1270,94 @@ def _one_of(column, values):
     return " OR ".join(f"{column} = '{value}'" for value in values)
 
 
-_SCHEMA_V1 = (
-    # WITHOUT ROWID: the id is the table's key, so a create writes one B-tree
-    # for the row instead of a rowid table plus an id index.
-    f"""CREATE TABLE tasks (
-        id TEXT PRIMARY KEY,
-        kind TEXT NOT NULL,
-        status TEXT NOT NULL CHECK ({_one_of("status", STATES)}),
-        payload TEXT, result TEXT, error TEXT, status_message TEXT,
-        progress REAL, progress_total REAL,
-        principal TEXT,
-        policy TEXT NOT NULL CHECK ({_one_of("policy", POLICIES)}),
-        attempt INTEGER NOT NULL DEFAULT 1,
-        ttl_ms INTEGER, retention_ms INTEGER,
-        created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL,
-        finished_at INTEGER, purge_at INTEGER,
-        owner TEXT,
-        last_seq INTEGER NOT NULL DEFAULT 0,
-        first_seq INTEGER NOT NULL DEFAULT 0,
-        version INTEGER NOT NULL DEFAULT 0,
-        meta TEXT, input_request TEXT, input_answer TEXT, snapshot TEXT) WITHOUT ROWID""",
-    # Partial indexes: only the rows a query looks for pay for an index entry.
-    "CREATE INDEX tasks_queue ON tasks (kind, id) WHERE status = 'queued'",
-    "CREATE INDEX tasks_principal ON tasks (principal, id) WHERE principal IS NOT NULL",
-    "CREATE INDEX tasks_owner ON tasks (owner) WHERE owner IS NOT NULL",
-    "CREATE INDEX tasks_purge ON tasks (purge_at) WHERE purge_at IS NOT NULL",
-    """CREATE TABLE events (
-        task_id TEXT NOT NULL, seq INTEGER NOT NULL, type TEXT NOT NULL,
-        data TEXT NOT NULL, created_at INTEGER NOT NULL,
-        PRIMARY KEY (task_id, seq)) WITHOUT ROWID""",
-    """CREATE TABLE idempotency (
-        scope TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
-        task_id TEXT NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER,
-        PRIMARY KEY (scope, key)) WITHOUT ROWID""",
-    "CREATE INDEX idempotency_expiry ON idempotency (expires_at) WHERE expires_at IS NOT NULL",
-    """CREATE TABLE tombstones (
-        id TEXT PRIMARY KEY, deleted_at INTEGER NOT NULL, expires_at INTEGER NOT NULL)
-        WITHOUT ROWID""",
-    "CREATE INDEX tombstones_expiry ON tombstones (expires_at)",
-    """CREATE TABLE processes (
-        id TEXT PRIMARY KEY, pid INTEGER NOT NULL, host TEXT NOT NULL,
-        proc_start TEXT, started_at INTEGER NOT NULL, heartbeat_at INTEGER NOT NULL)
-        WITHOUT ROWID""",
-)
+class _SchemaWords(typing.NamedTuple):
+    """The words one database spells its own way in ``SCHEMA``'s statements.
 
-# Forward migrations: MIGRATIONS[n] takes a database from version n-1 to n.
-# A file at version v gets MIGRATIONS[v+1..SCHEMA_VERSION] in one transaction.
-# Version 2: an owner's cancelling tasks, found without reading its history.
-# Each runner asks with every heartbeat (cancelling_of), and through
-# tasks_owner that read every task the owner had run that the store still
-# keeps (a day's worth by default), under the lock.  This index holds
-# cancelling tasks only: a claim or a finish never writes to it.
-_SCHEMA_V2 = ("CREATE INDEX tasks_cancelling ON tasks (owner) WHERE status = 'cancelling'",)
-MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
+    Everything else in the schema (tables, columns, keys, defaults, checks,
+    indexes and their WHERE clauses) is the same text on every engine.
+    """
+
+    text: str             # a string column; ids must sort by bytes (ORDER BY id: creation order)
+    integer: str          # a 64-bit integer column
+    real: str             # a double-precision column
+    without_rowid: str    # ends a CREATE TABLE whose primary key is how the rows are stored
+
+
+# The schema, written once for both engines: SCHEMA[n] takes a database from
+# version n-1 to n.  Each engine renders it with its words (_schema_ddl): this
+# section's _SQLITE_WORDS give MIGRATIONS, section 11's give PG_MIGRATIONS.
+# {statuses} and {policies} are the CHECKs' lists, the same on both.  SQLite
+# keeps the text of each CREATE in sqlite_master, so SQLite's words must
+# render these statements byte for byte as earlier versions wrote them
+# (hence a lone {without_rowid} is indented one space short: SQLite's word
+# starts with one).  A released version's statements never change; a
+# change is a new version.
+SCHEMA = {
+    1: (
+        # WITHOUT ROWID: the id is the table's key, so a create writes one
+        # B-tree for the row instead of a rowid table plus an id index.
+        """CREATE TABLE tasks (
+        id {text} PRIMARY KEY,
+        kind {text} NOT NULL,
+        status {text} NOT NULL CHECK ({statuses}),
+        payload {text}, result {text}, error {text}, status_message {text},
+        progress {real}, progress_total {real},
+        principal {text},
+        policy {text} NOT NULL CHECK ({policies}),
+        attempt {integer} NOT NULL DEFAULT 1,
+        ttl_ms {integer}, retention_ms {integer},
+        created_at {integer} NOT NULL, updated_at {integer} NOT NULL,
+        finished_at {integer}, purge_at {integer},
+        owner {text},
+        last_seq {integer} NOT NULL DEFAULT 0,
+        first_seq {integer} NOT NULL DEFAULT 0,
+        version {integer} NOT NULL DEFAULT 0,
+        meta {text}, input_request {text}, input_answer {text}, snapshot {text}){without_rowid}""",
+        # Partial indexes: only the rows a query looks for pay for an index entry.
+        "CREATE INDEX tasks_queue ON tasks (kind, id) WHERE status = 'queued'",
+        "CREATE INDEX tasks_principal ON tasks (principal, id) WHERE principal IS NOT NULL",
+        "CREATE INDEX tasks_owner ON tasks (owner) WHERE owner IS NOT NULL",
+        "CREATE INDEX tasks_purge ON tasks (purge_at) WHERE purge_at IS NOT NULL",
+        """CREATE TABLE events (
+        task_id {text} NOT NULL, seq {integer} NOT NULL, type {text} NOT NULL,
+        data {text} NOT NULL, created_at {integer} NOT NULL,
+        PRIMARY KEY (task_id, seq)){without_rowid}""",
+        """CREATE TABLE idempotency (
+        scope {text} NOT NULL, key {text} NOT NULL, fingerprint {text} NOT NULL,
+        task_id {text} NOT NULL, created_at {integer} NOT NULL, expires_at {integer},
+        PRIMARY KEY (scope, key)){without_rowid}""",
+        "CREATE INDEX idempotency_expiry ON idempotency (expires_at) WHERE expires_at IS NOT NULL",
+        """CREATE TABLE tombstones (
+        id {text} PRIMARY KEY, deleted_at {integer} NOT NULL, expires_at {integer} NOT NULL)
+       {without_rowid}""",
+        "CREATE INDEX tombstones_expiry ON tombstones (expires_at)",
+        """CREATE TABLE processes (
+        id {text} PRIMARY KEY, pid {integer} NOT NULL, host {text} NOT NULL,
+        proc_start {text}, started_at {integer} NOT NULL, heartbeat_at {integer} NOT NULL)
+       {without_rowid}""",
+    ),
+    # Version 2: an owner's cancelling tasks, found without reading its history.
+    # Each runner asks with every heartbeat (cancelling_of), and through
+    # tasks_owner that read every task the owner had run that the store still
+    # keeps (a day's worth by default), under the lock.  This index holds
+    # cancelling tasks only: a claim or a finish never writes to it.
+    2: ("CREATE INDEX tasks_cancelling ON tasks (owner) WHERE status = 'cancelling'",),
+}
+
+
+def _schema_ddl(words):
+    """``SCHEMA`` in one engine's words (a ``_SchemaWords``): {version: statements}."""
+    fill = dict(words._asdict(), statuses=_one_of("status", STATES),
+                policies=_one_of("policy", POLICIES))
+    return {version: tuple(ddl.format_map(fill) for ddl in statements)
+            for version, statements in SCHEMA.items()}
+
+
+_SQLITE_WORDS = _SchemaWords(text="TEXT", integer="INTEGER", real="REAL",
+                             without_rowid=" WITHOUT ROWID")
+# Forward migrations: MIGRATIONS[n] takes a file from version n-1 to n.  A
+# file at version v gets MIGRATIONS[v+1..SCHEMA_VERSION] in one transaction.
+MIGRATIONS = _schema_ddl(_SQLITE_WORDS)
 
 
 _WRITABLE_COLUMNS = frozenset(_TASK_COLUMNS) | {"snapshot"}
@@ -7757,7 +7793,8 @@ def make_backend(name, *, demo_delay=DEFAULT_DEMO_DELAY_S, url=DEFAULT_BACKEND_U
 #   psycopg 3 is imported only here, when a ``postgresql://`` URL is given.
 # - The SQL both engines run is section 6's ``_SqlEngine``, in this
 #   engine's ``_Dialect`` (``%s`` placeholders, ``ON CONFLICT`` upserts,
-#   the server's clock, ``SKIP LOCKED`` batches).  What PostgreSQL does
+#   the server's clock, ``SKIP LOCKED`` batches), and its ``SCHEMA`` in
+#   ``_PG_WORDS`` (64-bit integers, byte-order text).  What PostgreSQL does
 #   besides is here: rows read inside a write transaction are locked (``FOR
 #   UPDATE``), so a concurrent writer in another process waits instead of
 #   reusing an event seq; claims and retention batches skip rows another
@@ -7808,15 +7845,11 @@ _PG_SCHEMA_LOCK = 0x7461736b           # advisory lock key of schema creation ("
 _PG_NOW_MS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
 
 
-def _pg_ddl(ddl):
-    """SQLite's DDL (section 6) for PostgreSQL: 64-bit integers, byte-order text, no rowid.
-
-    ``COLLATE "C"`` makes ``ORDER BY id`` the byte order SQLite uses, so
-    ids sort by creation time whatever the database's locale.
-    """
-    ddl = ddl.replace(" WITHOUT ROWID", "").replace(" REAL", " DOUBLE PRECISION")
-    ddl = re.sub(r"\bINTEGER\b", "BIGINT", ddl)
-    return re.sub(r"\bTEXT\b", 'TEXT COLLATE "C"', ddl)
+# PostgreSQL's words for the schema (section 6).  COLLATE "C" makes ORDER BY
+# id the byte order SQLite uses, so ids sort by creation time whatever the
+# database's locale.  A table here is a heap whatever its key: no WITHOUT ROWID.
+_PG_WORDS = _SchemaWords(text='TEXT COLLATE "C"', integer="BIGINT", real="DOUBLE PRECISION",
+                         without_rowid="")
 
 
 # _purge_at (section 5) in SQL, for the set-based moves section 6 writes.  Made
@@ -7828,11 +7861,11 @@ _PG_PURGE_AT = f"""CREATE OR REPLACE FUNCTION taskstore_purge_at(now BIGINT, cre
                     ELSE now + {LATE_FINISH_GRACE_MS} END
            WHEN retention_ms IS NOT NULL THEN now + retention_ms END $$"""
 
-# PG_MIGRATIONS[n] takes a database from version n-1 to n, like MIGRATIONS.
-PG_MIGRATIONS = {1: ("CREATE TABLE taskstore_schema (version BIGINT NOT NULL)",
-                     "INSERT INTO taskstore_schema VALUES (0)",
-                     *(_pg_ddl(ddl) for ddl in _SCHEMA_V1)),
-                 2: tuple(_pg_ddl(ddl) for ddl in _SCHEMA_V2)}
+# PG_MIGRATIONS[n] takes a database from version n-1 to n, like MIGRATIONS:
+# the same schema, after the table that holds the version (SQLite's is a pragma).
+PG_MIGRATIONS = _schema_ddl(_PG_WORDS)
+PG_MIGRATIONS[1] = ("CREATE TABLE taskstore_schema (version BIGINT NOT NULL)",
+                    "INSERT INTO taskstore_schema VALUES (0)", *PG_MIGRATIONS[1])
 
 
 def _redact_url(url):

@@ -2674,6 +2674,104 @@ class OpenErrorTests(StoreTestCase):
         self.assertEqual(roomy._engine.conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")
 
 
+class SchemaTests(StoreTestCase):
+    """The schema, written once (``taskstore.SCHEMA``), as each database's catalogue shows it.
+
+    ``catalogue()`` reads the store's database back in words neither engine
+    owns: per table its columns (name, type, not null, default) and primary
+    key; per index its table, columns and WHERE clause.  ``PgSchemaTests``
+    reads PostgreSQL's and compares it with a fresh SQLite file's.
+    """
+
+    # A column's type in neutral words, from each database's own (PostgreSQL's
+    # text must sort by bytes, as SQLite's does: collation C).
+    TYPES = {"TEXT": "text", "INTEGER": "integer", "REAL": "real",
+             ("text", "C"): "text", ("bigint", None): "integer",
+             ("double precision", None): "real"}
+
+    def catalogue(self):
+        return self.sqlite_catalogue(self.path)
+
+    def sqlite_catalogue(self, path):
+        tables, indexes = {}, {}
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            for (table,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
+                info = conn.execute(f"PRAGMA table_info({table})").fetchall()
+                # A primary key column is never NULL, declared so or not.
+                columns = [(name, self.TYPES.get(decl, decl), bool(notnull or pk), default)
+                           for _, name, decl, notnull, default, pk in info]
+                key = [row[1] for row in sorted(info, key=lambda row: row[5]) if row[5]]
+                tables[table] = (columns, key)
+            for name, table, sql in conn.execute(
+                    "SELECT name, tbl_name, sql FROM sqlite_master "
+                    "WHERE type = 'index' AND sql IS NOT NULL"):     # not a key's own index
+                columns = [row[2] for row in conn.execute(f"PRAGMA index_info({name})")]
+                indexes[name] = (table, columns, sql.partition(" WHERE ")[2] or None)
+        return tables, indexes
+
+    def test_the_catalogue_lists_every_table_and_index_of_the_schema(self):
+        text = "\n".join(ddl for ddl in itertools.chain(*taskstore.SCHEMA.values()))
+        tables, indexes = self.catalogue()
+        self.assertEqual(sorted(tables), sorted(re.findall(r"CREATE TABLE (\w+)", text)))
+        self.assertEqual(sorted(indexes), sorted(re.findall(r"CREATE INDEX (\w+)", text)))
+        self.assertEqual(tables["events"][1], ["task_id", "seq"])
+        self.assertEqual(indexes["tasks_queue"], ("tasks", ["kind", "id"], "status = 'queued'"))
+        self.assertIn(("progress", "real", False, None), tables["tasks"][0])
+        self.assertIn(("attempt", "integer", True, "1"), tables["tasks"][0])
+
+    def test_a_new_file_stores_each_released_versions_text_unchanged(self):
+        # Files made by earlier versions hold this text in sqlite_master, and
+        # opening one runs no migration: a released version's statements may
+        # not change, not even their spacing; a change is a new version.
+        with contextlib.closing(sqlite3.connect(self.path)) as conn:
+            stored = [sql for (sql,) in conn.execute(
+                "SELECT sql FROM sqlite_master WHERE sql IS NOT NULL ORDER BY rowid")]
+        self.assertEqual(stored, [ddl for version in range(1, taskstore.SCHEMA_VERSION + 1)
+                                  for ddl in taskstore.MIGRATIONS[version]])
+        released = {1: "d9ac50f3337d4940", 2: "3ab486c5339efed3"}
+        for version, digest in released.items():
+            text = "\n".join(taskstore.MIGRATIONS[version]).encode()
+            self.assertEqual(hashlib.sha256(text).hexdigest()[:16], digest, version)
+
+
+class PgSchemaTests(PostgresStoreMixin, SchemaTests):
+    __doc__ = SchemaTests.__doc__
+    sqlite_only = {"test_a_new_file_stores_each_released_versions_text_unchanged":
+                   "SQLite keeps the text of each CREATE in the file"}
+
+    def catalogue(self):
+        tables, indexes = {}, {}
+        # taskstore_schema holds PostgreSQL's version number (SQLite's is a
+        # pragma): the engine's own bookkeeping, not the schema's.
+        for table, name, kind, collation, nullable, default in self.sql(
+                "SELECT table_name, column_name, data_type, collation_name, is_nullable, "
+                "column_default FROM information_schema.columns WHERE table_schema = 'public' "
+                "AND table_name <> 'taskstore_schema' ORDER BY table_name, ordinal_position"):
+            kind = self.TYPES.get((kind, collation), (kind, collation))
+            tables.setdefault(table, ([], []))[0].append((name, kind, nullable == "NO", default))
+        for name, table, primary, columns, where in self.sql(
+                "SELECT i.relname, t.relname, x.indisprimary, "
+                "array_agg(a.attname::text ORDER BY k.ord), pg_get_expr(x.indpred, x.indrelid) "
+                "FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+                "JOIN pg_class t ON t.oid = x.indrelid "
+                "CROSS JOIN unnest(x.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) "
+                "JOIN pg_attribute a ON a.attrelid = t.oid AND a.attnum = k.attnum "
+                "WHERE t.relnamespace = 'public'::regnamespace "
+                "AND t.relname <> 'taskstore_schema' GROUP BY i.relname, t.relname, "
+                "x.indisprimary, x.indpred, x.indrelid"):
+            if primary:
+                tables[table][1].extend(columns)
+            else:       # "(status = 'queued'::text)" is SQLite's "status = 'queued'"
+                where = where and where.replace("::text", "").removeprefix("(").removesuffix(")")
+                indexes[name] = (table, columns, where)
+        return tables, indexes
+
+    def test_the_same_tables_columns_keys_and_indexes_as_sqlite(self):
+        sqlite_file = os.path.join(self.dir, "tasks.db")
+        taskstore.TaskStore(sqlite_file).close()
+        self.assertEqual(self.catalogue(), self.sqlite_catalogue(sqlite_file))
+
+
 class BadInputTests(StoreTestCase):
 
     def test_bad_arguments_raise_invalid_params_naming_the_field(self):
