@@ -2650,7 +2650,14 @@ def _created_data(kind):
 
 
 def _create_once(store, spec, idempotency):
-    """``TaskStore.create``'s body under an idempotency key: the key's task, or a new one."""
+    """``TaskStore.create``'s body under an idempotency key: a new Task, or the key's task id.
+
+    A replay writes nothing, so its task is read after the write
+    (``_replayed``), not in it: inside a write PostgreSQL locks the rows it
+    reads, and a replay holding the key's lock while it waited for the task's
+    row deadlocked with another process whose batch held that row (its
+    runner's claim) and wanted the key's lock for the next create with it.
+    """
     try:
         scope, key, fprint, expires_in_ms = idempotency
     except (TypeError, ValueError):
@@ -2666,16 +2673,22 @@ def _create_once(store, spec, idempotency):
         if row is not None and (row[2] is None or row[2] > now):
             if row[0] != fprint:
                 raise IdempotencyMismatch(key)
-            try:
-                task = store._get_locked(row[1])
-            except TaskNotFound:
-                raise TaskExpired(row[1]) from None
-            return task._replace(replayed=True)
+            return row[1]
         task = _insert_tasks_locked(store, (spec,), now)[0]
         store._engine.idempotency_put(scope, key, fprint, task.id, now,
                                      None if expires_in_ms is None else now + expires_in_ms)
         return task
     return body
+
+
+def _replayed(store, task_id):
+    """The task an idempotency key names, as a replay (``replayed=True``), read on its own."""
+    with store._engine.reading():
+        try:
+            task = store._get_locked(task_id)
+        except TaskNotFound:
+            raise TaskExpired(task_id) from None
+    return task._replace(replayed=True)
 
 
 def _insert_tasks_locked(store, specs, now=None):
@@ -3059,8 +3072,8 @@ class TaskStore:
             task = self._engine.write(lambda: _insert_tasks_locked(self, (spec,))[0])
         else:
             task = self._engine.write(_create_once(self, spec, idempotency))
-            if task.replayed:
-                return task         # nothing written
+            if isinstance(task, str):
+                return _replayed(self, task)        # nothing written
         self._waiters.committed((_Change(task, "created"),), queued=True)
         return task
 

@@ -4749,6 +4749,63 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         self.assertEqual(store.create("k").status, QUEUED)
 
 
+class PgLockOrderTests(PostgresStoreMixin, MultiProcessTestCase):
+    """Two processes' transactions never deadlock each other into a client's error.
+
+    Each test interleaves two stores' transactions on one database step by
+    step (threads and events), in the order that deadlocked.
+    """
+
+    def run_in_thread(self, target):
+        """Start *target* in a thread; a queue gets ``(result, None)`` or ``(None, error)``."""
+        done = queue.Queue()
+
+        def run():
+            try:
+                done.put((target(), None))
+            except Exception as exc:
+                done.put((None, exc))
+        self.start_thread(run)
+        return done
+
+    def test_a_replay_does_not_wait_for_the_row_of_a_task_another_transaction_holds(self):
+        # The deadlock the server reported (three replicas racing one key):
+        # process A's group-commit batch holds the key's task's row (its
+        # runner's claim) and then takes the key's lock for another create
+        # with the key; process B, holding the key's lock, wanted that row to
+        # answer its replay.  B's replay must not wait for the row at all.
+        a, b = self.open_store(), self.open_store()
+        idem = ("scope", "key", "fp", None)
+        task = a.create("k", idempotency=idem)
+        a_has_row = threading.Event()
+
+        def batch():
+            a._engine.read_task(task.id)          # in a write: the row is locked, as a claim's
+            a_has_row.set()
+            replay, error = replayed.get(timeout=TIMEOUT)     # while A holds the row
+            a._engine.idempotency_get("scope", "key")       # what A's create takes next
+            return replay, error
+        replayed = queue.Queue()
+        writer = self.run_in_thread(lambda: a._engine.write(batch))
+        self.assertTrue(a_has_row.wait(TIMEOUT))
+        self.start_thread(lambda: replayed.put(self.catch(
+            lambda: b.create("k", idempotency=idem))))
+        answer, batch_error = writer.get(timeout=2 * TIMEOUT)
+        self.assertIsNone(batch_error, "B's replay waited for the row A's transaction holds")
+        replay, error = answer
+        self.assertIsNone(error)
+        self.assertEqual((replay.id, replay.replayed), (task.id, True))
+        self.assertEqual(a.create("k", idempotency=idem).id, task.id)
+
+    @staticmethod
+    def catch(call):
+        """``(call(), None)``, or ``(None, the error it raised)``."""
+        try:
+            return call(), None
+        except Exception as exc:
+            return None, exc
+
+
 class MissingPsycopgTests(unittest.TestCase):
     """Without psycopg a PostgreSQL URL says how to install it; SQLite never needs it."""
 
