@@ -4797,6 +4797,31 @@ class PgLockOrderTests(PostgresStoreMixin, MultiProcessTestCase):
         self.assertEqual((replay.id, replay.replayed), (task.id, True))
         self.assertEqual(a.create("k", idempotency=idem).id, task.id)
 
+    def test_a_deadlock_between_two_processes_transactions_is_run_again_not_raised(self):
+        # Two processes' batches lock two tasks' rows in opposite orders (say a
+        # worker's write to its own task, then a client's cancel of the
+        # other's): the server ends one transaction to break the deadlock; its
+        # engine runs it again, once the other has committed, and neither
+        # caller sees an error.
+        a, b = self.open_store(), self.open_store()
+        first, second = a.create("k").id, a.create("k").id
+        runs = []
+
+        def crossing(store, mine, theirs, holding, other_holds):
+            def body():
+                runs.append(mine)
+                store._engine.read_task(mine)          # in a write: the row is locked
+                holding.set()
+                self.assertTrue(other_holds.wait(TIMEOUT))
+                return store._engine.read_task(theirs).id
+            return lambda: store._engine.write(body)
+        a_holds, b_holds = threading.Event(), threading.Event()
+        got_a = self.run_in_thread(crossing(a, first, second, a_holds, b_holds))
+        got_b = self.run_in_thread(crossing(b, second, first, b_holds, a_holds))
+        self.assertEqual([got_a.get(timeout=3 * TIMEOUT), got_b.get(timeout=3 * TIMEOUT)],
+                         [(second, None), (first, None)])
+        self.assertEqual(len(runs), 3, "one of them ran twice")
+
     @staticmethod
     def catch(call):
         """``(call(), None)``, or ``(None, the error it raised)``."""
