@@ -7788,6 +7788,11 @@ def make_backend(name, *, demo_delay=DEFAULT_DEMO_DELAY_S, url=DEFAULT_BACKEND_U
 #   reusing an event seq; claims and retention batches skip rows another
 #   process holds (``SKIP LOCKED``); an idempotency key is decided under a
 #   transaction-scoped advisory lock; every write notes what it changed.
+# - Deadlocks: while it holds a key's lock a create waits for no row (a
+#   replay reads its task after the write).  Rows locked in opposite orders
+#   by two processes' batches cannot be ruled out (the group commit batches
+#   unrelated callers): the transaction the server ends to break such a
+#   deadlock, never committed, is run again by ``write``.
 # - Time that decides ownership is the server's: heartbeats are written with
 #   ``clock_timestamp()`` and a registration's age is computed by the server,
 #   so hosts' clocks do not matter.  There is no pid check across hosts.
