@@ -2686,7 +2686,14 @@ def _created_data(kind):
 
 
 def _create_once(store, spec, idempotency):
-    """``TaskStore.create``'s body under an idempotency key: the key's task, or a new one."""
+    """``TaskStore.create``'s body under an idempotency key: a new Task, or the key's task id.
+
+    A replay writes nothing, so its task is read after the write
+    (``_replayed``), not in it: inside a write PostgreSQL locks the rows it
+    reads, and a replay holding the key's lock while it waited for the task's
+    row deadlocked with another process whose batch held that row (its
+    runner's claim) and wanted the key's lock for the next create with it.
+    """
     try:
         scope, key, fprint, expires_in_ms = idempotency
     except (TypeError, ValueError):
@@ -2702,16 +2709,22 @@ def _create_once(store, spec, idempotency):
         if row is not None and (row[2] is None or row[2] > now):
             if row[0] != fprint:
                 raise IdempotencyMismatch(key)
-            try:
-                task = store._get_locked(row[1])
-            except TaskNotFound:
-                raise TaskExpired(row[1]) from None
-            return task._replace(replayed=True)
+            return row[1]
         task = _insert_tasks_locked(store, (spec,), now)[0]
         store._engine.idempotency_put(scope, key, fprint, task.id, now,
                                      None if expires_in_ms is None else now + expires_in_ms)
         return task
     return body
+
+
+def _replayed(store, task_id):
+    """The task an idempotency key names, as a replay (``replayed=True``), read on its own."""
+    with store._engine.reading():
+        try:
+            task = store._get_locked(task_id)
+        except TaskNotFound:
+            raise TaskExpired(task_id) from None
+    return task._replace(replayed=True)
 
 
 def _insert_tasks_locked(store, specs, now=None):
@@ -3099,8 +3112,8 @@ class TaskStore:
             task = self._engine.write(lambda: _insert_tasks_locked(self, (spec,))[0])
         else:
             task = self._engine.write(_create_once(self, spec, idempotency))
-            if task.replayed:
-                return task         # nothing written
+            if isinstance(task, str):
+                return _replayed(self, task)        # nothing written
         self._waiters.committed((_Change(task, "created"),), queued=True)
         return task
 
@@ -3644,15 +3657,20 @@ class _Recovery:
                 rows = engine.restart_groups(selector)
             else:
                 rows = [(status, policy, None) for status, policy in present]
-            done = self._restart_locked(now, reason, selector, rows, tally)
+            # Counted afresh by each run of the body (PostgreSQL may run it
+            # again): only the committed run's counts go into the tally.
+            counted = {}
+            done = self._restart_locked(now, reason, selector, rows, counted)
             if last is None:
                 engine.unregister(proc_id)
-            return done, last
+            return done, last, counted
         with engine.bulk():
             while True:
                 now = int(store.clock() * 1000)
-                (done, requeued, changes), after = engine.write(body)
+                (done, requeued, changes), after, counted = engine.write(body)
                 store._waiters.committed(changes, queued=requeued)
+                for key, count in counted.items():
+                    tally[key] = tally.get(key, 0) + count
                 moved += done
                 if after is None:
                     return moved
@@ -3756,27 +3774,38 @@ def _reap(store, now, batch_rows):
     engine, waiters = store._engine, store._waiters
     counts = {"tasks": 0, "events": 0, "idempotency": 0, "tombstones": 0}
 
-    def reap_tasks():
-        more, deleted = engine.reap_tasks_once(now, batch_rows, counts, store.tombstone_ms)
+    def reap_tasks(counted):
+        more, deleted = engine.reap_tasks_once(now, batch_rows, counted, store.tombstone_ms)
         for task_id in deleted:
             store._waiters.cancel_events.pop(task_id, None)
         return more
     steps = [reap_tasks]
     if store.event_retention_ms is not None:
-        steps.append(lambda: engine.prune_events_once(now - store.event_retention_ms,
-                                                      batch_rows, counts))
+        steps.append(lambda counted: engine.prune_events_once(
+            now - store.event_retention_ms, batch_rows, counted))
     for table in ("idempotency", "tombstones"):
-        def delete(table=table):
+        def delete(counted, table=table):
             deleted = engine.delete_expired(table, now, batch_rows)
-            counts[table] += deleted
+            counted[table] += deleted
             return deleted == batch_rows
         steps.append(delete)
+
+    def counting(step):
+        # A body may run more than once (PostgreSQL runs a transaction it
+        # ended to break a deadlock again): each run counts afresh, and
+        # only the committed run's counts are added.
+        def body():
+            counted = dict.fromkeys(counts, 0)
+            return step(counted), counted
+        return body
     with engine.bulk():
-        for step in steps:
+        for step in map(counting, steps):
             more = True
             while more:
-                more = engine.write(step)       # one transaction a batch
+                more, counted = engine.write(step)       # one transaction a batch
                 waiters.committed()
+                for name, count in counted.items():
+                    counts[name] += count
     return counts
 
 
@@ -7800,6 +7829,11 @@ def make_backend(name, *, demo_delay=DEFAULT_DEMO_DELAY_S, url=DEFAULT_BACKEND_U
 #   reusing an event seq; claims and retention batches skip rows another
 #   process holds (``SKIP LOCKED``); an idempotency key is decided under a
 #   transaction-scoped advisory lock; every write notes what it changed.
+# - Deadlocks: while it holds a key's lock a create waits for no row (a
+#   replay reads its task after the write).  Rows locked in opposite orders
+#   by two processes' batches cannot be ruled out (the group commit batches
+#   unrelated callers): the transaction the server ends to break such a
+#   deadlock, never committed, is run again by ``write``.
 # - Time that decides ownership is the server's: heartbeats are written with
 #   ``clock_timestamp()`` and a registration's age is computed by the server,
 #   so hosts' clocks do not matter.  There is no pid check across hosts.
@@ -7834,6 +7868,11 @@ PG_INSTALL = 'pip install "taskstore[postgres]"'
 PG_CHANNEL = "taskstore"               # the NOTIFY channel of every store on a database
 PG_NOTIFY_BYTES = 7000                 # under NOTIFY's 8,000-byte payload limit
 PG_LISTEN_RETRY_S = 1.0                # between attempts to reconnect the listener
+# How many more times a write runs when the server ended its transaction to
+# break a deadlock (or for a serialization failure): see PostgresEngine.write.
+PG_WRITE_RETRIES = 3
+# The SQLSTATEs of such an ending: deadlock_detected, serialization_failure.
+_PG_RUN_AGAIN = frozenset(("40P01", "40001"))
 # Under a stream of commits the notifier sends at most once per this gap,
 # everything committed meanwhile together (see _PgNotifier); and after a
 # delivery the listener rests as long before it reads again (_PgListener).
@@ -7932,6 +7971,15 @@ class _PgConnection:
     @property
     def broken(self):
         return self.raw.closed or self.raw.broken
+
+
+class _PgConflict(StoreUnavailable):
+    """The server ended the transaction to break a deadlock (or a serialization failure).
+
+    Nothing of it was committed, so ``PostgresEngine.write`` runs its
+    bodies again; only once that has failed ``PG_WRITE_RETRIES`` times does
+    the caller get it, as the StoreUnavailable it is.
+    """
 
 
 class _PgTransaction:
@@ -8268,8 +8316,9 @@ class PostgresEngine(_SqlEngine):
     def _unavailable(self, exc):
         """Turn a psycopg error into a StoreUnavailable naming the database (never SQL)."""
         text = str(exc).strip().splitlines()
-        return StoreUnavailable(f"{self.path}: database error: {exc.__class__.__name__}: "
-                                f"{text[0] if text else ''}")
+        kind = _PgConflict if getattr(exc, "sqlstate", None) in _PG_RUN_AGAIN else StoreUnavailable
+        return kind(f"{self.path}: database error: {exc.__class__.__name__}: "
+                    f"{text[0] if text else ''}")
 
     def _migrate_locked(self):
         # Several processes opening an empty database at once: the advisory
@@ -8306,6 +8355,29 @@ class PostgresEngine(_SqlEngine):
             raise StoreUnavailable(f"{self.path}: read-only, and not at schema {SCHEMA_VERSION}")
 
     # -- transactions, notifications -------------------------------------------
+
+    def write(self, body):
+        """Run *body* through the group commit; run it again if the server broke a deadlock.
+
+        The group commit puts the bodies of unrelated callers in one
+        transaction, so two processes' transactions can lock the same rows in
+        opposite orders (a worker's write to its task and a client's cancel of
+        another process's task, in each), which no order of ours can rule
+        out.  The server then ends one of them (``deadlock detected``), and
+        every body of that batch gets a ``_PgConflict``: nothing of the
+        transaction was committed (a failed statement, or a COMMIT that
+        failed), so each runs again, now after the other transaction, in a
+        batch of the next ones, at most ``PG_WRITE_RETRIES`` times more.
+        A body must therefore leave no trace outside the database before it
+        returns: what it tells anyone else, it tells after ``write`` returns.
+        A lost connection is never run again: its commit may have happened.
+        """
+        for retries_left in range(PG_WRITE_RETRIES, -1, -1):
+            try:
+                return self._group.write(body)
+            except _PgConflict:
+                if not retries_left:
+                    raise
 
     def transaction(self):
         """One transaction (lock held): committed, then its notes sent; or rolled back."""

@@ -1635,6 +1635,30 @@ class BatchCreateTests(StoreTestCase):
                          sorted(t.id for t in self.store.list(limit=200)[0]))
 
 
+class _RunAgain(Exception):
+    """Rolls a write's first run back (``run_writes_twice``)."""
+
+
+def run_writes_twice(test, store):
+    """Run every write of *store* twice, the first run rolled back, until *test* ends.
+
+    What PostgreSQL's engine does when the server ended a transaction to
+    break a deadlock: whatever a body counted in its first run must not count.
+    """
+    write = store._engine.write
+
+    def twice(body):
+        def first():
+            body()
+            raise _RunAgain()
+        with contextlib.suppress(_RunAgain):
+            write(first)
+        return write(body)
+    patcher = unittest.mock.patch.object(store._engine, "write", twice)
+    patcher.start()
+    test.addCleanup(patcher.stop)
+
+
 class RetentionTests(StoreTestCase):
 
     def test_ttl_is_granted_up_to_the_maximum(self):
@@ -1764,6 +1788,15 @@ class RetentionTests(StoreTestCase):
         self.assertGreaterEqual(statements.count("BEGIN IMMEDIATE"), 4 + 2)
         self.assertEqual(self.store.list(), ([], None))
 
+    def test_a_reap_whose_bodies_ran_twice_counts_what_was_deleted_once(self):
+        for _ in range(3):
+            self.store.cancel(self.store.create("k", retention_ms=0).id)
+        self.store.create("k", idempotency=("s", "key", "fp", 0))
+        self.clock.advance(1)
+        run_writes_twice(self, self.store)
+        self.assertEqual(self.store.reap(), {"tasks": 3, "events": 6, "idempotency": 1,
+                                             "tombstones": 0})
+
     def test_a_long_event_log_is_reaped_in_slices(self):
         task = self.running_task(retention_ms=0)
         for i in range(1000):
@@ -1877,6 +1910,17 @@ class RecoveryTests(OwnedTaskTestCase):
             "2 queued again (policy retry), 1 cancelled (a cancel was under way)"])
         with self.assertNoLogs("taskstore", "INFO"):
             self.assertEqual(self.store.recover(), 0)       # nothing moved: nothing said
+
+    def test_a_recovery_whose_bodies_ran_twice_tallies_each_task_once(self):
+        owner = self.dead_owner()
+        self.claimed("fail", owner)
+        self.claimed("retry", owner)
+        run_writes_twice(self, self.store)
+        with self.assertLogs("taskstore", "INFO") as logs:
+            self.assertEqual(self.store.recover(), 2)
+        self.assertEqual(logs.output, [
+            "WARNING:taskstore:recovered 2 tasks of dead processes: 1 failed (policy fail), "
+            "1 queued again (policy retry)"])
 
     def test_release_in_many_small_batches_moves_each_task_once(self):
         owner = self.dead_owner()
@@ -4845,6 +4889,88 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
             store.get(task.id)              # the connection the restart broke
         self.assertEqual(store.get(task.id).id, task.id)
         self.assertEqual(store.create("k").status, QUEUED)
+
+
+class PgLockOrderTests(PostgresStoreMixin, MultiProcessTestCase):
+    """Two processes' transactions never deadlock each other into a client's error.
+
+    Each test interleaves two stores' transactions on one database step by
+    step (threads and events), in the order that deadlocked.
+    """
+
+    def run_in_thread(self, target):
+        """Start *target* in a thread; a queue gets ``(result, None)`` or ``(None, error)``."""
+        done = queue.Queue()
+
+        def run():
+            try:
+                done.put((target(), None))
+            except Exception as exc:
+                done.put((None, exc))
+        self.start_thread(run)
+        return done
+
+    def test_a_replay_does_not_wait_for_the_row_of_a_task_another_transaction_holds(self):
+        # The deadlock the server reported (three replicas racing one key):
+        # process A's group-commit batch holds the key's task's row (its
+        # runner's claim) and then takes the key's lock for another create
+        # with the key; process B, holding the key's lock, wanted that row to
+        # answer its replay.  B's replay must not wait for the row at all.
+        a, b = self.open_store(), self.open_store()
+        idem = ("scope", "key", "fp", None)
+        task = a.create("k", idempotency=idem)
+        a_has_row = threading.Event()
+
+        def batch():
+            a._engine.read_task(task.id)          # in a write: the row is locked, as a claim's
+            a_has_row.set()
+            replay, error = replayed.get(timeout=TIMEOUT)     # while A holds the row
+            a._engine.idempotency_get("scope", "key")       # what A's create takes next
+            return replay, error
+        replayed = queue.Queue()
+        writer = self.run_in_thread(lambda: a._engine.write(batch))
+        self.assertTrue(a_has_row.wait(TIMEOUT))
+        self.start_thread(lambda: replayed.put(self.catch(
+            lambda: b.create("k", idempotency=idem))))
+        answer, batch_error = writer.get(timeout=2 * TIMEOUT)
+        self.assertIsNone(batch_error, "B's replay waited for the row A's transaction holds")
+        replay, error = answer
+        self.assertIsNone(error)
+        self.assertEqual((replay.id, replay.replayed), (task.id, True))
+        self.assertEqual(a.create("k", idempotency=idem).id, task.id)
+
+    def test_a_deadlock_between_two_processes_transactions_is_run_again_not_raised(self):
+        # Two processes' batches lock two tasks' rows in opposite orders (say a
+        # worker's write to its own task, then a client's cancel of the
+        # other's): the server ends one transaction to break the deadlock; its
+        # engine runs it again, once the other has committed, and neither
+        # caller sees an error.
+        a, b = self.open_store(), self.open_store()
+        first, second = a.create("k").id, a.create("k").id
+        runs = []
+
+        def crossing(store, mine, theirs, holding, other_holds):
+            def body():
+                runs.append(mine)
+                store._engine.read_task(mine)          # in a write: the row is locked
+                holding.set()
+                self.assertTrue(other_holds.wait(TIMEOUT))
+                return store._engine.read_task(theirs).id
+            return lambda: store._engine.write(body)
+        a_holds, b_holds = threading.Event(), threading.Event()
+        got_a = self.run_in_thread(crossing(a, first, second, a_holds, b_holds))
+        got_b = self.run_in_thread(crossing(b, second, first, b_holds, a_holds))
+        self.assertEqual([got_a.get(timeout=3 * TIMEOUT), got_b.get(timeout=3 * TIMEOUT)],
+                         [(second, None), (first, None)])
+        self.assertEqual(len(runs), 3, "one of them ran twice")
+
+    @staticmethod
+    def catch(call):
+        """``(call(), None)``, or ``(None, the error it raised)``."""
+        try:
+            return call(), None
+        except Exception as exc:
+            return None, exc
 
 
 class MissingPsycopgTests(unittest.TestCase):
