@@ -1038,7 +1038,10 @@ class Engine:
         (group commit, the engine's own business); a body's error is raised
         here, and its own writes are never committed half-done.  The body
         runs the engine's data methods and nothing that waits for another
-        thread.  Called without the lock.
+        thread.  An engine may run a body again when the database broke its
+        uncommitted transaction off (PostgreSQL, for a deadlock), so a body
+        leaves no trace outside the database before ``write`` returns.
+        Called without the lock.
         """
         raise NotImplementedError
 
