@@ -1736,7 +1736,7 @@ class _Transaction:
         if self.engine.closed:
             raise StoreClosed()
         try:
-            self.engine.conn.execute("BEGIN IMMEDIATE")
+            self.engine._run("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             raise self.engine._unavailable(exc) from None
 
@@ -1745,7 +1745,7 @@ class _Transaction:
         conn = engine.conn
         try:
             if kind is None:
-                conn.execute("COMMIT")
+                engine._run("COMMIT")
             elif conn.in_transaction:
                 conn.execute("ROLLBACK")
         except sqlite3.Error as error:
@@ -2221,6 +2221,7 @@ class SQLiteEngine(_SqlEngine):
         # With synchronous=NORMAL a WAL commit is a write, not an fsync.
         self._group = _GroupCommit(self, commit_syncs=synchronous == "full")
         self._move_sql = {}
+        self._oldest_sql = {}         # oldest_queued's statement, by the number of kinds
         self._transaction = _Transaction(self)
         self._reads = _Reads(self)
         self._checkpointer = None
@@ -2243,6 +2244,13 @@ class SQLiteEngine(_SqlEngine):
                 self.conn = sqlite3.connect(self.path, timeout=busy_timeout,
                                             isolation_level=None, check_same_thread=False)
             self._open_schema(max_bytes)
+            # The statements of a verb's transaction (BEGIN, the claim's
+            # read, the compare-and-set and its event, COMMIT) run on one
+            # cursor, made once: conn.execute makes a cursor per statement,
+            # about 0.1 us each, 1.2 us of a lifecycle task's 12 statements.
+            # Only for statements read at once (fetchone, rowcount), under
+            # the lock, so that no statement cuts off another's rows.
+            self._run = self.conn.cursor().execute
         except sqlite3.Error as exc:
             if self.conn is not None:
                 self.conn.close()
@@ -2433,19 +2441,21 @@ class SQLiteEngine(_SqlEngine):
         *values* are the columns to write (``last_seq`` among them: the
         event's seq).  Returns False when the task was not in *status*.
         """
-        cursor = self.conn.execute(self._move_statement(values),
-                                   (*values.values(), task_id, status))
-        if cursor.rowcount != 1:
+        if self._run(self._move_statement(values), (*values.values(), task_id, status)
+                     ).rowcount != 1:
             return False
-        self.conn.execute(
+        self._run(
             "INSERT INTO events (task_id, seq, type, data, created_at) VALUES (?, ?, 'status', ?, ?)",
             (task_id, values["last_seq"], event_json, now))
         return True
 
     def oldest_queued(self, kinds, gen):
         """The oldest queued Task of *kinds*, or None (then noting *gen*: see ``may_have_queued``)."""
-        row = self.conn.execute(f"{_SELECT_TASK} {self._queued(kinds)} ORDER BY id LIMIT 1",
-                                kinds).fetchone()
+        sql = self._oldest_sql.get(len(kinds))
+        if sql is None:
+            sql = self._oldest_sql[len(kinds)] = (f"{_SELECT_TASK} {self._queued(kinds)} "
+                                                  "ORDER BY id LIMIT 1")
+        row = self._run(sql, kinds).fetchone()
         if row is None:
             self._empty_gen = gen
             return None
