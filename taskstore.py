@@ -2582,6 +2582,8 @@ def open_engine(path, **options):
 _MISSING = object()
 _JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
 _PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
+_TASK_INDEX = {name: i for i, name in enumerate(_TASK_COLUMNS)}   # a Task's field -> position
+_VERSION_INDEX = _TASK_INDEX["version"]
 _SUMMARY_PRINCIPAL_INDEX = TaskSummary._fields.index("principal")
 _RECOVERABLE = (QUEUED, *ACTIVE_STATES)   # an owner's tasks recovery hands to their policy
 
@@ -3026,21 +3028,24 @@ class TaskStore:
             raise InvalidTransition(task_id, status, event)
         if new in TERMINAL_STATES:
             self._waiters.cancel_events.pop(task_id, None)
-        # The Task as written: the values (JSON columns decoded: its own copy) over the row read.
-        values["version"] = task.version + 1
-        if fields:
-            values.pop("snapshot", None)
-            for name in fields.keys() & _JSON_COLUMNS:
-                if values[name] is not None:
-                    values[name] = _loads(values[name])
-        return _new_tuple(Task, map(values.pop, Task._fields, task))
+        # The Task as written: the values (JSON columns decoded: its own copy)
+        # over the row read, set by position (a Task's few written fields,
+        # not a walk of all 26).
+        row = list(task)
+        row[_VERSION_INDEX] = task.version + 1
+        for name, value in values.items():
+            index = _TASK_INDEX.get(name)       # None: snapshot, which a Task does not carry
+            if index is not None:
+                row[index] = _loads(value) if value is not None and name in _JSON_COLUMNS \
+                    else value
+        return _new_tuple(Task, row)
 
-    def _move(self, task_id, event, *, principal=None, **kwargs):
+    def _move(self, task_id, event, *, principal=None, attempt=None, fields=None, error=None):
         """Run one transition, committed before it returns; return the new Task."""
         now = int(self.clock() * 1000)
         task = self._engine.write(lambda: self._transition_locked(
             task_id if principal is None else self._get_locked(task_id, principal),
-            event, now, **kwargs))
+            event, now, attempt=attempt, fields=fields, error=error))
         self._waiters.committed((_Change(task, "status"),), task.status == QUEUED)
         return task
 
