@@ -1945,10 +1945,6 @@ class _SqlEngine(Engine):
         """Refuse new work (lock held): transaction() and reading() raise StoreClosed from now."""
         self.closed = True
 
-    def write(self, body):
-        """Run *body* through the engine's group commit (``_GroupCommit.write``)."""
-        return self._group.write(body)
-
     def changes(self):
         """Rows written on this connection so far (a body that wrote moved it)."""
         return self.conn.total_changes
@@ -2410,6 +2406,10 @@ class SQLiteEngine(_SqlEngine):
     def reading(self):
         """Hold the lock for reads whose sqlite3 errors become StoreUnavailable; yield the engine."""
         return self._reads
+
+    def write(self, body):
+        """Run *body* through the engine's group commit (``_GroupCommit.write``)."""
+        return self._group.write(body)
 
     def on_remote(self, callback):
         """Never call *callback*: SQLite tells nobody of a commit, so waiters poll the file."""
