@@ -1994,7 +1994,7 @@ class RecoveryTests(OwnedTaskTestCase):
         # index; then the empty rest.
         self.assertEqual(len(plans), 3)
         self.assertIn("PRIMARY KEY", plans[0])
-        self.assertIn("tasks_owner", plans[1])
+        self.assertIn("tasks_owned", plans[1])
 
     def test_the_heartbeats_cancel_check_reads_cancelling_tasks_only(self):
         # Each runner asks with every heartbeat: what it reads must not grow
@@ -2016,7 +2016,7 @@ class RecoveryTests(OwnedTaskTestCase):
             engine.conn.set_trace_callback(None)
         (query,) = [sql for sql in statements if sql.startswith("SELECT")]
         plan = " ".join(str(row) for row in engine.conn.execute("EXPLAIN QUERY PLAN " + query))
-        self.assertIn("tasks_cancelling", plan)
+        self.assertIn("tasks_owned", plan)
 
     def test_a_status_that_appears_after_recovery_looked_is_left_to_the_next_recover(self):
         owner = self.dead_owner()
@@ -2499,6 +2499,8 @@ class EngineRowTests(StoreTestCase):
                             idempotency=("s", "key", "f", None))
         store.claim(("k",), owner=owner)
         store.emit(task.id, "note", {"n": 1})
+        store.create("k")
+        store.claim(("k",), owner="never-registered")       # a dead owner
         now = self.clock.ms
         with engine.reading():
             rows = {
@@ -2514,7 +2516,7 @@ class EngineRowTests(StoreTestCase):
                     engine.owner_batch(owner, "", 10, taskstore._RECOVERABLE)[0]),
                 "checkpoint": engine.checkpoint(),
             }
-            procs, present = engine.recovery_view(taskstore._RECOVERABLE)
+            procs, present = engine.recovery_view(now, store.lease_ms)
         row = rows["task_row_at"]
         self.assertEqual(len(row), len(taskstore.Task._fields))
         self.assertEqual((row[0], row[-1]), (task.id, 0))
@@ -2526,7 +2528,7 @@ class EngineRowTests(StoreTestCase):
         self.assertEqual(rows["load_snapshot"], (True, None))
         self.assertEqual(rows["idempotency_get"][:2], ("f", task.id))
         self.assertEqual(rows["restart_groups"], [(RUNNING, "fail", 1)])
-        self.assertEqual(present, {owner: [(RUNNING, "fail")]})
+        self.assertEqual(present, {"never-registered": [(RUNNING, "fail")]})
         self.assertEqual({name: self.shape(value) for name, value in rows.items()}, {
             "task_row_at": self.shape(row[:-1]) + ("int",),
             "summary_at": self.shape(rows["summary_at"][:-1]) + ("int",),
@@ -2547,7 +2549,7 @@ class EngineRowTests(StoreTestCase):
         engine = self.store._engine
         with engine.reading():
             procs = engine.processes()
-            view, _ = engine.recovery_view(taskstore._RECOVERABLE)
+            view, _ = engine.recovery_view(self.clock.ms, self.store.lease_ms)
         # The same rows (the age aside: PostgreSQL's clock runs between the reads).
         self.assertEqual({k: v._replace(age_ms=None) for k, v in procs.items()},
                          {k: v._replace(age_ms=None) for k, v in view.items()})
@@ -2653,23 +2655,34 @@ class OpenErrorTests(StoreTestCase):
         self.assertIn("newer taskstore", str(cm.exception))
         self.assertIn(self.path, str(cm.exception))
 
-    def test_a_version_1_file_is_migrated_at_open_and_keeps_its_tasks(self):
-        owner = self.store.register_process()
-        task = self.store.create("k")
-        self.store.claim(("k",), owner=owner)
-        self.store.cancel(task.id)
-        self.store.close()
-        with contextlib.closing(sqlite3.connect(self.path)) as conn:   # as version 1 wrote it
-            conn.execute("DROP INDEX tasks_cancelling")
-            conn.execute("PRAGMA user_version=1")
-        with self.assertRaisesRegex(taskstore.StoreUnavailable, "not at schema 2"):
-            taskstore.TaskStore(self.path, readonly=True)      # it cannot migrate
-        store = self.open_store()
-        self.assertEqual(store.cancelling_owned(owner), {task.id})
-        with contextlib.closing(sqlite3.connect(self.path)) as conn:
-            self.assertEqual(conn.execute("PRAGMA user_version").fetchone()[0], 2)
-            self.assertEqual(conn.execute("SELECT count(*) FROM sqlite_master WHERE name = "
-                                          "'tasks_cancelling'").fetchone()[0], 1)
+    def test_an_older_file_is_migrated_at_open_and_keeps_its_tasks(self):
+        for version in range(1, taskstore.SCHEMA_VERSION):
+            with self.subTest(version=version):
+                self.store.close()
+                for suffix in ("", "-wal", "-shm"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(self.path + suffix)
+                self.store = store = self.open_store()
+                owner, cancelled, orphan = owned_history(self, store)
+                store.close()
+                with contextlib.closing(sqlite3.connect(self.path)) as conn:   # as it wrote it
+                    for ddl in downgrade(taskstore.MIGRATIONS, version):
+                        conn.execute(ddl)
+                    conn.execute(f"PRAGMA user_version={version}")
+                with self.assertRaisesRegex(taskstore.StoreUnavailable,
+                                            f"not at schema {taskstore.SCHEMA_VERSION}"):
+                    taskstore.TaskStore(self.path, readonly=True)      # it cannot migrate
+                store = self.open_store(recover_on_open=False)
+                self.assertEqual(store.cancelling_owned(owner), {cancelled})
+                self.assertEqual(store.recover(), 1)
+                self.assertEqual(store.get(orphan).status, FAILED)
+                fresh = os.path.join(self.dir, "fresh.db")
+                taskstore.TaskStore(fresh).close()
+                schema = "SELECT name, sql FROM sqlite_master ORDER BY name"
+                with contextlib.closing(sqlite3.connect(self.path)) as conn, \
+                        contextlib.closing(sqlite3.connect(fresh)) as new:
+                    self.assertEqual(conn.execute(schema).fetchall(),
+                                     new.execute(schema).fetchall())
 
     def test_migrations_bring_an_empty_file_to_the_current_version(self):
         with contextlib.closing(sqlite3.connect(self.path)) as conn:
@@ -2718,6 +2731,44 @@ class OpenErrorTests(StoreTestCase):
         self.assertEqual(roomy._engine.conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")
 
 
+def owned_history(test, store):
+    """Tasks for a migration to keep: ``(live owner, its cancelling task, a dead owner's task)``.
+
+    The owner has finished a task too; the dead owner never registered.
+    """
+    owner = store.register_process()
+    test.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+    cancelled, finished = store.create("k").id, store.create("k").id
+    for _ in range(2):
+        store.claim(("k",), owner=owner)
+    store.succeed(finished, {})
+    store.cancel(cancelled)
+    orphan = store.create("k").id
+    store.claim(("k",), owner="never-registered")
+    return owner, cancelled, orphan
+
+
+def downgrade(migrations, version):
+    """The statements that take a database at today's schema back to *version*.
+
+    Each index a later version created is dropped, and each it dropped is
+    created again as the version that made it wrote it.
+    """
+    created = {}
+    for step in sorted(migrations):
+        for ddl in migrations[step]:
+            if ddl.startswith("CREATE INDEX"):
+                created.setdefault(ddl.split()[2], ddl)
+    statements = []
+    for step in range(max(migrations), version, -1):
+        for ddl in reversed(migrations[step]):
+            verb, kind, name = ddl.split()[:3]
+            if kind != "INDEX":
+                raise AssertionError(f"no way back from {ddl!r}")
+            statements.append(f"DROP INDEX {name}" if verb == "CREATE" else created[name])
+    return statements
+
+
 class SchemaTests(StoreTestCase):
     """The schema, written once (``taskstore.SCHEMA``), as each database's catalogue shows it.
 
@@ -2736,6 +2787,12 @@ class SchemaTests(StoreTestCase):
     def catalogue(self):
         return self.sqlite_catalogue(self.path)
 
+    @staticmethod
+    def condition(where):
+        # A partial index's WHERE without its parentheses: PostgreSQL
+        # stores "(a) AND ((b) OR (c))" for "a AND (b OR c)".
+        return re.sub(r"[()]", "", where) or None if where else None
+
     def sqlite_catalogue(self, path):
         tables, indexes = {}, {}
         with contextlib.closing(sqlite3.connect(path)) as conn:
@@ -2750,14 +2807,15 @@ class SchemaTests(StoreTestCase):
                     "SELECT name, tbl_name, sql FROM sqlite_master "
                     "WHERE type = 'index' AND sql IS NOT NULL"):     # not a key's own index
                 columns = [row[2] for row in conn.execute(f"PRAGMA index_info({name})")]
-                indexes[name] = (table, columns, sql.partition(" WHERE ")[2] or None)
+                indexes[name] = (table, columns, self.condition(sql.partition(" WHERE ")[2]))
         return tables, indexes
 
     def test_the_catalogue_lists_every_table_and_index_of_the_schema(self):
         text = "\n".join(ddl for ddl in itertools.chain(*taskstore.SCHEMA.values()))
         tables, indexes = self.catalogue()
         self.assertEqual(sorted(tables), sorted(re.findall(r"CREATE TABLE (\w+)", text)))
-        self.assertEqual(sorted(indexes), sorted(re.findall(r"CREATE INDEX (\w+)", text)))
+        self.assertEqual(sorted(indexes), sorted(set(re.findall(r"CREATE INDEX (\w+)", text))
+                                                 - set(re.findall(r"DROP INDEX (\w+)", text))))
         self.assertEqual(tables["events"][1], ["task_id", "seq"])
         self.assertEqual(indexes["tasks_queue"], ("tasks", ["kind", "id"], "status = 'queued'"))
         self.assertIn(("progress", "real", False, None), tables["tasks"][0])
@@ -2770,8 +2828,11 @@ class SchemaTests(StoreTestCase):
         with contextlib.closing(sqlite3.connect(self.path)) as conn:
             stored = [sql for (sql,) in conn.execute(
                 "SELECT sql FROM sqlite_master WHERE sql IS NOT NULL ORDER BY rowid")]
-        self.assertEqual(stored, [ddl for version in range(1, taskstore.SCHEMA_VERSION + 1)
-                                  for ddl in taskstore.MIGRATIONS[version]])
+        ddl = [ddl for version in range(1, taskstore.SCHEMA_VERSION + 1)
+               for ddl in taskstore.MIGRATIONS[version]]
+        dropped = {ddl.split()[-1] for ddl in ddl if ddl.startswith("DROP")}
+        self.assertEqual(stored, [ddl for ddl in ddl if ddl.startswith("CREATE")
+                                  and ddl.split()[2] not in dropped])
         released = {1: "d9ac50f3337d4940", 2: "3ab486c5339efed3"}
         for version, digest in released.items():
             text = "\n".join(taskstore.MIGRATIONS[version]).encode()
@@ -2806,8 +2867,7 @@ class PgSchemaTests(PostgresStoreMixin, SchemaTests):
             if primary:
                 tables[table][1].extend(columns)
             else:       # "(status = 'queued'::text)" is SQLite's "status = 'queued'"
-                where = where and where.replace("::text", "").removeprefix("(").removesuffix(")")
-                indexes[name] = (table, columns, where)
+                indexes[name] = (table, columns, self.condition(where and where.replace("::text", "")))
         return tables, indexes
 
     def test_the_same_tables_columns_keys_and_indexes_as_sqlite(self):
@@ -4800,21 +4860,28 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
                          [(taskstore.SCHEMA_VERSION,)])
         self.assertEqual(self.sql("SELECT count(*) FROM tasks"), [(3,)])
 
-    def test_a_version_1_database_is_migrated_at_open_and_keeps_its_tasks(self):
-        store = self.open_store()
-        owner = store.register_process()
-        task = store.create("k")
-        store.claim(("k",), owner=owner)
-        store.cancel(task.id)
-        store.close()
-        self.sql("DROP INDEX tasks_cancelling")              # as version 1 wrote it
-        self.sql("UPDATE taskstore_schema SET version = 1")
-        with self.assertRaisesRegex(taskstore.StoreUnavailable, "not at schema 2"):
-            taskstore.TaskStore(self.path, readonly=True)      # it cannot migrate
-        self.assertEqual(self.open_store().cancelling_owned(owner), {task.id})
-        self.assertEqual(self.sql("SELECT version FROM taskstore_schema"), [(2,)])
-        self.assertEqual(self.sql("SELECT count(*) FROM pg_indexes "
-                                  "WHERE indexname = 'tasks_cancelling'"), [(1,)])
+    def test_an_older_database_is_migrated_at_open_and_keeps_its_tasks(self):
+        for version in range(1, taskstore.SCHEMA_VERSION):
+            with self.subTest(version=version):
+                self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
+                         "processes, taskstore_schema")
+                store = self.open_store()
+                owner, cancelled, orphan = owned_history(self, store)
+                store.close()
+                for ddl in downgrade(taskstore.PG_MIGRATIONS, version):   # as it wrote it
+                    self.sql(ddl)
+                self.sql("UPDATE taskstore_schema SET version = ?", (version,))
+                with self.assertRaisesRegex(taskstore.StoreUnavailable,
+                                            f"not at schema {taskstore.SCHEMA_VERSION}"):
+                    taskstore.TaskStore(self.path, readonly=True)      # it cannot migrate
+                store = self.open_store(recover_on_open=False)
+                self.assertEqual(store.cancelling_owned(owner), {cancelled})
+                self.assertEqual(store.recover(), 1)
+                self.assertEqual(store.get(orphan).status, FAILED)
+                self.assertEqual(self.sql("SELECT version FROM taskstore_schema"),
+                                 [(taskstore.SCHEMA_VERSION,)])
+                self.assertEqual(self.sql("SELECT count(*) FROM pg_indexes "
+                                          "WHERE indexname = 'tasks_owned'"), [(1,)])
 
     def test_a_newer_schema_is_refused(self):
         self.open_store().close()
