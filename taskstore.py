@@ -1358,33 +1358,40 @@ SCHEMA = {
     # keeps (a day's worth by default), under the lock.  This index holds
     # cancelling tasks only: a claim or a finish never writes to it.
     2: ("CREATE INDEX tasks_cancelling ON tasks (owner) WHERE status = 'cancelling'",),
-    # Version 3: recovery reads owners, not history.  tasks_owner held every
+    # Version 3: no read grows with the tasks kept.  tasks_owner held every
     # task any owner had run that the store still keeps (a day's worth by
     # default), and recovery read all of it to learn which owners hold
     # unfinished work: 572 ms at a million finished tasks, with every
-    # reaper pass and, on PostgreSQL, every heartbeat.  tasks_owned holds
-    # the unfinished tasks that name an owner, and nothing else: a task
-    # enters it when claimed and leaves it when it finishes, so it is as
-    # small as the work in flight.  It answers the heartbeat's cancel check
-    # too (an owner's cancelling tasks are among its unfinished ones), so
-    # tasks_cancelling goes.  Queries find it only when their WHERE repeats
-    # its condition ({owned}, _OWNED below): both databases prove a partial
-    # index usable from the query's own terms.
+    # reaper pass and, on PostgreSQL, every heartbeat.  tasks_active holds
+    # the work in flight and nothing else ({active}, _ACTIVE below): a task
+    # enters it when claimed or started and leaves it when it finishes.
+    # Recovery finds owners there, the heartbeat's cancel check an owner's
+    # cancelling tasks (so tasks_cancelling goes), and list a status in
+    # flight.  tasks_unsuccessful lets list find failed and cancelled tasks
+    # among a million completed ones; only a task that ends so writes to it.
+    # Queries use a partial index only when their WHERE repeats its
+    # condition: both databases prove it usable from the query's own terms.
     3: ("DROP INDEX tasks_owner",
         "DROP INDEX tasks_cancelling",
-        "CREATE INDEX tasks_owned ON tasks (owner, id) WHERE {owned}"),
+        "CREATE INDEX tasks_active ON tasks (owner, id) WHERE {active}",
+        "CREATE INDEX tasks_unsuccessful ON tasks (id) WHERE {unsuccessful}"),
 }
 
 
-# The rows of tasks_owned: unfinished tasks that name an owner.  A query that
-# looks for an owner's tasks repeats this text, or no index serves it.
-_OWNED = f"owner IS NOT NULL AND ({_one_of('status', UNFINISHED_STATES)})"
+# The rows of tasks_active, the work in flight: tasks claimed or started and
+# not finished, whoever runs them, and queued tasks vouched for a runner
+# (``create(owner=...)``).  A query for an owner's tasks, or for a status in
+# flight, repeats this text, or no index serves it.
+_ACTIVE = f"({_one_of('status', ACTIVE_STATES)} OR status = '{QUEUED}' AND owner IS NOT NULL)"
+# The rows of tasks_unsuccessful.
+_UNSUCCESSFUL = f"({_one_of('status', (FAILED, CANCELLED))})"
 
 
 def _schema_ddl(words):
     """``SCHEMA`` in one engine's words (a ``_SchemaWords``): {version: statements}."""
     fill = dict(words._asdict(), statuses=_one_of("status", STATES),
-                policies=_one_of("policy", POLICIES), owned=_OWNED)
+                policies=_one_of("policy", POLICIES), active=_ACTIVE,
+                unsuccessful=_UNSUCCESSFUL)
     return {version: tuple(ddl.format_map(fill) for ddl in statements)
             for version, statements in SCHEMA.items()}
 
@@ -1872,6 +1879,7 @@ class _Dialect(typing.NamedTuple):
     # How a recovery batch names its owner when the batch's key range holds
     # little but its tasks (owner_batch); None: always by the owner index.
     owner_in_range: typing.Optional[str]
+    active_tasks: str        # FROM for a list of tasks in flight: tasks_active, then a sort
     move: str                # move_task's compare-and-set; {sets} is the columns' "name = ?" list
 
 
@@ -1929,22 +1937,22 @@ class _Statements:
         self.unregister = f"DELETE FROM processes WHERE id = {p}"
         self.processes = (f"SELECT id, pid, host, proc_start, heartbeat_at, "
                           f"{d.registration_age} FROM processes")
-        # An owner's tasks are found through tasks_owned, whose condition
-        # (_OWNED) each of these repeats: they read the work in flight only.
-        owned = f"owner = {p} AND {_OWNED}"
+        # An owner's tasks are found through tasks_active, whose condition
+        # (_ACTIVE) each of these repeats: they read the work in flight only.
+        owned = f"owner = {p} AND {_ACTIVE}"
         self.cancelling_of = f"SELECT id FROM tasks WHERE {owned} AND status = '{CANCELLING}'"
         self.owner_batch_end = (f"SELECT id FROM tasks WHERE {owned} AND id > {p} "
                                 f"ORDER BY id LIMIT 1 OFFSET {p}")
         self.owner_last = f"SELECT max(id) FROM tasks WHERE {owned} AND id > {p}"
         self.owned_groups = f"SELECT DISTINCT status, policy FROM tasks WHERE {owned}"
         # Every owner named by an unfinished task, one index probe each: the
-        # next owner after the last found (a skip scan of tasks_owned, which
+        # next owner after the last found (a skip scan of tasks_active, which
         # neither database does on its own for DISTINCT).
         self.owners = (
             "WITH RECURSIVE owners (owner) AS ("
-            f"SELECT min(owner) FROM tasks WHERE {_OWNED} "
+            f"SELECT min(owner) FROM tasks WHERE {_ACTIVE} "
             "UNION ALL SELECT (SELECT min(owner) FROM tasks "
-            f"WHERE owner > owners.owner AND {_OWNED}) FROM owners WHERE owner IS NOT NULL) "
+            f"WHERE owner > owners.owner AND {_ACTIVE}) FROM owners WHERE owner IS NOT NULL) "
             "SELECT owner FROM owners WHERE owner IS NOT NULL")
         self.range_count = (f"SELECT count(*) FROM (SELECT 1 FROM tasks WHERE id > {p} "
                             f"AND id <= {p} LIMIT {p}) AS range_rows")
@@ -2073,18 +2081,28 @@ class _SqlEngine(Engine):
 
     def list_tasks(self, now, statuses, kinds, principal, before, limit):
         p = self._dialect.param
-        where, args = [f"NOT ({self._sql.expired})"], [now]
-        for column, values in (("status", statuses), ("kind", kinds)):
-            if values is not None:
-                where.append(f"{column} IN ({self._marks(values)})")
-                args.extend(values)
+        where, args, source = [f"NOT ({self._sql.expired})"], [now], "tasks"
+        if statuses is not None:
+            # Literals (the store checked them), in the partial indexes' own
+            # form: a status in flight is found in tasks_active, failed and
+            # cancelled ones in tasks_unsuccessful.  Completed and queued
+            # tasks are walked newest first: completed ones are most of what
+            # is kept, and the newest tasks are the ones still queued.
+            where.append(f"({_one_of('status', statuses)})")
+            if set(statuses) <= set(ACTIVE_STATES):
+                where.append(_ACTIVE)
+                source = self._dialect.active_tasks
+        if kinds is not None:
+            where.append(f"kind IN ({self._marks(kinds)})")
+            args.extend(kinds)
         if principal is not None:
             where.append(f"principal = {p}")
             args.append(principal)
         if before is not None:
             where.append(f"id < {p}")
             args.append(before)
-        sql = f"{_SELECT_TASK} WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT {p}"
+        sql = (f"SELECT {', '.join(_TASK_COLUMNS)} FROM {source} "
+               f"WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT {p}")
         return self.conn.execute(sql, (*args, limit)).fetchall()
 
     def event_bounds(self, task_id, now):
@@ -2198,7 +2216,7 @@ class _SqlEngine(Engine):
     def owner_batch(self, owner, after, size, statuses):
         """Select the owner's next tasks in *statuses*: ``(selector, last id or None)``.
 
-        A batch is a key range of the tasks_owned index: this owner's ids
+        A batch is a key range of the tasks_active index: this owner's ids
         after the previous batch, up to the size-th one (a walk of the
         index alone, with no row read), so the statements find it with no
         id list built in Python.  Where
@@ -2225,7 +2243,7 @@ class _SqlEngine(Engine):
         # The statuses are this module's constants, written as literals;
         # by the index, the statement repeats its condition.
         owned = (f"{column} = {p} AND status IN ({', '.join(repr(s) for s in statuses)}) "
-                 f"{'' if column == in_range else 'AND ' + _OWNED + ' '}AND id > {p}")
+                 f"{'' if column == in_range else 'AND ' + _ACTIVE + ' '}AND id > {p}")
         selector = ((owned, (owner, after)) if bound is None else
                     (owned + f" AND id <= {p}", (owner, after, bound)))
         return selector, None if last is None else last[0]
@@ -2281,10 +2299,13 @@ class SQLiteEngine(_SqlEngine):
         registration_age="NULL",        # no clock of its own: owner_dead judges by the caller's
         upsert_replaces=True,
         # The unary plus keeps SQLite's planner, which has no statistics, off
-        # tasks_owned, so each statement walks the range in the table itself
+        # tasks_active, so each statement walks the range in the table itself
         # instead of looking every row up from the index, about half the
         # cost a row.
         owner_in_range="+owner",
+        # Without statistics SQLite would rather walk every task newest first
+        # than sort the few in flight.
+        active_tasks="tasks INDEXED BY tasks_active",
         move="UPDATE tasks SET {sets}, version = version + 1 WHERE id = ? AND status = ?")
     _sql = _Statements(_dialect)
 
@@ -8297,6 +8318,7 @@ class PostgresEngine(_SqlEngine):
         registration_age=f"{_PG_NOW_MS} - heartbeat_at",     # leases in database time
         upsert_replaces=False,
         owner_in_range=None,         # a planner with statistics picks the path itself
+        active_tasks="tasks",
         # The compare-and-set and its event row in one statement (see move_task).
         move=("WITH moved AS (UPDATE tasks SET {sets}, version = version + 1 "
               "WHERE id = %s AND status = %s RETURNING last_seq) "

@@ -1994,7 +1994,7 @@ class RecoveryTests(OwnedTaskTestCase):
         # index; then the empty rest.
         self.assertEqual(len(plans), 3)
         self.assertIn("PRIMARY KEY", plans[0])
-        self.assertIn("tasks_owned", plans[1])
+        self.assertIn("tasks_active", plans[1])
 
     def test_the_heartbeats_cancel_check_reads_cancelling_tasks_only(self):
         # Each runner asks with every heartbeat: what it reads must not grow
@@ -2016,7 +2016,7 @@ class RecoveryTests(OwnedTaskTestCase):
             engine.conn.set_trace_callback(None)
         (query,) = [sql for sql in statements if sql.startswith("SELECT")]
         plan = " ".join(str(row) for row in engine.conn.execute("EXPLAIN QUERY PLAN " + query))
-        self.assertIn("tasks_owned", plan)
+        self.assertIn("tasks_active", plan)
 
     def test_a_status_that_appears_after_recovery_looked_is_left_to_the_next_recover(self):
         owner = self.dead_owner()
@@ -2355,6 +2355,162 @@ class PgRetentionTests(PostgresStoreMixin, RetentionTests):
     sqlite_only = {
         "test_reap_deletes_in_small_batches": _TRACES,
     }
+
+
+class HistoryCostTests(StoreTestCase):
+    """No verb's work grows with the finished tasks the store keeps.
+
+    The same probe runs on a store holding only the probe's own tasks and
+    on one that also keeps a history of finished tasks (volume: 3,000 at
+    the fast level, 20,000 at the full one), owned by a live runner and by
+    owners that are gone.  SQLite counts the virtual machine's steps each
+    verb takes (``set_progress_handler``): a fact, not a time.  A verb
+    that read the history would take steps in proportion to it; these may
+    take at most twice the steps on the full store.
+    """
+
+    HISTORY = volume(3_000, 20_000)
+    STEP = 10              # the progress handler's period, in VM instructions
+
+    def registered(self, store):
+        self.runner_id = store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, self.runner_id)
+        return store
+
+    def fill_history(self, store):
+        owners = [self.runner_id, "gone-1", "gone-2"]
+        tasks = store.create_many("k", [{"n": n} for n in range(self.HISTORY)],
+                                  retention_ms=86_400_000, principal="alice")
+        for n, _ in enumerate(tasks):
+            task = store.claim(("k",), owner=owners[n % 3])
+            store.emit(task.id, "progress", {"n": n})
+            store.succeed(task.id, {"n": n})
+
+    def probe(self, store):
+        """Run every verb once on *store*; ``{verb: steps}``."""
+        counted = {}
+
+        def steps(name, call):
+            count = [0]
+
+            def tick():
+                count[0] += 1
+            store._engine.conn.set_progress_handler(tick, self.STEP)
+            try:
+                result = call()
+            finally:
+                store._engine.conn.set_progress_handler(None, 0)
+            counted[name] = count[0] * self.STEP
+            return result
+        # The probe's own tasks: a page of finished ones, then one in each
+        # state a filter looks for.
+        for n in range(25):
+            task = store.create("k", {"n": n}, retention_ms=86_400_000, principal="alice")
+            store.claim(("k",), owner=self.runner_id)
+            store.succeed(task.id, {"n": n})
+        failed = store.create("k", principal="alice", retention_ms=86_400_000)
+        store.claim(("k",), owner=self.runner_id)
+        store.fail(failed.id, {"code": "boom", "message": "boom"})
+        task = steps("create", lambda: store.create("k", {"n": 1}, principal="alice"))
+        steps("claim", lambda: store.claim(("k",), owner=self.runner_id))
+        steps("get", lambda: store.get(task.id))
+        steps("summary", lambda: store.summary(task.id))
+        steps("events", lambda: store.events(task.id))
+        steps("list", lambda: store.list(limit=20))
+        steps("list running", lambda: store.list(status=RUNNING, limit=20))
+        steps("list failed", lambda: store.list(status=FAILED, limit=20))
+        steps("list succeeded", lambda: store.list(status=SUCCEEDED, limit=20))
+        steps("list kind", lambda: store.list(kind="k", limit=20))
+        steps("list principal", lambda: store.list(principal="alice", limit=20))
+        steps("heartbeat", lambda: store.heartbeat(self.runner_id))
+        steps("cancelling_owned", lambda: store.cancelling_owned(self.runner_id))
+        steps("recover", store.recover)
+        steps("reap", store.reap)
+        steps("succeed", lambda: store.succeed(task.id, {}))
+        steps("wait", lambda: store.wait(task.id, timeout=0, terminal=True))
+        started = store.create("k")
+        steps("start", lambda: store.start(started.id))
+        steps("fail", lambda: store.fail(started.id, {"code": "x", "message": "x"}))
+        cancelled = store.create("k")
+        steps("cancel", lambda: store.cancel(cancelled.id))
+        counted["open"] = self.opening_steps()
+        return counted
+
+    def opening_steps(self):
+        """The steps of opening another store on the file, recovery included."""
+        count, connect = [0], sqlite3.connect
+
+        def tick():
+            count[0] += 1
+
+        def counting_connect(*args, **kwargs):
+            conn = connect(*args, **kwargs)
+            conn.set_progress_handler(tick, self.STEP)
+            return conn
+        with unittest.mock.patch.object(taskstore.sqlite3, "connect", counting_connect):
+            taskstore.TaskStore(self.path, clock=self.clock).close()
+        return count[0] * self.STEP
+
+    def test_no_verb_reads_the_history(self):
+        empty = self.probe(self.registered(self.store))
+        self.store.close()
+        os.remove(self.path)
+        full_store = self.registered(self.open_store())
+        self.fill_history(full_store)
+        full = self.probe(full_store)
+        self.assertFlat(empty, full, f"{self.HISTORY} finished tasks")
+
+    def test_no_verb_reads_a_backlog_of_another_kind(self):
+        empty = self.probe(self.registered(self.store))
+        self.store.close()
+        os.remove(self.path)
+        full_store = self.registered(self.open_store())
+        full_store.create_many("later", [{"n": n} for n in range(self.HISTORY)])
+        self.assertFlat(empty, self.probe(full_store), f"{self.HISTORY} queued tasks")
+
+    def assertFlat(self, empty, full, kept):
+        self.assertEqual(full.keys(), empty.keys())
+        grown = {verb: (empty[verb], full[verb]) for verb in empty
+                 if full[verb] > 2 * max(empty[verb], 100)}
+        self.assertEqual(grown, {}, f"steps on an empty store, then with {kept}")
+
+
+class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
+    """No statement of recovery, the heartbeat or a list in flight scans the tasks.
+
+    PostgreSQL has no step counter a test can read: each statement these
+    verbs run on a store with a history (analysed, as autovacuum would) is
+    explained, and no plan may read the tasks table from end to end.
+    """
+
+    sqlite_only = {name: "it counts SQLite's steps" for name in (
+        "test_no_verb_reads_the_history", "test_no_verb_reads_a_backlog_of_another_kind")}
+    HISTORY = volume(600, 3_000)        # a plan, not a count: a small history shows it
+
+    def test_no_plan_scans_the_tasks(self):
+        store = self.registered(self.store)
+        self.fill_history(store)
+        running = store.create("k")
+        store.claim(("k",), owner=self.runner_id)
+        store.cancel(running.id)
+        self.sql("ANALYZE")
+        statements, execute = [], store._engine.conn.execute
+
+        def recording(sql, params=()):
+            if sql.lstrip().startswith(("SELECT", "WITH")):
+                statements.append((sql, params))
+            return execute(sql, params)
+        with unittest.mock.patch.object(store._engine.conn, "execute", recording):
+            self.assertEqual(store.recover(), 0)
+            self.assertTrue(store.heartbeat(self.runner_id))
+            self.assertEqual(store.cancelling_owned(self.runner_id), {running.id})
+            self.assertEqual([t.id for t in store.list(status=CANCELLING)[0]], [running.id])
+            self.assertEqual(store.list(status=FAILED)[0], [])
+        self.assertGreaterEqual(len(statements), 5)
+        for sql, params in statements:
+            plan = "\n".join(row[0] for row in self.sql("EXPLAIN " + sql.replace("%s", "?"),
+                                                         params))
+            self.assertNotIn("Seq Scan on tasks", plan, sql)
 
 
 class PgRecoveryTests(PostgresStoreMixin, RecoveryTests):
@@ -4881,7 +5037,7 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
                 self.assertEqual(self.sql("SELECT version FROM taskstore_schema"),
                                  [(taskstore.SCHEMA_VERSION,)])
                 self.assertEqual(self.sql("SELECT count(*) FROM pg_indexes "
-                                          "WHERE indexname = 'tasks_owned'"), [(1,)])
+                                          "WHERE indexname = 'tasks_active'"), [(1,)])
 
     def test_a_newer_schema_is_refused(self):
         self.open_store().close()
