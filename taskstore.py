@@ -4584,7 +4584,8 @@ META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
 _LESSON_ID_KEYS = ("taskId", "id")     # the lesson-era methods also take the lesson's "id"
 # 2026-07-28 dropped these methods; the -32601 says where their answer went.
-_MODERN_REPLACED = {"tasks/result": "poll tasks/get: it carries the result (or error) inline",
+_MODERN_REPLACED = {"initialize": "that era has no handshake: send server/discover",
+                    "tasks/result": "poll tasks/get: it carries the result (or error) inline",
                     "tasks/status": "use tasks/get",
                     "tasks/list": "it has no listing; keep the task ids tools/call returns"}
 _LEGACY = MCP_PROTOCOL_VERSION          # era names: the version each era is named after
@@ -5164,6 +5165,13 @@ class ToolContext:
         self.era = era
         self._capabilities = capabilities   # modern: the request's clientCapabilities
 
+    @property
+    def client_capabilities(self):
+        """The capabilities the client declared: its request's (2026-07-28), or initialize's."""
+        if self.era == _MODERN:
+            return self._capabilities or {}
+        return self._dispatcher.client_capabilities
+
     def is_cancelled(self):
         """True once the work should stop."""
         return self.cancelled.is_set()
@@ -5429,12 +5437,6 @@ class McpEras:
                 "capabilities": {"tools": {"listChanged": False},
                                  "extensions": {TASKS_EXTENSION: {}}},
                 "ttlMs": 0, "cacheScope": "private"}
-
-    @staticmethod
-    def refuse_initialize(request):
-        """2026-07-28 ``initialize`` (in the envelope): that era has no handshake (-32022)."""
-        raise UnsupportedProtocolVersion(request.params.get("protocolVersion"),
-                                         MCP_MODERN_VERSIONS)
 
 
 class McpTaskMethods:
@@ -6153,9 +6155,8 @@ class McpDispatcher:
                 "tasks/cancel":    (self.tasks.cancel,            _WRITING),
                 "tasks/list":      (self.tasks.list,              _READER),
             },
-            _MODERN: {      # no ping, tasks/result, tasks/status, tasks/list: _MODERN_REPLACED
+            _MODERN: {      # no initialize, ping, tasks/result, tasks/status, tasks/list
                 "server/discover": (self.eras.discover,           _READER),
-                "initialize":      (self.eras.refuse_initialize,  _READER),
                 "tools/list":      (self.calls.list,              _READER),
                 "tools/call":      (self.calls.call,              self._call_runs),
                 "tasks/get":       (self.tasks.get_modern,        _READER),
@@ -7265,8 +7266,12 @@ class LMSPApp:
         """Refuse new requests and end every open event stream (within _STREAM_WAKE_S)."""
         self.stopping.set()
 
-    def handle(self, method, target, headers, read_body):
-        """Route one request; every exception becomes a problem reply here."""
+    def handle(self, method, target, headers, read_body, client_gone=None):
+        """Route one request; every exception becomes a problem reply here.
+
+        *client_gone* (the transport's) says whether the client has closed
+        the connection: an MCP request that waits for its work gives up then.
+        """
         origin = None
         path, _, query = target.partition("?")
         try:
@@ -7295,7 +7300,7 @@ class LMSPApp:
                 if self.stopping.is_set():
                     raise ServiceUnavailable("the server is shutting down")
                 request = {"principal": principal, "headers": headers, "read_body": read_body,
-                           "method": method,
+                           "method": method, "client_gone": client_gone or (lambda: False),
                            "query": urllib.parse.parse_qs(query, keep_blank_values=True)
                            if query else {}}     # most requests have none: skip the parser
                 reply = op(request, *match.groups())
@@ -7670,11 +7675,12 @@ def _board_page():
 MCP_PATH = "/mcp"
 MCP_SESSION_HEADER = "Mcp-Session-Id"
 DEFAULT_MCP_MAX_SESSIONS = 1024     # 2025-11-25 sessions kept; the least recently used idle one goes
-# The HTTP status of a JSON-RPC error answer, by code: those the transport
-# specifications name.  Any other error (bad arguments, a task not found) is
-# an answer to a request that reached its method: 200.
-_MCP_ERROR_STATUS = {-32700: 400, -32600: 400, -32601: 404, -32020: 400, -32021: 400,
-                     -32022: 400}
+# The HTTP status of a JSON-RPC error answer, by era and code (else the era's
+# default).  2026-07-28 refuses with 400 (its transport names 400 for -32020,
+# -32021, -32022 and invalid _meta, and 404 for -32601); 2025-11-25 carries an
+# error answer in a 200 like any other answer, but for messages it cannot read.
+_MCP_ERROR_STATUS = {_MODERN: ({-32601: 404, -32603: 500, -32005: 503}, 400),
+                     _LEGACY: ({-32700: 400, -32600: 400}, 200)}
 # 2026-07-28: the body field the Mcp-Name header repeats, by method.
 _MCP_NAME_PARAM = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri",
                    "tasks/get": "taskId", "tasks/update": "taskId", "tasks/cancel": "taskId"}
@@ -7729,26 +7735,29 @@ def _mcp_accepts(headers):
     return "*/*" in media or {"application/json", "text/event-stream"} <= media
 
 
-def _mcp_status(message):
-    """The HTTP status that carries a JSON-RPC answer (``_MCP_ERROR_STATUS``)."""
+def _mcp_status(message, era):
+    """The HTTP status that carries a JSON-RPC answer of *era* (``_MCP_ERROR_STATUS``)."""
     error = message.get("error")
-    return _MCP_ERROR_STATUS.get(error.get("code"), 200) if isinstance(error, dict) else 200
+    if not isinstance(error, dict):
+        return 200
+    statuses, default = _MCP_ERROR_STATUS[era]
+    return statuses.get(error.get("code"), default)
 
 
 class McpStream:
-    """The answer to one MCP request whose work runs while its client waits.
+    """The SSE answer to one MCP request whose work runs while its client waits.
 
     Its work runs on a thread of its own and puts what it sends into
-    ``outbox`` (the answer last, then ``_MCP_DONE``).  As SSE (*sse*), each
-    message is one ``data:`` frame, with keep-alive comments while idle; else
-    the body is the answer alone, JSON.  It ends when the work does, when the
-    server stops, or when the client leaves (``client_gone``, set by the
-    transport), which closes the request's dispatcher: its work is cancelled.
-    Same interface as EventStream; ``close()`` gives back the stream slot.
+    ``outbox`` (the answer last, then ``_MCP_DONE``); each message is one
+    ``data:`` frame, with keep-alive comments while idle.  It ends when the
+    work does, when the server stops, or when the client leaves
+    (``client_gone``, set by the transport), which closes the request's
+    dispatcher: its work is cancelled.  Same interface as EventStream;
+    ``close()`` gives back the stream slot.
     """
 
-    def __init__(self, app, dispatcher, outbox, sse, on_close=None):
-        self.app, self.dispatcher, self.outbox, self.sse = app, dispatcher, outbox, sse
+    def __init__(self, app, dispatcher, outbox, on_close=None):
+        self.app, self.dispatcher, self.outbox = app, dispatcher, outbox
         self.complete = False
         self.client_gone = lambda: False
         self._on_close = on_close
@@ -7765,7 +7774,6 @@ class McpStream:
     def __iter__(self):
         app, keepalive = self.app, self.app.keepalive_interval
         idle_since = time.monotonic()
-        answer = None
         while True:
             try:
                 item = self.outbox.get(timeout=_MCP_WAKE_S)
@@ -7773,20 +7781,15 @@ class McpStream:
                 if app.stopping.is_set() or self.client_gone():
                     self.dispatcher.close()     # closing the stream cancels the request
                     return
-                if self.sse and time.monotonic() - idle_since >= keepalive:
+                if time.monotonic() - idle_since >= keepalive:
                     yield b": keep-alive\n\n"
                     idle_since = time.monotonic()
                 continue
             if item is _MCP_DONE:
-                break
-            if self.sse:
-                yield b"event: message\ndata: " + dumps(item).encode() + b"\n\n"
-                idle_since = time.monotonic()
-            elif "method" not in item:          # JSON: the answer alone
-                answer = item
-        if answer is not None:
-            yield dumps(answer).encode()
-        self.complete = True
+                self.complete = True
+                return
+            yield b"event: message\ndata: " + dumps(item).encode() + b"\n\n"
+            idle_since = time.monotonic()
 
 
 class _McpSession:
@@ -7930,11 +7933,11 @@ class McpHttp:
             raise ParseError(f"parse error: {exc}") from None
         kind = _message_kind(message)       # InvalidRequest: a batch, not JSON-RPC 2.0
         try:
-            return self._message(message, kind, headers, principal)
+            return self._message(message, kind, headers, principal, request["client_gone"])
         except TaskStoreError as exc:       # refused here: the answer names the request's id
             return self.error_reply(message.get("id") if kind == "request" else None, exc)
 
-    def _message(self, message, kind, headers, principal):
+    def _message(self, message, kind, headers, principal, client_gone):
         session_id = headers.get(MCP_SESSION_HEADER)
         if session_id is not None:
             return self._in_session(self._session(session_id, principal), message, kind)
@@ -7950,12 +7953,15 @@ class McpHttp:
             meta = message["params"]["_meta"]
             sse = message["method"] == "subscriptions/listen" or (
                 message["method"] == "tools/call" and meta.get("progressToken") is not None)
-            return self._answer(dispatcher, dispatcher.receive(message), outbox, sse)
+            return self._answer(dispatcher, dispatcher.receive(message), outbox, sse, _MODERN,
+                                client_gone=client_gone)
         if kind == "request" and message["method"] == "initialize":
             return self._initialize(message, principal)
-        raise InvalidRequest(f"send initialize first (MCP 2025-11-25, then its "
-                             f"{MCP_SESSION_HEADER}), or the MCP {MCP_MODERN_VERSION} envelope "
-                             f"(params._meta[{META_PROTOCOL_VERSION!r}])")
+        # What a 2026-07-28 server answers a request without its envelope (a
+        # 2025-11-25 client that probes falls back to initialize on it).
+        raise InvalidParams(f"params._meta[{META_PROTOCOL_VERSION!r}] is required (MCP "
+                            f"{MCP_MODERN_VERSION}); or send initialize first (MCP 2025-11-25), "
+                            f"then its {MCP_SESSION_HEADER}", param="_meta")
 
     def get(self, request):
         """GET /mcp: a 2025-11-25 session's standalone SSE stream; 405 without a session."""
@@ -7964,7 +7970,7 @@ class McpHttp:
             raise InvalidRequest("this session has its GET stream open already")
         outbox = queue.SimpleQueue()
         session.opened(outbox, standalone=True)
-        return self._stream(session.dispatcher, outbox, True, session.closed)
+        return self._stream(session.dispatcher, outbox, session.closed)
 
     def delete(self, request):
         """DELETE /mcp: end a 2025-11-25 session; 405 without one."""
@@ -7996,7 +8002,7 @@ class McpHttp:
         session = _McpSession(self, principal)
         [answer] = session.dispatcher.receive(message)     # initialize answers on the reader
         if "result" not in answer:
-            return Reply(_mcp_status(answer), answer)
+            return Reply(_mcp_status(answer, _LEGACY), answer)
         with self._lock:
             if len(self.sessions) >= self.max_sessions:
                 idle = next((s for s in self.sessions.values() if not s.busy), None)
@@ -8019,16 +8025,21 @@ class McpHttp:
                     item.run()
             return Reply(202, content_type=None)
         outbox = queue.SimpleQueue()
-        return self._answer(session.dispatcher, items, outbox, True, session)
+        return self._answer(session.dispatcher, items, outbox, True, _LEGACY, session)
 
-    def _answer(self, dispatcher, items, outbox, sse, session=None):
-        """Frame what ``McpDispatcher.receive`` returned for one request."""
+    def _answer(self, dispatcher, items, outbox, sse, era, session=None, client_gone=None):
+        """Frame what ``McpDispatcher.receive`` returned for one request of *era*.
+
+        Work that waits runs on a thread of its own.  As JSON (not *sse*)
+        this thread waits for its answer, so that the answer's status is the
+        HTTP status, and gives up (cancelling the work) if *client_gone*.
+        """
         for item in items:
             if not isinstance(item, McpWork):
-                return Reply(_mcp_status(item), item)
+                return Reply(_mcp_status(item, era), item)
             if item.kind != _WAITING:       # a write: here, on the connection's thread
                 answers = item.run()
-                return Reply(_mcp_status(answers[0]), answers[0]) if answers \
+                return Reply(_mcp_status(answers[0], era), answers[0]) if answers \
                     else Reply(202, content_type=None)
             if session is not None:
                 session.opened(outbox)
@@ -8039,8 +8050,11 @@ class McpHttp:
                         outbox.put(answer)
                 finally:
                     outbox.put(_MCP_DONE)
+            if not sse:
+                threading.Thread(target=run, name="taskstore-mcp-http", daemon=True).start()
+                return self._wait(dispatcher, outbox, era, client_gone)
             try:
-                reply = self._stream(dispatcher, outbox, sse,
+                reply = self._stream(dispatcher, outbox,
                                      session.closed if session is not None else None)
             except ServiceUnavailable:
                 if session is not None:
@@ -8050,16 +8064,31 @@ class McpHttp:
             return reply
         return Reply(202, content_type=None)
 
-    def _stream(self, dispatcher, outbox, sse, on_close):
+    def _wait(self, dispatcher, outbox, era, client_gone):
+        answer = None
+        while True:
+            try:
+                item = outbox.get(timeout=_MCP_WAKE_S)
+            except queue.Empty:
+                if self.app.stopping.is_set() or client_gone():
+                    dispatcher.close()      # the client left: its request is cancelled
+                    raise ConnectionAbortedError("the client left before the answer") from None
+                continue
+            if item is _MCP_DONE:
+                break
+            if "method" not in item:        # notifications have no place in a JSON answer
+                answer = item
+        if answer is None:                  # cancelled: nobody waits for an answer
+            raise ConnectionAbortedError("the request was cancelled")
+        return Reply(_mcp_status(answer, era), answer)
+
+    def _stream(self, dispatcher, outbox, on_close):
         app = self.app
         if not app._streams.acquire(blocking=False):
             raise ServiceUnavailable(f"too many event streams (at most {app.max_streams})")
-        stream = McpStream(app, dispatcher, outbox, sse, on_close)
-        if sse:
-            return Reply(200, headers=[("Cache-Control", "no-cache"),
-                                       ("X-Accel-Buffering", "no")],
-                         stream=stream, content_type="text/event-stream")
-        return Reply(200, stream=stream)
+        return Reply(200, headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")],
+                     stream=McpStream(app, dispatcher, outbox, on_close),
+                     content_type="text/event-stream")
 
     def _check_headers(self, message, headers):
         """2026-07-28: the headers that mirror the body must be there and agree with it.
@@ -8262,7 +8291,8 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
         raise ConnectionResetError("client closed the connection inside the body")
 
     def _dispatch(self):
-        reply = self.server.app.handle(self.command, self.path, self.headers, self._read_body)
+        reply = self.server.app.handle(self.command, self.path, self.headers, self._read_body,
+                                       self._client_gone)
         has_body = self.headers.get("Transfer-Encoding") or self.headers.get(
             "Content-Length", "0").strip() not in ("", "0")
         if has_body and not self._body_read:
