@@ -6678,6 +6678,7 @@ class Unauthorized(TaskStoreError):
 
     code = "unauthorized"
     http_status = 401
+    jsonrpc_code = -32600                # for /mcp: the request is refused
 
 
 class Forbidden(TaskStoreError):
@@ -6686,6 +6687,7 @@ class Forbidden(TaskStoreError):
 
     code = "forbidden"
     http_status = 403
+    jsonrpc_code = -32600                # for /mcp: the request is refused
 
 
 class RouteNotFound(TaskStoreError):
@@ -6700,6 +6702,7 @@ class MethodNotAllowed(TaskStoreError):
 
     code = "method_not_allowed"
     http_status = 405
+    jsonrpc_code = -32600                # for /mcp: the request is refused
 
     def __init__(self, method, allow):
         super().__init__(f"method {_echo(method)} is not allowed here; use {', '.join(allow)}")
@@ -6711,6 +6714,7 @@ class PayloadTooLarge(TaskStoreError):
 
     code = "payload_too_large"
     http_status = 413
+    jsonrpc_code = -32600                # for /mcp: the request is refused
 
 
 class UnsupportedMediaType(TaskStoreError):
@@ -6718,6 +6722,7 @@ class UnsupportedMediaType(TaskStoreError):
 
     code = "unsupported_media_type"
     http_status = 415
+    jsonrpc_code = -32600                # for /mcp: the request is refused
 
 
 class UnsupportedCapability(InvalidParams):
@@ -7756,8 +7761,8 @@ class McpStream:
     ``close()`` gives back the stream slot.
     """
 
-    def __init__(self, app, dispatcher, outbox, on_close=None):
-        self.app, self.dispatcher, self.outbox = app, dispatcher, outbox
+    def __init__(self, app, outbox, cancel, on_close=None, first=None):
+        self.app, self.outbox, self._cancel, self._first = app, outbox, cancel, first
         self.complete = False
         self.client_gone = lambda: False
         self._on_close = on_close
@@ -7774,12 +7779,14 @@ class McpStream:
     def __iter__(self):
         app, keepalive = self.app, self.app.keepalive_interval
         idle_since = time.monotonic()
+        if self._first is not None:
+            yield b"event: message\ndata: " + dumps(self._first).encode() + b"\n\n"
         while True:
             try:
                 item = self.outbox.get(timeout=_MCP_WAKE_S)
             except queue.Empty:
                 if app.stopping.is_set() or self.client_gone():
-                    self.dispatcher.close()     # closing the stream cancels the request
+                    self._cancel()              # closing the stream cancels the request
                     return
                 if time.monotonic() - idle_since >= keepalive:
                     yield b": keep-alive\n\n"
@@ -7940,7 +7947,8 @@ class McpHttp:
     def _message(self, message, kind, headers, principal, client_gone):
         session_id = headers.get(MCP_SESSION_HEADER)
         if session_id is not None:
-            return self._in_session(self._session(session_id, principal), message, kind)
+            return self._in_session(self._session(session_id, principal), message, kind,
+                                    client_gone)
         if kind == "response":
             raise InvalidRequest("a response is accepted only in a 2025-11-25 session "
                                  f"(with its {MCP_SESSION_HEADER}): this server asked nothing")
@@ -7948,7 +7956,7 @@ class McpHttp:
             self._check_headers(message, headers)
             if kind == "notification":      # nothing to answer; cancel by closing a stream
                 return Reply(202, content_type=None)
-            outbox = queue.SimpleQueue()
+            outbox = queue.SimpleQueue()    # what the dispatcher sends: this request's
             dispatcher = self.dispatcher(principal, outbox.put)
             meta = message["params"]["_meta"]
             sse = message["method"] == "subscriptions/listen" or (
@@ -7970,7 +7978,11 @@ class McpHttp:
             raise InvalidRequest("this session has its GET stream open already")
         outbox = queue.SimpleQueue()
         session.opened(outbox, standalone=True)
-        return self._stream(session.dispatcher, outbox, session.closed)
+        try:
+            return self._stream(outbox, lambda: None, session.closed)
+        except ServiceUnavailable:
+            session.closed(outbox)
+            raise
 
     def delete(self, request):
         """DELETE /mcp: end a 2025-11-25 session; 405 without one."""
@@ -8014,7 +8026,7 @@ class McpHttp:
             self.sessions[session.id] = session
         return Reply(200, answer, [(MCP_SESSION_HEADER, session.id)])
 
-    def _in_session(self, session, message, kind):
+    def _in_session(self, session, message, kind, client_gone):
         if _enveloped(message):
             raise InvalidRequest(f"a request of a 2025-11-25 session must not carry the MCP "
                                  f"{MCP_MODERN_VERSION} envelope")
@@ -8024,15 +8036,19 @@ class McpHttp:
                 if isinstance(item, McpWork):
                     item.run()
             return Reply(202, content_type=None)
-        outbox = queue.SimpleQueue()
-        return self._answer(session.dispatcher, items, outbox, True, _LEGACY, session)
+        return self._answer(session.dispatcher, items, queue.SimpleQueue(), True, _LEGACY, session,
+                            client_gone=client_gone)
 
     def _answer(self, dispatcher, items, outbox, sse, era, session=None, client_gone=None):
         """Frame what ``McpDispatcher.receive`` returned for one request of *era*.
 
-        Work that waits runs on a thread of its own.  As JSON (not *sse*)
-        this thread waits for its answer, so that the answer's status is the
-        HTTP status, and gives up (cancelling the work) if *client_gone*.
+        Work that waits runs on a thread of its own while this one waits for
+        its first message: the answer goes out as JSON (its status the HTTP
+        status); anything before it opens an SSE stream when *sse* allows
+        one (else it has no place in the answer and is dropped).  *outbox*
+        receives what the work sends.  The client
+        leaving (*client_gone*) cancels the request: a modern dispatcher
+        serves one request and is closed; in a session only that request is.
         """
         for item in items:
             if not isinstance(item, McpWork):
@@ -8041,8 +8057,12 @@ class McpHttp:
                 answers = item.run()
                 return Reply(_mcp_status(answers[0], era), answers[0]) if answers \
                     else Reply(202, content_type=None)
-            if session is not None:
-                session.opened(outbox)
+            if session is None:
+                cancel, on_close = dispatcher.close, None
+            else:
+                cancel = functools.partial(dispatcher.calls.cancel_inline, item.msg_id)
+                on_close = session.closed
+                session.opened(outbox)      # what the session sends goes on this stream
 
             def run(work=item):
                 try:
@@ -8050,44 +8070,40 @@ class McpHttp:
                         outbox.put(answer)
                 finally:
                     outbox.put(_MCP_DONE)
-            if not sse:
-                threading.Thread(target=run, name="taskstore-mcp-http", daemon=True).start()
-                return self._wait(dispatcher, outbox, era, client_gone)
-            try:
-                reply = self._stream(dispatcher, outbox,
-                                     session.closed if session is not None else None)
-            except ServiceUnavailable:
-                if session is not None:
-                    session.closed(outbox)
-                raise
             threading.Thread(target=run, name="taskstore-mcp-http", daemon=True).start()
-            return reply
+            try:
+                return self._wait(outbox, era, sse, cancel, on_close, client_gone)
+            except BaseException:
+                if on_close is not None:
+                    on_close(outbox)
+                raise
         return Reply(202, content_type=None)
 
-    def _wait(self, dispatcher, outbox, era, client_gone):
-        answer = None
+    def _wait(self, outbox, era, sse, cancel, on_close, client_gone):
         while True:
             try:
                 item = outbox.get(timeout=_MCP_WAKE_S)
             except queue.Empty:
                 if self.app.stopping.is_set() or client_gone():
-                    dispatcher.close()      # the client left: its request is cancelled
+                    cancel()                # the client left: its request is cancelled
                     raise ConnectionAbortedError("the client left before the answer") from None
                 continue
-            if item is _MCP_DONE:
-                break
-            if "method" not in item:        # notifications have no place in a JSON answer
-                answer = item
-        if answer is None:                  # cancelled: nobody waits for an answer
-            raise ConnectionAbortedError("the request was cancelled")
-        return Reply(_mcp_status(answer, era), answer)
+            if item is _MCP_DONE:           # cancelled: nobody waits for an answer
+                raise ConnectionAbortedError("the request was cancelled")
+            if "method" not in item:
+                if on_close is not None:
+                    on_close(outbox)
+                return Reply(_mcp_status(item, era), item)
+            if sse:
+                return self._stream(outbox, cancel, on_close, first=item)
 
-    def _stream(self, dispatcher, outbox, on_close):
+    def _stream(self, outbox, cancel, on_close, first=None):
         app = self.app
         if not app._streams.acquire(blocking=False):
+            cancel()
             raise ServiceUnavailable(f"too many event streams (at most {app.max_streams})")
         return Reply(200, headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")],
-                     stream=McpStream(app, dispatcher, outbox, on_close),
+                     stream=McpStream(app, outbox, cancel, on_close, first),
                      content_type="text/event-stream")
 
     def _check_headers(self, message, headers):
