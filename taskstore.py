@@ -5872,7 +5872,8 @@ class McpTaskNotices:
     Status notifications follow each task's event log, told once and in
     order whether this process moved the task (``on_change``, the store
     listener) or another one did (``moved``, from whoever follows
-    ``followed()``).  A 2026-07-28 task is polled: nothing about it is pushed.
+    ``followed()``).  A 2026-07-28 task is polled, or followed through
+    ``listen`` (``subscriptions/listen``), the only way anything about it is pushed.
     """
 
     def __init__(self, mcp):
@@ -7228,7 +7229,8 @@ class LMSPApp:
     transport (LMSPRequestHandler) only moves bytes.  ``tokens`` maps bearer
     token -> principal name; with none, there is no authentication.
     ``allow_origins`` are the browser origins (``--allow-origin`` patterns)
-    whose pages may call the routes, besides the server's own.
+    whose pages may call the routes, besides the server's own.  *mcp*, an
+    McpHttp, is served at ``/mcp`` behind the same guards.
     """
 
     def __init__(self, store, backend, *, tokens=None, max_body=DEFAULT_MAX_BODY,
