@@ -97,6 +97,8 @@ __all__ = [
     "response_object", "lmsp_event", "task_error_problem", "parse_idempotency_key",
     "Unauthorized", "RouteNotFound", "MethodNotAllowed", "PayloadTooLarge", "UnsupportedMediaType", "UnsupportedCapability",
     "ServiceUnavailable", "Forbidden",
+    # MCP over Streamable HTTP (section 10)
+    "McpHttp", "McpStream", "HeaderMismatch", "NotAcceptable", "SessionNotFound", "MCP_PATH",
 ]
 
 # =============================================================================
