@@ -1952,10 +1952,6 @@ class _SqlEngine(Engine):
 
     # -- tasks -----------------------------------------------------------------
 
-    def read_task(self, task_id):
-        row = self.conn.execute(self._sql.read_task, (task_id,)).fetchone()
-        return None if row is None else _task_from_row(row)
-
     def task_row_at(self, task_id, now, summary=False):
         return self.conn.execute(self._sql.summary_at if summary else self._sql.task_at,
                                  (now, task_id)).fetchone()
@@ -2480,6 +2476,10 @@ class SQLiteEngine(_SqlEngine):
             self.conn.close()
 
     # -- tasks -----------------------------------------------------------------
+
+    def read_task(self, task_id):
+        row = self._run(self._sql.read_task, (task_id,)).fetchone()
+        return None if row is None else _task_from_row(row)
 
     def move_task(self, task_id, status, values, event_json, now):
         """Compare-and-set one task from *status* to *values*; append its status event.
