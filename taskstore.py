@@ -1556,9 +1556,9 @@ class _GroupCommit:
     the leader's work instead of preceding it.  Bodies queued while the
     leader commits (the commit releases the GIL, so they do arrive) go in
     the leader's next transaction, up to ``GROUP_ROUNDS`` transactions,
-    instead of waiting for a new leader to wake up.  A lone writer leads a
-    batch of one without queueing and pays nothing more.
-    Nobody returns before its change is committed.
+    instead of waiting for a new leader to wake up.  A lone writer (no
+    leader, the engine's lock free) writes without queueing and pays
+    nothing more.  Nobody returns before its change is committed.
     """
 
     def __init__(self, engine, commit_syncs=True):
@@ -1579,28 +1579,23 @@ class _GroupCommit:
     def write(self, body):
         """Run ``body()`` in a batch (see ``_run_batch``); return its result or raise its error.
 
-        Most writes meet no other writer (a single worker, a server at rest):
-        such a lone writer leads a batch of one here, in a transaction of
-        its own, without an op to queue or a batch to run and wake, whose
-        bookkeeping cost as much as a SELECT.  Writers that arrive meanwhile
-        queue as usual; the next of them leads their batch, and the size
-        recorded here sends the writers after them the general way.
+        Most writes meet no other writer (a single worker, a server at rest).
+        One that finds no leader, no contention just now (the last batch was
+        of one) and the engine's lock free writes alone: its body in a
+        transaction of its own, without an op to queue or a batch to run and
+        wake, whose bookkeeping cost as much as a SELECT.  The engine's lock
+        is what orders it with the others: a writer that arrives meanwhile
+        finds the lock taken and goes the general way (``_write_queued``),
+        leading a batch that starts once the lone write has committed.
         """
-        group = self._group
-        with group:
-            alone = not self._group_leading and self._group_last == 1
-            if alone:               # nobody writes and nobody did just now: lead a batch of one
-                self._group_leading = True
-        if not alone:
-            return self._write_queued(body)
         engine = self._engine
-        try:
-            with engine.lock, engine.transaction():
-                return body()
-        finally:
-            with group:
-                self._group_last = 1 + len(self._group_queue)
-                self._hand_over_locked()
+        if not self._group_leading and self._group_last == 1 and engine.lock.acquire(False):
+            try:
+                with engine.transaction():
+                    return body()
+            finally:
+                engine.lock.release()
+        return self._write_queued(body)
 
     def _write_queued(self, body):
         """``write`` among other writers: queue, then wait for the leader or lead a batch."""
