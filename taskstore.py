@@ -1589,6 +1589,9 @@ class _GroupCommit:
         leading a batch that starts once the lone write has committed.
         """
         engine = self._engine
+        # Read without the group's lock: a leader that starts meanwhile waits
+        # for the engine's lock like any other writer, and a stale read only
+        # sends this writer the general way.
         if not self._group_leading and self._group_last == 1 and engine.lock.acquire(False):
             try:
                 with engine.transaction():
