@@ -1592,9 +1592,9 @@ class _GroupCommit:
     the leader's work instead of preceding it.  Bodies queued while the
     leader commits (the commit releases the GIL, so they do arrive) go in
     the leader's next transaction, up to ``GROUP_ROUNDS`` transactions,
-    instead of waiting for a new leader to wake up.  A lone writer leads a
-    batch of one without queueing (``_write_alone``) and pays nothing more.
-    Nobody returns before its change is committed.
+    instead of waiting for a new leader to wake up.  A lone writer (no
+    leader, the engine's lock free) writes without queueing and pays
+    nothing more.  Nobody returns before its change is committed.
     """
 
     def __init__(self, engine, commit_syncs=True):
@@ -1613,13 +1613,31 @@ class _GroupCommit:
         self._group_last = 1          # size of the last batch: > 1 means contention
 
     def write(self, body):
-        """Run ``body()`` in a batch (see ``_run_batch``); return its result or raise its error."""
-        with self._group:
-            alone = not self._group_leading and self._group_last == 1
-            if alone:               # nobody writes and nobody did just now: lead a batch of one
-                self._group_leading = True
-        if alone:
-            return self._write_alone(body)
+        """Run ``body()`` in a batch (see ``_run_batch``); return its result or raise its error.
+
+        Most writes meet no other writer (a single worker, a server at rest).
+        One that finds no leader, no contention just now (the last batch was
+        of one) and the engine's lock free writes alone: its body in a
+        transaction of its own, without an op to queue or a batch to run and
+        wake, whose bookkeeping cost as much as a SELECT.  The engine's lock
+        is what orders it with the others: a writer that arrives meanwhile
+        finds the lock taken and goes the general way (``_write_queued``),
+        leading a batch that starts once the lone write has committed.
+        """
+        engine = self._engine
+        # Read without the group's lock: a leader that starts meanwhile waits
+        # for the engine's lock like any other writer, and a stale read only
+        # sends this writer the general way.
+        if not self._group_leading and self._group_last == 1 and engine.lock.acquire(False):
+            try:
+                with engine.transaction():
+                    return body()
+            finally:
+                engine.lock.release()
+        return self._write_queued(body)
+
+    def _write_queued(self, body):
+        """``write`` among other writers: queue, then wait for the leader or lead a batch."""
         op = _GroupOp(body)
         with self._group:
             self._group_queue.append(op)
@@ -1637,25 +1655,6 @@ class _GroupCommit:
         if op.error is not None:
             raise op.error
         return op.result
-
-    def _write_alone(self, body):
-        """The lone writer's batch of one: what ``_lead_groups`` does for it, without the queue.
-
-        Most writes meet no other writer (a single worker, a server at rest),
-        and the general path's bookkeeping for them (an op to queue, a batch
-        to run and wake) cost as much as a SELECT.  Writers that arrive
-        meanwhile queue as usual; the next of them leads their batch, and the
-        size recorded here sends the writers after them the general way.
-        """
-        engine = self._engine
-        try:
-            with engine.lock:
-                with engine.transaction():
-                    return body()
-        finally:
-            with self._group:
-                self._group_last = 1 + len(self._group_queue)
-                self._hand_over_locked()
 
     @staticmethod
     def _wait_woken(op):
@@ -1999,10 +1998,6 @@ class _SqlEngine(Engine):
         return self.conn.total_changes
 
     # -- tasks -----------------------------------------------------------------
-
-    def read_task(self, task_id):
-        row = self.conn.execute(self._sql.read_task, (task_id,)).fetchone()
-        return None if row is None else _task_from_row(row)
 
     def task_row_at(self, task_id, now, summary=False):
         return self.conn.execute(self._sql.summary_at if summary else self._sql.task_at,
@@ -2540,6 +2535,10 @@ class SQLiteEngine(_SqlEngine):
 
     # -- tasks -----------------------------------------------------------------
 
+    def read_task(self, task_id):
+        row = self._run(self._sql.read_task, (task_id,)).fetchone()
+        return None if row is None else _task_from_row(row)
+
     def move_task(self, task_id, status, values, event_json, now):
         """Compare-and-set one task from *status* to *values*; append its status event.
 
@@ -2682,7 +2681,9 @@ _MISSING = object()
 _JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
 _PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
 _TASK_INDEX = {name: i for i, name in enumerate(_TASK_COLUMNS)}   # a Task's field -> position
-_VERSION_INDEX = _TASK_INDEX["version"]
+(_STATUS_INDEX, _UPDATED_AT_INDEX, _LAST_SEQ_INDEX, _VERSION_INDEX, _FINISHED_AT_INDEX,
+ _INPUT_REQUEST_INDEX, _PURGE_AT_INDEX) = (_TASK_INDEX[name] for name in (
+    "status", "updated_at", "last_seq", "version", "finished_at", "input_request", "purge_at"))
 _SUMMARY_PRINCIPAL_INDEX = TaskSummary._fields.index("principal")
 _RECOVERABLE = (QUEUED, *ACTIVE_STATES)   # an owner's tasks recovery hands to their policy
 
@@ -3117,10 +3118,9 @@ class TaskStore:
         here).  The table decides; the engine's compare-and-set
         (``move_task``: the row changes only if it is still in the status we
         read) writes the move and appends the ``status`` event, whose
-        sequence number the row read already tells.
-        The returned Task is the row as written, built here rather than read
-        back.  *attempt* guards against a stale worker: a task requeued since
-        it claimed it is not its to move.
+        sequence number the row read already tells.  The returned Task is
+        the row as written.  *attempt* guards against a stale worker: a task
+        requeued since it claimed it is not its to move.
         """
         if isinstance(task, str):
             task_id, task = task, self._engine.read_task(task)
@@ -3130,30 +3130,34 @@ class TaskStore:
         new = next_state(task_id, status, event)
         if attempt is not None and attempt != task.attempt:
             raise InvalidTransition(task_id, f"{status} (attempt {task.attempt})", event)
-        values = {"status": new, "updated_at": now, "last_seq": task.last_seq + 1}
+        # The Task as written, built here rather than read back: the row read
+        # with what the move writes set over it by position (the JSON columns
+        # decoded: the Task's own copy), and the same values by name for the
+        # engine's compare-and-set.
+        row = list(task)
+        row[_STATUS_INDEX] = new
+        row[_UPDATED_AT_INDEX] = now
+        row[_LAST_SEQ_INDEX] = seq = task.last_seq + 1
+        row[_VERSION_INDEX] = task.version + 1
+        values = {"status": new, "updated_at": now, "last_seq": seq}
         if fields:
             values.update(fields)
-        if new in TERMINAL_STATES:
-            values["finished_at"] = now
-            values["input_request"] = None
-            values["purge_at"] = _purge_at(now, task.created_at, task.ttl_ms, task.retention_ms)
+            for name, value in fields.items():
+                row[_TASK_INDEX[name]] = value if value is None or name not in _JSON_COLUMNS \
+                    else _loads(value)
+        terminal = new in TERMINAL_STATES
+        if terminal:
+            values["finished_at"] = row[_FINISHED_AT_INDEX] = now
+            values["input_request"] = row[_INPUT_REQUEST_INDEX] = None
+            values["purge_at"] = row[_PURGE_AT_INDEX] = _purge_at(
+                now, task.created_at, task.ttl_ms, task.retention_ms)
         # The compare-and-set: cannot fail inside the transaction; the guard is the rule.
         event_json = _plain_status_json(status, new) if message is None and error is None \
             else dumps(_status_data(status, new, message, error))
         if not self._engine.move_task(task_id, status, values, event_json, now):
             raise InvalidTransition(task_id, status, event)
-        if new in TERMINAL_STATES:
+        if terminal:
             self._waiters.cancel_events.pop(task_id, None)
-        # The Task as written: the values (JSON columns decoded: its own copy)
-        # over the row read, set by position (a Task's few written fields,
-        # not a walk of all 26).
-        row = list(task)
-        row[_VERSION_INDEX] = task.version + 1
-        for name, value in values.items():
-            index = _TASK_INDEX.get(name)       # None: snapshot, which a Task does not carry
-            if index is not None:
-                row[index] = _loads(value) if value is not None and name in _JSON_COLUMNS \
-                    else value
         return _new_tuple(Task, row)
 
     def _move(self, task_id, event, *, principal=None, attempt=None, fields=None, error=None):

@@ -1435,37 +1435,35 @@ class GroupCommitTests(StoreTestCase):
         replay = self.store.create("b", idempotency=("scope", "key", "fp", None))
         self.assertEqual((replay.id, replay.replayed), (b.result.id, True))
 
-    def test_a_lone_writer_skips_the_queue_and_hands_the_lead_to_who_came_meanwhile(self):
-        group = self.store._engine._group
-        batches = []
+    def test_a_lone_writer_skips_the_queue_and_who_comes_meanwhile_leads_a_batch_after_it(self):
+        batches, leading = [], threading.Event()
         real = taskstore._GroupCommit._run_batch
 
         def run_batch(commit, batch, *args):
             batches.append(len(batch))
+            leading.set()                       # then waits for the engine's lock
             return real(commit, batch, *args)
         came, made = threading.Event(), queue.Queue()
 
-        def body():                   # the lone writer, until another writer has queued
-            with group._group:
-                group._group_gathering = 1      # _GroupCommit.write notifies at the first
-                came.set()
-                queued = group._gather.wait_for(lambda: group._group_queue, TIMEOUT)
-                group._group_gathering = 0
-            self.assertTrue(queued, "the second writer never queued")
+        def body():                   # the lone writer, until another writer leads a batch
+            came.set()
+            self.assertTrue(leading.wait(TIMEOUT), "the second writer never led a batch")
             return taskstore._insert_tasks_locked(self.store, [self.spec("a")])[0]
         with unittest.mock.patch.object(taskstore._GroupCommit, "_run_batch", run_batch):
             alone = self.store.create("k")
-            self.assertEqual(batches, [])            # a batch of one, without the queue
+            self.assertEqual(batches, [])            # written alone, without the queue
             lone = threading.Thread(target=lambda: made.put(self.store._engine.write(body)),
                                     daemon=True)
             lone.start()
             self.assertTrue(came.wait(TIMEOUT))
-            second = self.store.create("b")      # queues: the lone writer leads; then this one
+            second = self.store.create("b")      # the lock is taken: it leads a batch of its own
             lone.join(TIMEOUT)
             first = made.get(timeout=TIMEOUT)
-            self.assertEqual(batches, [1])           # it led a batch of its own, the general way
+            self.assertEqual(batches, [1])           # the general way
             third = self.store.create("c")
             self.assertEqual(batches, [1])           # alone again: the fast way
+        # The batch ran once the lone write had committed: its id was made after.
+        self.assertLess(first.id, second.id)
         for task in (alone, first, second, third):
             self.assertEqual(self.store.get(task.id).status, QUEUED)
 
