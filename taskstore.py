@@ -184,6 +184,8 @@ DEFAULT_MAX_TTL_MS = 24 * 3600 * 1000
 DEFAULT_TOMBSTONE_MS = 24 * 3600 * 1000
 LATE_FINISH_GRACE_MS = 60 * 1000   # a task finishing after its TTL is kept this much longer
 REAP_BATCH_ROWS = 500              # tasks one reap transaction may delete, at most
+REAP_FIRST_BATCH = 50              # ... and the first one of a store (then it adapts)
+REAP_BUDGET_MS = 25                # what a reap transaction aims at: half of the 50 ms promised
 RELEASE_BATCH = 2000               # tasks one recovery transaction may move, at most
 
 # =============================================================================
@@ -3019,6 +3021,7 @@ class TaskStore:
         self.readonly = engine.readonly
         self._waiters = _Waiters()
         self._reaper = None
+        self._reap_batches = {}     # kind of reap step: the batch size it last reached (_reap)
         self._ids = _IdSequence()
         self._recovery = _Recovery(self)
         engine.on_remote(self._waiters.told)
@@ -3799,49 +3802,85 @@ class _Recovery:
 
 
 def _reap(store, now, batch_rows):
-    """``TaskStore.reap``: delete what retention says is over, batch by batch; the counts."""
+    """``TaskStore.reap``: delete what retention says is over, batch by batch; the counts.
+
+    Each kind of deletion (tasks with their events, pruned events, expired
+    idempotency keys, expired tombstones) runs in transactions of its own,
+    sized by ``_next_reap_batch`` to stay within ``REAP_BUDGET_MS``: a
+    store's first batch of a kind is small and doubles while it is fast,
+    and the size each kind reached is where the next ``reap`` starts.
+    """
     engine, waiters = store._engine, store._waiters
     counts = {"tasks": 0, "events": 0, "idempotency": 0, "tombstones": 0}
 
-    def reap_tasks(counted):
-        more, deleted = engine.reap_tasks_once(now, batch_rows, counted, store.tombstone_ms)
+    def reap_tasks(counted, size):
+        more, deleted = engine.reap_tasks_once(now, size, counted, store.tombstone_ms)
         for task_id in deleted:
             store._waiters.cancel_events.pop(task_id, None)
         return more
-    steps = [reap_tasks]
+    steps = {"tasks": reap_tasks}
     if store.event_retention_ms is not None:
-        steps.append(lambda counted: engine.prune_events_once(
-            now - store.event_retention_ms, batch_rows, counted))
+        steps["events"] = lambda counted, size: engine.prune_events_once(
+            now - store.event_retention_ms, size, counted)
     for table in ("idempotency", "tombstones"):
-        def delete(counted, table=table):
-            deleted = engine.delete_expired(table, now, batch_rows)
+        def delete(counted, size, table=table):
+            deleted = engine.delete_expired(table, now, size)
             counted[table] += deleted
-            return deleted == batch_rows
-        steps.append(delete)
+            return deleted == size
+        steps[table] = delete
 
-    def counting(step):
+    def counting(step, size, begun):
         # A body may run more than once (PostgreSQL runs a transaction it
         # ended to break a deadlock again): each run counts afresh, and
-        # only the committed run's counts are added.
+        # only the committed run's counts are added.  Its start is when the
+        # transaction holds the lock: waiting for another writer is not
+        # this transaction's length.
         def body():
+            begun[0] = store.clock()
             counted = dict.fromkeys(counts, 0)
-            return step(counted), counted
+            return step(counted, size), counted
         return body
+    sizes, begun = store._reap_batches, [0.0]
     with engine.bulk():
-        for step in map(counting, steps):
+        for kind, step in steps.items():
+            size = min(batch_rows, sizes.get(kind, REAP_FIRST_BATCH))
             more = True
             while more:
-                more, counted = engine.write(step)       # one transaction a batch
+                more, counted = engine.write(counting(step, size, begun))  # one transaction
+                size = _next_reap_batch(size, (store.clock() - begun[0]) * 1000, batch_rows)
                 waiters.committed()
                 for name, count in counted.items():
                     counts[name] += count
+            sizes[kind] = size
     return counts
+
+
+def _next_reap_batch(size, took_ms, most):
+    """The next batch size of a reap step whose batch of *size* rows took *took_ms*; at most *most*.
+
+    A batch over ``REAP_BUDGET_MS`` shrinks the next in proportion; one
+    within half of it doubles the next, which keeps that one within the
+    budget as long as a batch's time grows with its rows (no faster).
+    """
+    if took_ms > REAP_BUDGET_MS:
+        return max(1, int(size * REAP_BUDGET_MS / took_ms))
+    if took_ms <= REAP_BUDGET_MS / 2:
+        return min(most, 2 * size)
+    return min(most, size)
+
+
+def _reap_report(counts, seconds):
+    """What a reap deleted and how fast, in words: the reaper's log line and ``tasks reap``'s."""
+    kinds = ", ".join(f"{count} {kind}" for kind, count in counts.items())
+    rate = f" ({counts['tasks'] / seconds:,.0f} tasks/s)" if counts["tasks"] and seconds > 0 else ""
+    return f"reaped {kinds} in {seconds:.3f} s{rate}"
 
 
 # -- the reaper thread --------------------------------------------------------
 # The store never starts this thread on its own: the command line does, or the
 # embedding application through ``store.start_reaper()``.  A failing pass is
-# logged and the next one tries again; ``stop`` returns within one pass.
+# logged and the next one tries again; ``stop`` returns within one pass.  A pass
+# that deleted anything logs what and how fast at INFO (``_reap_report``).
 
 class Reaper(threading.Thread):
     """A daemon thread running ``store.reap()`` and ``store.recover()`` every *interval* s."""
@@ -3861,7 +3900,10 @@ class Reaper(threading.Thread):
         """One pass; errors are logged, never raised."""
         try:
             self.store.recover()
-            self.store.reap()
+            begun = time.monotonic()
+            counts = self.store.reap()
+            if any(counts.values()):
+                logger.info("%s", _reap_report(counts, time.monotonic() - begun))
         except StoreClosed:
             self._stop_event.set()
         except Exception:
@@ -10018,9 +10060,11 @@ def _tasks_events(args):
 def _tasks_reap(args):
     """``tasks reap``: one retention pass now; print what it deleted."""
     with _admin_store(args, writes=True) as store:
+        begun = time.monotonic()
         counts = store.reap()
-    print(dumps(counts) if args.json else
-          ", ".join(f"{v} {k}" for k, v in counts.items()) + " deleted")
+        seconds = time.monotonic() - begun
+    print(dumps({**counts, "seconds": round(seconds, 3)}) if args.json else
+          _reap_report(counts, seconds))
     return 0
 
 
