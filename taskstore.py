@@ -8639,11 +8639,16 @@ class PostgresEngine(_SqlEngine):
 
         As SQLite's, except that the batch is the rows this transaction
         locked (``SKIP LOCKED``): reapers in several processes take
-        different batches instead of deleting the same rows twice.
+        different batches instead of deleting the same rows twice.  The
+        batch is in ``tasks_purge``'s order, ``purge_at`` alone: that index
+        holds no id here, and ``ORDER BY purge_at, id`` sorted every expired
+        task for each batch (335 ms a batch of 500 with a million expired,
+        against 0.24 ms; a generic plan, as psycopg prepares a statement
+        at its fifth run).  The ids are the batch, so ties need no order.
         """
         rows = self.conn.execute(
             f"SELECT id, first_seq, last_seq - first_seq + 1 FROM tasks WHERE {self._sql.expired} "
-            "ORDER BY purge_at, id LIMIT %s FOR UPDATE SKIP LOCKED", (now, budget)).fetchall()
+            "ORDER BY purge_at LIMIT %s FOR UPDATE SKIP LOCKED", (now, budget)).fetchall()
         take = _reap_take(rows, budget)
         if not take and rows:
             return self._reap_slice(rows[0][0], rows[0][1], budget, counts)
@@ -8659,6 +8664,20 @@ class PostgresEngine(_SqlEngine):
             counts["tasks"] += self.conn.execute(
                 "DELETE FROM tasks WHERE id = ANY(%s)", (ids,)).rowcount
         return len(rows) == budget or take < len(rows), ids
+
+    # The shared statement's ``(key) IN (batch)`` gets a generic plan (psycopg
+    # prepares a statement at its fifth run) that hash-joins the batch with a
+    # scan of the whole table: 122 ms for 500 expired rows among 1,000,000
+    # tombstones.  The batch's row addresses, as one array, make the delete a
+    # TID scan of those rows: 2.3 ms.
+    _delete_expired = {
+        table: (f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
+                "WHERE expires_at <= %s LIMIT %s FOR UPDATE SKIP LOCKED))")
+        for table in ("idempotency", "tombstones")}
+
+    def delete_expired(self, table, now, limit):
+        """Drop up to *limit* expired rows of ``idempotency`` or ``tombstones`` by row address."""
+        return self.conn.execute(self._delete_expired[table], (now, limit)).rowcount
 
 
 # =============================================================================
