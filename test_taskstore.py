@@ -1829,6 +1829,59 @@ class RetentionTests(StoreTestCase):
         reaper.join(TIMEOUT)
         self.assertFalse(reaper.is_alive())
 
+    def test_a_reaper_pass_that_deleted_something_logs_its_rate(self):
+        self.store.cancel(self.store.create("k", retention_ms=0).id)
+        reaper = taskstore.Reaper(self.store)
+        with self.assertLogs("taskstore", "INFO") as logs:
+            reaper.run_once()
+        self.assertEqual(len(logs.output), 1)
+        self.assertRegex(logs.output[0], r"^INFO:taskstore:reaped 1 tasks, 2 events, "
+                                         r"0 idempotency, 0 tombstones in \d+\.\d{3} s"
+                                         r"( \([\d,]+ tasks/s\))?$")
+        with self.assertNoLogs("taskstore", "INFO"):
+            reaper.run_once()                   # nothing deleted: nothing said
+
+    def reap_costing(self, cost):
+        """Make each reap transaction of tasks take ``cost[0]`` ms a task on the fake clock.
+
+        Returns the list of what each one took (ms), filled as reap runs.
+        """
+        engine, took = self.store._engine, []
+        reap_once = engine.reap_tasks_once
+
+        def costly(now, budget, counts, tombstone_ms):
+            before = counts["tasks"]
+            result = reap_once(now, budget, counts, tombstone_ms)
+            took.append(cost[0] * (counts["tasks"] - before))
+            self.clock.advance(took[-1] / 1000)
+            return result
+        patch = unittest.mock.patch.object(engine, "reap_tasks_once", costly)
+        patch.start()
+        self.addCleanup(patch.stop)
+        return took
+
+    def expired_tasks(self, count):
+        for task in self.store.create_many("k", [{}] * count, retention_ms=0):
+            self.store.cancel(task.id)
+
+    def test_each_reap_transaction_stays_within_its_time_budget(self):
+        # 0.1 ms a task on the fake clock: 500 tasks (REAP_BATCH_ROWS) would
+        # take 50 ms, twice the budget.  Batches start small and double
+        # while they take at most half of it, so none goes over.
+        count, cost = volume(1_000, 10_000), [0.1]
+        self.expired_tasks(count)
+        took = self.reap_costing(cost)
+        self.assertEqual(self.store.reap()["tasks"], count)
+        self.assertLessEqual(max(took), taskstore.REAP_BUDGET_MS)
+        self.assertGreater(max(took), taskstore.REAP_BUDGET_MS / 2, "it grew to fill the budget")
+        # The tasks turn four times as costly: the first batch (of the size the
+        # last reap reached) goes over, and the next ones are cut to fit.
+        self.expired_tasks(count)
+        took[:], cost[0] = [], 0.4
+        self.assertEqual(self.store.reap()["tasks"], count)
+        self.assertGreater(took[0], taskstore.REAP_BUDGET_MS)
+        self.assertLessEqual(max(took[1:]), taskstore.REAP_BUDGET_MS)
+
 
 # ---------------------------------------------------------------------------
 # Ownership, leases and recovery (in one process; kill -9 tests further down)
