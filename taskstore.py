@@ -3847,7 +3847,7 @@ def _reap(store, now, batch_rows):
             more = True
             while more:
                 more, counted = engine.write(counting(step, size, begun))  # one transaction
-                size = _next_reap_batch(size, (store.clock() - begun[0]) * 1000, batch_rows)
+                size = _next_reap_batch(size, (store.clock() - begun[0]) * 1000, batch_rows, more)
                 waiters.committed()
                 for name, count in counted.items():
                     counts[name] += count
@@ -3855,16 +3855,18 @@ def _reap(store, now, batch_rows):
     return counts
 
 
-def _next_reap_batch(size, took_ms, most):
+def _next_reap_batch(size, took_ms, most, full):
     """The next batch size of a reap step whose batch of *size* rows took *took_ms*; at most *most*.
 
-    A batch over ``REAP_BUDGET_MS`` shrinks the next in proportion; one
-    within half of it doubles the next, which keeps that one within the
-    budget as long as a batch's time grows with its rows (no faster).
+    A batch over ``REAP_BUDGET_MS`` shrinks the next in proportion; a
+    *full* one (there may be more) within half of it doubles the next,
+    which keeps that one within the budget as long as a batch's time grows
+    with its rows (no faster).  A batch that found less than its size says
+    nothing of a full one's time: the size stays.
     """
     if took_ms > REAP_BUDGET_MS:
         return max(1, int(size * REAP_BUDGET_MS / took_ms))
-    if took_ms <= REAP_BUDGET_MS / 2:
+    if full and took_ms <= REAP_BUDGET_MS / 2:
         return min(most, 2 * size)
     return min(most, size)
 
