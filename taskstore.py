@@ -8636,6 +8636,9 @@ class PostgresEngine(_SqlEngine):
 
     # -- retention -------------------------------------------------------------
 
+    _reap_batch = (f"SELECT id, first_seq, last_seq - first_seq + 1 FROM tasks "
+                   f"WHERE {_sql.expired} ORDER BY purge_at LIMIT %s FOR UPDATE SKIP LOCKED")
+
     def reap_tasks_once(self, now, budget, counts, tombstone_ms):
         """Delete one batch of expired tasks with their events; ``(more, deleted ids)``.
 
@@ -8648,9 +8651,7 @@ class PostgresEngine(_SqlEngine):
         against 0.24 ms; a generic plan, as psycopg prepares a statement
         at its fifth run).  The ids are the batch, so ties need no order.
         """
-        rows = self.conn.execute(
-            f"SELECT id, first_seq, last_seq - first_seq + 1 FROM tasks WHERE {self._sql.expired} "
-            "ORDER BY purge_at LIMIT %s FOR UPDATE SKIP LOCKED", (now, budget)).fetchall()
+        rows = self.conn.execute(self._reap_batch, (now, budget)).fetchall()
         take = _reap_take(rows, budget)
         if not take and rows:
             return self._reap_slice(rows[0][0], rows[0][1], budget, counts)

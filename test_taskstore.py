@@ -2453,6 +2453,35 @@ class PgRetentionTests(PostgresStoreMixin, RetentionTests):
     }
 
 
+    def test_each_batch_of_a_reap_reads_its_rows_only(self):
+        # psycopg prepares a statement at its fifth run, and PostgreSQL may then
+        # plan it once for any parameters: that generic plan must start from
+        # the expiry indexes, with no scan of a table and no sort of all that
+        # is due, when 20,000 of each are due at once.
+        self.sql("INSERT INTO tasks (id, kind, status, policy, created_at, updated_at, "
+                 "finished_at, purge_at) SELECT 'task_' || lpad(g::text, 36, '0'), 'k', "
+                 "'cancelled', 'fail', 1, 1, 1, 1 FROM generate_series(1, 20000) AS g")
+        self.sql("INSERT INTO tombstones SELECT 'task_' || lpad(g::text, 36, '0'), 1, 1 "
+                 "FROM generate_series(1, 20000) AS g")
+        self.sql("INSERT INTO idempotency SELECT 's', g::text, 'f', 't', 1, 1 "
+                 "FROM generate_series(1, 20000) AS g")
+        self.sql("ANALYZE")
+        import psycopg
+        engine = self.store._engine
+        for sql in (engine._reap_batch, *engine._delete_expired.values()):
+            with self.subTest(sql=sql):
+                numbered = sql.replace("%s", "$1", 1).replace("%s", "$2", 1)
+                with psycopg.connect(self.path, autocommit=True, connect_timeout=10) as conn:
+                    conn.execute("SET plan_cache_mode = force_generic_plan")
+                    conn.execute(f"PREPARE batch (bigint, bigint) AS {numbered}")
+                    conn.execute("BEGIN")
+                    plan = "\n".join(row[0] for row in conn.execute(
+                        f"EXPLAIN ANALYZE EXECUTE batch ({self.clock.ms}, 500)"))
+                    conn.execute("ROLLBACK")
+                self.assertNotIn("Seq Scan", plan)
+                self.assertNotIn("Sort", plan)
+
+
 class PgRecoveryTests(PostgresStoreMixin, RecoveryTests):
     __doc__ = RecoveryTests.__doc__
     sqlite_only = {
