@@ -1268,7 +1268,6 @@ class Engine:
 # passes) at the same throughput, and the largest WAL about the same (4,800
 # pages against 4,500: the backstop below bounds it either way).
 CHECKPOINT_ROWS = 1000
-BULK_CHECKPOINT_ROWS = 200_000     # ... and during a bulk job (reap, recovery): see bulk()
 WAL_BACKSTOP_PAGES = 4000          # SQLite's own inline checkpoint, if the background one lags
 CHECKPOINT_TAIL_PAGES = 64         # at most this much is left for the checkpoint under the lock
 GROUP_ROUNDS = 8                   # transactions a group-commit leader runs before handing over
@@ -2418,9 +2417,9 @@ class SQLiteEngine(_SqlEngine):
         """Never call *callback*: SQLite tells nobody of a commit, so waiters poll the file."""
 
     def _checkpoint_soon_locked(self):
-        if self._bulk_depth and self.conn.total_changes - self._checkpoint_mark < BULK_CHECKPOINT_ROWS:
-            return                   # a bulk job checkpoints seldom (see bulk)
         self._checkpoint_mark = self.conn.total_changes
+        if self._bulk_depth:
+            return                   # a bulk job checkpoints once, at its end
         if self._checkpointer is None:
             try:
                 self._checkpointer = _Checkpointer(self)
@@ -2433,15 +2432,14 @@ class SQLiteEngine(_SqlEngine):
 
     @contextlib.contextmanager
     def bulk(self):
-        """Checkpoint the WAL after every ``BULK_CHECKPOINT_ROWS`` rows of a bulk job, and at its end.
+        """Checkpoint the WAL once after a bulk job instead of after every 1,000 pages.
 
-        Reap and recovery write many small transactions; checkpoints every
-        ``CHECKPOINT_ROWS`` would copy the same pages back to the database
-        file again and again.  Checkpoints move committed data between two
-        durable files, so deferring them changes nothing a crash can lose;
-        the WAL just grows for longer.  Not for the whole job, though: a
-        reap of a million tasks with five events each wrote 1.2 GB of WAL,
-        and a WAL keeps the size it reached on disk.
+        Reap and recovery write many small transactions; checkpoints during
+        the job would copy the same pages back to the database file again
+        and again.  Checkpoints move committed data between two durable
+        files, so deferring them changes nothing a crash can lose; the WAL
+        just grows for the length of the job, and the background checkpoint
+        at its end shrinks it back.
         """
         with self.lock:
             if self.closed:
