@@ -3197,6 +3197,19 @@ class AdminCommandTests(OwnedTaskTestCase):
         code, out, _ = self.run_main("tasks", "recover", "--db", self.path, "--json")
         self.assertEqual((code, json.loads(out)), (0, {"recovered": 0}))
 
+    def test_tasks_reap_prints_what_it_deleted_and_its_rate(self):
+        self.clock.now = time.time() - 3600     # an hour ago, as the CLI's clock sees it
+        for _ in range(2):
+            self.store.cancel(self.store.create("k", retention_ms=0).id)
+        code, out, _ = self.run_main("tasks", "reap", "--db", self.path)
+        self.assertEqual(code, 0)
+        self.assertRegex(out, r"^reaped 2 tasks, 4 events, 0 idempotency, 0 tombstones "
+                              r"in \d+\.\d{3} s( \([\d,]+ tasks/s\))?\n$")
+        code, out, _ = self.run_main("tasks", "reap", "--db", self.path, "--json")
+        counts = json.loads(out)
+        self.assertEqual((counts["tasks"], counts["events"]), (0, 0))
+        self.assertGreaterEqual(counts["seconds"], 0)
+
     def test_expired_tasks_have_expired_in_the_cli_before_any_reap(self):
         self.clock.now = time.time() - 3600     # an hour ago, as the CLI's clock sees it
         done = self.running_task(ttl_ms=1000)
