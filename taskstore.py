@@ -1282,6 +1282,7 @@ class Engine:
 CHECKPOINT_ROWS = 1000
 WAL_BACKSTOP_PAGES = 4000          # SQLite's own inline checkpoint, if the background one lags
 CHECKPOINT_TAIL_PAGES = 64         # at most this much is left for the checkpoint under the lock
+WAL_KEEP_BYTES = 32 * 1024 * 1024  # the WAL file is cut back to this when it restarts
 GROUP_ROUNDS = 8                   # transactions a group-commit leader runs before handing over
 GROUP_DELAY_S = 0.002              # longest a leader waits for company, only under contention
 
@@ -2399,6 +2400,10 @@ class SQLiteEngine(_SqlEngine):
         # Speed without risk: these change neither what is on disk nor when.
         conn.execute("PRAGMA temp_store=MEMORY")          # GROUP BY / sort scratch space
         conn.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")   # see _Checkpointer
+        # A bulk job (reaping a million tasks) defers checkpoints and grows the
+        # WAL past a gigabyte; SQLite reuses the file from its start, but
+        # keeps its size on disk unless told to cut it when it restarts.
+        conn.execute(f"PRAGMA journal_size_limit={WAL_KEEP_BYTES}")
         conn.create_function("taskstore_purge_at", 4, _purge_at, deterministic=True)
         if max_bytes is not None:
             page = conn.execute("PRAGMA page_size").fetchone()[0]

@@ -1292,6 +1292,29 @@ class CheckpointTests(StoreTestCase):
         self.assertTrue(checkpointer.wait_for_pass(1, TIMEOUT))
         self.assertGreaterEqual(self.rows_in_main_file(), taskstore.CHECKPOINT_ROWS // 2)
 
+    def test_a_wal_grown_by_a_bulk_job_is_cut_back_when_it_restarts(self):
+        limit = 256 * 1024
+        with unittest.mock.patch.object(taskstore, "WAL_KEEP_BYTES", limit):
+            store = self.open_store()
+        store.create_many("k", [{"i": i} for i in range(3000)], retention_ms=1)
+        # Finished long ago, all of them: one reap deletes them in one bulk job.
+        store._engine.write(lambda: store._engine.conn.execute(
+            "UPDATE tasks SET status = 'cancelled', finished_at = 1, purge_at = 1"))
+        self.assertEqual(store.reap(now=self.clock.ms)["tasks"], 3000)
+        wal = self.path + "-wal"
+        self.assertGreater(os.path.getsize(wal), limit)
+        checkpointer = store._engine._checkpointer
+        # The job's last checkpoint copies it all; the next write restarts the
+        # WAL and cuts the file back.
+        for _ in range(3):
+            passes = checkpointer.passes
+            checkpointer.poke()
+            self.assertTrue(checkpointer.wait_for_pass(passes + 1, TIMEOUT))
+            store.create("k")
+            if os.path.getsize(wal) <= limit:
+                break
+        self.assertLessEqual(os.path.getsize(wal), limit)
+
     def test_writers_never_checkpoint_below_the_backstop(self):
         pragma = self.store._engine.conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
         self.assertEqual(pragma, taskstore.WAL_BACKSTOP_PAGES)
