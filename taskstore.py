@@ -9258,11 +9258,26 @@ class PostgresEngine(_SqlEngine):
         super().append_event(task_id, seq, etype, data_json, snapshot_json, now)
         self._note("changed", (task_id,))
 
+    # The oldest queued task of each kind, by tasks_queue (kind, id), then the
+    # oldest of those.  Asked as "kind = ANY(%s) ORDER BY id", the planner
+    # walked the primary key in id order past every finished task whenever
+    # its statistics were counted while most tasks were queued (after a bulk
+    # enqueue, until autovacuum counts again): a drain by claims slowed to a
+    # halt at 60,000 tasks.  No index gives id order across kinds, so each
+    # kind is asked on its own, and as a range ordered by (kind, id): with
+    # "kind = k.kind" the planner drops the kind from the order and the
+    # primary key's order serves again; the range keeps an order that only
+    # tasks_queue gives.  Each kind's candidate stays locked until the claim
+    # commits: a claimer of several kinds holds one row a kind for a moment,
+    # and others skip it and take the next.
+    _oldest_queued = (
+        f"SELECT t.* FROM unnest(%s::text[]) AS k(kind) CROSS JOIN LATERAL ("
+        f"{_SELECT_TASK} WHERE status = '{QUEUED}' AND kind >= k.kind AND kind <= k.kind "
+        "ORDER BY kind, id LIMIT 1 FOR UPDATE SKIP LOCKED) AS t ORDER BY t.id LIMIT 1")
+
     def oldest_queued(self, kinds, gen):
         """The oldest queued Task of *kinds* no other process is claiming, or None (locked)."""
-        row = self.conn.execute(
-            f"{_SELECT_TASK} WHERE status = '{QUEUED}' AND kind = ANY(%s) "
-            "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED", (list(kinds),)).fetchone()
+        row = self.conn.execute(self._oldest_queued, (list(kinds),)).fetchone()
         if row is None:
             self._empty_gen = gen
             return None
