@@ -2181,8 +2181,11 @@ class _SqlEngine(Engine):
         if gen != self._empty_gen:
             return True
         with self.reading():
-            return self.conn.execute(f"SELECT 1 FROM tasks {self._queued(kinds)} LIMIT 1",
-                                     kinds).fetchone() is not None
+            return self.conn.execute(*self._any_queued(kinds)).fetchone() is not None
+
+    def _any_queued(self, kinds):
+        """``may_have_queued``'s statement and parameters."""
+        return f"SELECT 1 FROM tasks {self._queued(kinds)} LIMIT 1", kinds
 
     def idempotency_get(self, scope, key):
         return self.conn.execute(self._sql.idempotency_get, (scope, key)).fetchone()
@@ -9274,6 +9277,14 @@ class PostgresEngine(_SqlEngine):
         f"SELECT t.* FROM unnest(%s::text[]) AS k(kind) CROSS JOIN LATERAL ("
         f"{_SELECT_TASK} WHERE status = '{QUEUED}' AND kind >= k.kind AND kind <= k.kind "
         "ORDER BY kind, id LIMIT 1 FOR UPDATE SKIP LOCKED) AS t ORDER BY t.id LIMIT 1")
+
+    def _any_queued(self, kinds):
+        # As _oldest_queued, for the same reason: a plain "LIMIT 1" read the
+        # table from its start, past every finished task, under the same
+        # statistics.
+        return (f"SELECT 1 FROM unnest(%s::text[]) AS k(kind) CROSS JOIN LATERAL ("
+                f"SELECT id FROM tasks WHERE status = '{QUEUED}' AND kind >= k.kind "
+                "AND kind <= k.kind ORDER BY kind, id LIMIT 1) AS t LIMIT 1", (list(kinds),))
 
     def oldest_queued(self, kinds, gen):
         """The oldest queued Task of *kinds* no other process is claiming, or None (locked)."""

@@ -2678,6 +2678,8 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
             self.assertEqual([t.id for t in store.list(status=CANCELLING)[0]], [running.id])
             self.assertEqual(store.list(status=FAILED)[0], [])
             queued = store.create("k").id
+            engine = store._engine       # an idle runner's poll, as if it had found none
+            self.assertTrue(engine.may_have_queued(("k",), engine._empty_gen))
             self.assertEqual(store.claim(("k",), owner=self.runner_id).id, queued)
         self.assertGreaterEqual(len(statements), 6)
         for sql, params in statements:
