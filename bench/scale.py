@@ -1,0 +1,687 @@
+# SPDX-License-Identifier: MIT
+"""The scale benchmark: every verb on an empty store against a store that holds history.
+
+Run it from the repository root::
+
+    python3 bench/scale.py                          # SQLite, 1,000,000 finished tasks
+    python3 bench/scale.py --n 200000 --json out.json
+    python3 bench/scale.py --engine postgres --n 50000   # a throwaway PostgreSQL server
+
+Three stores are open in one process: an empty one, one holding N finished
+tasks (``--n``) and one holding ``--queued`` queued tasks.  Each is filled
+through the public API only, as a server's runners would have filled it:
+``create_many`` in small batches of one kind and one principal (a mix of a
+few of each), then per task a ``claim`` and its outcome (mostly
+``succeed``; some ``fail``; a few cancelled while running), with a
+retention of 24 hours as a server grants by default, so every finished
+task has a ``purge_at`` and is kept.  A finished task has 3 or 4 events
+(``created``, the claim's ``status``, the finish; a cancel adds one).
+Several threads fill (one store each on PostgreSQL, one shared store on
+SQLite, whose group commit serves them together), each a registered
+runner released when the fill ends.
+
+Then the same cycle of verbs runs on the three stores in turn, in a
+rotating order, ``--reps`` times; each call is timed on its own, and the
+table shows the median and the 99th percentile per verb and store, and the
+ratio of each filled store's figure to the empty store's.  A ratio above
+1.5 is flagged: the verb's cost grows with what the store holds.  Last, on
+the store of finished tasks, "reap at volume": the clock jumps past every
+task's retention and one ``reap()`` deletes all of them; its total time,
+rate and longest transaction are reported.
+
+No figure is traded for durability: the stores run with their defaults
+(SQLite ``synchronous=normal``; PostgreSQL's own settings).  The machine
+may be shared: its load average is printed with the figures.
+"""
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import random
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+
+# The module under test is the one in the folder above this one.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import taskstore                                        # noqa: E402
+from taskstore import TaskStore                         # noqa: E402
+
+RETENTION_MS = 24 * 3600 * 1000       # a server's default (the HTTP server's --retention)
+KINDS = ("report", "render", "email")
+KIND_WEIGHTS = (5, 3, 2)
+PRINCIPALS = tuple(f"user{i:02d}" for i in range(20))
+FILL_BATCH = 50             # tasks per create_many while filling: one kind, one principal
+FILL_THREADS = 4            # fill threads (PostgreSQL: a store, so a connection, each)
+FAIL_SHARE = 0.07           # of the filled tasks: failed ...
+CANCEL_SHARE = 0.03         # ... cancelled while running; the rest succeeded
+SAMPLE_IDS = 2000           # ids of filled tasks kept for "get (an older task)"
+RATIO_FLAG = 1.5            # a filled store's figure above this multiple of the empty one's
+DEAD_TASKS = 3              # tasks the dead owner of "recover (a dead owner)" holds
+# The probe: the tasks the cycle makes, and the filters of the list rows.
+# The filters select the probe tasks (the newest of their kind) and a share
+# of the filled ones; the two "none match" rows select (almost) nothing.
+PROBE_KIND = KINDS[0]
+PROBE_PRINCIPAL = PRINCIPALS[0]
+PAYLOAD = {"topic": "quarterly figures", "pages": 12, "format": "pdf"}
+RESULT = {"ok": True, "url": "https://example.invalid/r/0123456789abcdef", "pages": 12}
+ERROR = {"code": "E_UPSTREAM", "message": "the upstream service answered 503"}
+LIST_LIMIT = 20
+
+# verb row names, in the table's order
+VERBS = (
+    "create", "get", "get (an older task)", "summary", "events",
+    "list", "list status=succeeded", f"list kind={PROBE_KIND}",
+    f"list principal={PROBE_PRINCIPAL}", "list status=running (few or none match)",
+    "list kind=rare (none match)",
+    "wait (finished task)", "wait (woken by a change)",
+    "claim", "start", "succeed", "fail", "cancel (queued)", "cancel (running)",
+    "heartbeat", "cancelling_owned", "recover (nothing to do)",
+    f"recover (a dead owner, {DEAD_TASKS} tasks)", "reap (nothing to do)", "open",
+)
+
+
+def percentile(values, q):
+    """The *q* quantile (0..1) of *values*: the smallest value with at least q of them at or below."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def _fmt(seconds):
+    if seconds is None:
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+def _loadavg():
+    with contextlib.suppress(OSError, AttributeError):
+        return [round(x, 2) for x in os.getloadavg()]
+    return None
+
+
+# -- the engines: where the three stores live ----------------------------------
+
+class SQLiteSide:
+    """Three SQLite files in a temporary directory."""
+
+    name = "sqlite"
+
+    def __init__(self, directory):
+        self.dir = directory
+        self.shared_fill_store = True       # group commit serves the fill threads together
+
+    def target(self, name):
+        return os.path.join(self.dir, f"{name}.db")
+
+    def open(self, target, **kwargs):
+        return TaskStore(target, **kwargs)
+
+    def after_fill(self, target, store):
+        store.checkpoint()
+
+    def size(self, target, store):
+        """File and WAL bytes after a checkpoint."""
+        store.checkpoint()
+        sizes = {}
+        for suffix in ("", "-wal"):
+            with contextlib.suppress(OSError):
+                sizes["file" if not suffix else "wal"] = os.path.getsize(target + suffix)
+        sizes["total"] = sum(sizes.values())
+        return sizes
+
+    def versions(self):
+        return {"sqlite": sqlite3.sqlite_version}
+
+    def explain(self, store, sql, params):
+        return [r[-1] for r in store._engine.conn.execute("EXPLAIN QUERY PLAN " + sql, params)]
+
+
+class PostgresSide:
+    """Three databases on one PostgreSQL server (a throwaway one, or --db's)."""
+
+    name = "postgres"
+
+    def __init__(self, url, pg):
+        self.pg = pg
+        self.url = url
+        self.admin = pg.psycopg.connect(url, autocommit=True)
+        self.made = []
+        self.shared_fill_store = False      # a store is one connection: one each
+
+    def target(self, name):
+        db = f"{self.pg.DB_PREFIX}scale_{os.getpid()}_{name}"
+        self.admin.execute(f'DROP DATABASE IF EXISTS "{db}"')
+        self.admin.execute(f'CREATE DATABASE "{db}" TEMPLATE template0')
+        self.made.append(db)
+        return self.pg._with_database(self.url, db)
+
+    def open(self, target, **kwargs):
+        return TaskStore(target, **kwargs)
+
+    def after_fill(self, target, store):
+        # What autovacuum does after a fill this size, done now so that every
+        # run measures with the same statistics.
+        with contextlib.closing(self.pg.psycopg.connect(target, autocommit=True)) as conn:
+            conn.execute("VACUUM ANALYZE")
+
+    def size(self, target, store):
+        with contextlib.closing(self.pg.psycopg.connect(target, autocommit=True)) as conn:
+            database, tasks, events = conn.execute(
+                "SELECT pg_database_size(current_database()), "
+                "pg_total_relation_size('tasks'), pg_total_relation_size('events')").fetchone()
+        return {"database": database, "tasks": tasks, "events": events, "total": tasks + events}
+
+    def versions(self):
+        return {"postgresql": self.admin.execute("SHOW server_version").fetchone()[0],
+                "psycopg": self.pg.psycopg.__version__}
+
+    def explain(self, store, sql, params):
+        conn = store._engine.conn
+        with store._engine.reading():
+            return [r[0] for r in conn.execute("EXPLAIN " + sql, params).fetchall()]
+
+    def close(self):
+        for db in self.made:
+            with contextlib.suppress(Exception):
+                self.admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        self.admin.close()
+
+
+# -- filling -------------------------------------------------------------------
+
+class Fill:
+    """Fill a store through its public verbs; note what it took."""
+
+    def __init__(self, side, target, seed=1):
+        self.side = side
+        self.target = target
+        self.seed = seed
+        self.sample = []          # ids of filled tasks, a random sample of SAMPLE_IDS
+        self.lock = threading.Lock()
+        self.report = {}
+
+    def _keep(self, rng, tasks, seen):
+        with self.lock:
+            for task in tasks:
+                seen[0] += 1
+                if len(self.sample) < SAMPLE_IDS:
+                    self.sample.append(task.id)
+                else:
+                    k = rng.randrange(seen[0])
+                    if k < SAMPLE_IDS:
+                        self.sample[k] = task.id
+
+    def finished(self, n, threads=FILL_THREADS, progress=None):
+        """N finished tasks, *threads* runners claiming and finishing them."""
+        side = self.side
+        shared = side.open(self.target) if side.shared_fill_store else None
+        stores = [shared or side.open(self.target) for _ in range(threads)]
+        quotas = [n // threads + (1 if i < n % threads else 0) for i in range(threads)]
+        done, seen, errors = [0], [0], []
+        started = time.perf_counter()
+        step = max(1, n // 10)
+
+        def work(i):
+            store, rng = stores[i], random.Random(self.seed * 1000 + i)
+            proc = store.register_process()
+            procs.append((store, proc))
+            try:
+                left = quotas[i]
+                while left:
+                    size = min(FILL_BATCH, left)
+                    kind = rng.choices(KINDS, KIND_WEIGHTS)[0]
+                    tasks = store.create_many(
+                        kind, [dict(PAYLOAD, n=left - k) for k in range(size)],
+                        retention_ms=RETENTION_MS, principal=rng.choice(PRINCIPALS))
+                    self._keep(rng, tasks, seen)
+                    for _ in range(size):
+                        task = None
+                        while task is None:     # SKIP LOCKED may pass over the last rows
+                            task = store.claim(KINDS, owner=proc)
+                        roll = rng.random()
+                        if roll < CANCEL_SHARE:
+                            store.cancel(task.id, reason="the user cancelled it")
+                            store.confirm_cancel(task.id, attempt=task.attempt)
+                        elif roll < CANCEL_SHARE + FAIL_SHARE:
+                            store.fail(task.id, ERROR, attempt=task.attempt)
+                        else:
+                            store.succeed(task.id, RESULT, attempt=task.attempt)
+                    left -= size
+                    with self.lock:
+                        before, done[0] = done[0], done[0] + size
+                        if progress and before // step != done[0] // step:
+                            rate = done[0] / (time.perf_counter() - started)
+                            progress(f"  filled {done[0]:,} of {n:,} ({rate:,.0f} tasks/s)")
+            except BaseException as exc:       # reported by the main thread
+                errors.append(exc)
+                raise
+        procs = []
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        fill_s = time.perf_counter() - started
+        if errors:
+            raise errors[0]
+        # A runner stopping releases its registration (its tasks are all finished).
+        release = time.perf_counter()
+        for store, proc in procs:
+            store.release(proc)
+        release_s = time.perf_counter() - release
+        for store in {id(s): s for s in stores}.values():
+            store.close()
+        self.report = {"tasks": n, "threads": threads, "seconds": round(fill_s, 2),
+                       "tasks_per_s": round(n / max(fill_s, 1e-9), 1),
+                       "release_all_runners_s": round(release_s, 3)}
+        return self.report
+
+    def queued(self, q):
+        """Q queued tasks, in create_many batches of one kind and one principal."""
+        rng = random.Random(self.seed)
+        store = self.side.open(self.target)
+        started = time.perf_counter()
+        seen = [0]
+        try:
+            for first in range(0, q, FILL_BATCH):
+                size = min(FILL_BATCH, q - first)
+                tasks = store.create_many(
+                    rng.choices(KINDS, KIND_WEIGHTS)[0],
+                    [dict(PAYLOAD, n=first + k) for k in range(size)],
+                    retention_ms=RETENTION_MS, principal=rng.choice(PRINCIPALS))
+                self._keep(rng, tasks, seen)
+        finally:
+            store.close()
+        seconds = time.perf_counter() - started
+        self.report = {"tasks": q, "seconds": round(seconds, 2),
+                       "tasks_per_s": round(q / max(seconds, 1e-9), 1)}
+        return self.report
+
+
+# -- the cycle of verbs ----------------------------------------------------------
+
+class Probe:
+    """One store under measurement: the store, its runner registration, its samples."""
+
+    def __init__(self, name, side, target, store, sample_ids):
+        self.name = name
+        self.side = side
+        self.target = target
+        self.store = store
+        self.proc = store.register_process()
+        self.older = list(sample_ids)    # ids "get (an older task)" picks from
+        self.samples = {verb: [] for verb in VERBS}
+        self.rng = random.Random(7)
+        self.dead = 0
+
+    def timed(self, verb, fn):
+        start = time.perf_counter()
+        out = fn()
+        self.samples[verb].append(time.perf_counter() - start)
+        return out
+
+    def cycle(self):
+        """Every verb once (the writes leave nothing queued behind on the empty store)."""
+        store, proc, t = self.store, self.proc, self.timed
+        created = t("create", lambda: store.create(
+            PROBE_KIND, PAYLOAD, retention_ms=RETENTION_MS, principal=PROBE_PRINCIPAL))
+        if len(self.older) < SAMPLE_IDS:
+            self.older.append(created.id)
+        task = t("claim", lambda: store.claim(KINDS, owner=proc, loading_kinds=KINDS))
+        t("start", lambda: store.start(task.id, attempt=task.attempt))
+        self.woken(task)
+        t("succeed", lambda: store.succeed(task.id, RESULT, attempt=task.attempt))
+        t("get", lambda: store.get(task.id))
+        older = self.rng.choice(self.older)
+        t("get (an older task)", lambda: store.get(older))
+        t("summary", lambda: store.summary(task.id))
+        t("events", lambda: store.events(task.id))
+        t("wait (finished task)", lambda: store.wait(task.id, timeout=10, terminal=True))
+        t("list", lambda: store.list(limit=LIST_LIMIT))
+        t("list status=succeeded", lambda: store.list(status="succeeded", limit=LIST_LIMIT))
+        t(f"list kind={PROBE_KIND}", lambda: store.list(kind=PROBE_KIND, limit=LIST_LIMIT))
+        t(f"list principal={PROBE_PRINCIPAL}",
+          lambda: store.list(principal=PROBE_PRINCIPAL, limit=LIST_LIMIT))
+        t("list status=running (few or none match)",
+          lambda: store.list(status="running", limit=LIST_LIMIT))
+        t("list kind=rare (none match)", lambda: store.list(kind="rare", limit=LIST_LIMIT))
+        store.create(PROBE_KIND, PAYLOAD, retention_ms=RETENTION_MS, principal=PROBE_PRINCIPAL)
+        task = store.claim(KINDS, owner=proc)
+        t("fail", lambda: store.fail(task.id, ERROR, attempt=task.attempt))
+        queued = store.create(PROBE_KIND, PAYLOAD, retention_ms=RETENTION_MS,
+                              principal=PROBE_PRINCIPAL)
+        t("cancel (queued)", lambda: store.cancel(queued.id))
+        store.create(PROBE_KIND, PAYLOAD, retention_ms=RETENTION_MS, principal=PROBE_PRINCIPAL)
+        task = store.claim(KINDS, owner=proc)
+        t("cancel (running)", lambda: store.cancel(task.id))
+        owned = t("cancelling_owned", lambda: store.cancelling_owned(proc))
+        assert task.id in owned, "the cancel check missed a cancelling task"
+        store.confirm_cancel(task.id, attempt=task.attempt)
+        t("heartbeat", lambda: store.heartbeat(proc))
+        t("recover (nothing to do)", store.recover)
+        # A runner that died holding a few tasks: a registration that never
+        # existed (or is gone) is provably dead.
+        self.dead += 1
+        dead = f"proc_scale_dead_{self.name}_{self.dead}"
+        store.create_many(PROBE_KIND, [PAYLOAD] * DEAD_TASKS, retention_ms=RETENTION_MS,
+                          principal=PROBE_PRINCIPAL)
+        for _ in range(DEAD_TASKS):
+            store.claim(KINDS, owner=dead)
+        moved = t(f"recover (a dead owner, {DEAD_TASKS} tasks)", store.recover)
+        assert moved >= DEAD_TASKS, f"recover moved {moved} tasks, not {DEAD_TASKS}"
+        t("reap (nothing to do)", store.reap)
+        # A server opening the store: recovery at open, as the default does.
+        opened = t("open", lambda: self.side.open(self.target))
+        opened.close()
+
+    def woken(self, task):
+        """A waiter on the running *task*; the time from a change's start to its waking."""
+        store, woke = self.store, []
+        current = store.get(task.id)
+
+        def waiter():
+            store.wait(task.id, since_version=current.version, timeout=30)
+            woke.append(time.perf_counter())
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        # Until the waiter is registered (peeking at the store's count): from
+        # then on no commit passes it by, whether it sleeps yet or reads.
+        deadline = time.monotonic() + 30
+        while not store._waiters.watchers and time.monotonic() < deadline:
+            time.sleep(0)
+        start = time.perf_counter()
+        store.set_progress(task.id, progress=0.5, total=1.0, attempt=task.attempt)
+        thread.join(30)
+        if woke:
+            self.samples["wait (woken by a change)"].append(woke[0] - start)
+
+
+def summarise(samples):
+    return {"median_s": percentile(samples, 0.5), "p99_s": percentile(samples, 0.99),
+            "count": len(samples)} if samples else None
+
+
+def compare(empty, filled):
+    """The rows of one table: per verb, both stores' figures and the ratios."""
+    rows = {}
+    for verb in VERBS:
+        e, f = summarise(empty.samples[verb]), summarise(filled.samples[verb])
+        if e is None or f is None:
+            continue
+        ratio_median = f["median_s"] / max(e["median_s"], 1e-9)
+        ratio_p99 = f["p99_s"] / max(e["p99_s"], 1e-9)
+        rows[verb] = {"empty": e, "filled": f, "ratio_median": round(ratio_median, 2),
+                      "ratio_p99": round(ratio_p99, 2),
+                      "flat": ratio_median <= RATIO_FLAG and ratio_p99 <= RATIO_FLAG}
+    return rows
+
+
+def print_table(title, rows, label):
+    print(f"\n{title}")
+    headers = ("VERB", "EMPTY MEDIAN", "EMPTY P99", f"{label} MEDIAN", f"{label} P99",
+               "RATIO MEDIAN", "RATIO P99", "")
+    body = []
+    for verb, r in rows.items():
+        body.append((verb, _fmt(r["empty"]["median_s"]), _fmt(r["empty"]["p99_s"]),
+                     _fmt(r["filled"]["median_s"]), _fmt(r["filled"]["p99_s"]),
+                     f"{r['ratio_median']:.2f}x", f"{r['ratio_p99']:.2f}x",
+                     "" if r["flat"] else f"<-- over {RATIO_FLAG}x"))
+    widths = [max(len(str(row[i])) for row in [headers, *body]) for i in range(len(headers))]
+    for row in [headers, *body]:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
+
+
+# -- reaping at volume -------------------------------------------------------------
+
+def reap_at_volume(store, count):
+    """Move the clock past every retention; time one reap() and each of its transactions."""
+    engine = store._engine
+    original = engine.write
+    durations = []
+
+    def timed_write(body):
+        start = time.perf_counter()
+        try:
+            return original(body)
+        finally:
+            durations.append(time.perf_counter() - start)
+    engine.write = timed_write          # this bench's wrapper, on this instance only
+    try:
+        later = int(time.time() * 1000) + RETENTION_MS + 3600 * 1000
+        start = time.perf_counter()
+        counts = store.reap(now=later)
+        seconds = time.perf_counter() - start
+    finally:
+        del engine.write
+    return {"filled": count, "counts": counts, "seconds": round(seconds, 3),
+            "tasks_per_s": round(counts["tasks"] / max(seconds, 1e-9), 1),
+            "transactions": len(durations),
+            "longest_transaction_ms": round(max(durations, default=0) * 1000, 2),
+            "median_transaction_ms": round(percentile(durations, 0.5) * 1000, 2)
+            if durations else None}
+
+
+# -- the run ---------------------------------------------------------------------
+
+def run(side, n, queued, reps, threads, say=print):
+    """Fill, measure, reap; return the report (JSON-ready)."""
+    report = {"engine": side.name, "n": n, "queued": queued, "reps": reps,
+              "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
+                          "platform": platform.platform(), **side.versions(),
+                          "loadavg_start": _loadavg()},
+              "list_filters": {
+                  "status": "succeeded", "kind": PROBE_KIND, "principal": PROBE_PRINCIPAL,
+                  "limit": LIST_LIMIT,
+                  "note": f"each filter selects the probe tasks (kind {PROBE_KIND}, principal "
+                          f"{PROBE_PRINCIPAL}, the newest) and a share of the filled ones "
+                          f"(kinds {'/'.join(KINDS)} weighted {KIND_WEIGHTS}, "
+                          f"{len(PRINCIPALS)} principals); status=running and kind=rare "
+                          "select (almost) nothing"}}
+    targets = {name: side.target(name) for name in ("empty", "finished", "queued")}
+    say(f"filling {n:,} finished tasks ({threads} threads) ...")
+    fill = Fill(side, targets["finished"])
+    report["fill_finished"] = fill.finished(n, threads, progress=say)
+    say(f"  {n:,} in {report['fill_finished']['seconds']} s "
+        f"({report['fill_finished']['tasks_per_s']:,.0f} tasks/s); releasing the fill's "
+        f"runners took {report['fill_finished']['release_all_runners_s']} s")
+    finished_sample = fill.sample
+    say(f"filling {queued:,} queued tasks ...")
+    qfill = Fill(side, targets["queued"], seed=2)
+    report["fill_queued"] = qfill.queued(queued)
+    say(f"  {queued:,} in {report['fill_queued']['seconds']} s")
+    stores = {}
+    try:
+        for name in targets:
+            stores[name] = side.open(targets[name])
+            side.after_fill(targets[name], stores[name])
+        report["sizes"] = {name: side.size(targets[name], stores[name]) for name in targets}
+        for name, count in (("finished", n), ("queued", queued)):
+            sizes = report["sizes"]
+            report["sizes"][f"{name}_bytes_per_task"] = round(
+                (sizes[name]["total"] - sizes["empty"]["total"]) / max(count, 1), 1)
+        probes = {"empty": Probe("empty", side, targets["empty"], stores["empty"], []),
+                  "finished": Probe("finished", side, targets["finished"], stores["finished"],
+                                    finished_sample),
+                  "queued": Probe("queued", side, targets["queued"], stores["queued"],
+                                  qfill.sample)}
+        order = list(probes)
+        say(f"measuring: {reps} cycles of every verb on each store, in turn ...")
+        started = time.perf_counter()
+        for rep in range(reps):
+            for name in order[rep % 3:] + order[:rep % 3]:     # whoever goes first rotates
+                probes[name].cycle()
+            if reps >= 10 and (rep + 1) % (reps // 10) == 0:
+                say(f"  {rep + 1} of {reps} cycles ({time.perf_counter() - started:.0f} s)")
+        report["finished"] = compare(probes["empty"], probes["finished"])
+        report["queued_table"] = compare(probes["empty"], probes["queued"])
+        report["plans"] = plans(side, stores["finished"])
+        say(f"reaping {n:,} expired tasks at once ...")
+        report["reap_at_volume"] = reap_at_volume(stores["finished"], n)
+    finally:
+        for store in stores.values():
+            store.close()
+    report["machine"]["loadavg_end"] = _loadavg()
+    return report
+
+
+def plans(side, store):
+    """The query plans of the statements behind the verbs most likely to grow."""
+    now = int(time.time() * 1000)
+    p = "?" if side.name == "sqlite" else "%s"
+    statements = {
+        "recovery_view": (
+            "SELECT DISTINCT owner, status, policy FROM tasks WHERE owner IS NOT NULL "
+            f"AND status IN ({p}, {p}, {p}, {p}, {p})",
+            ("queued", "loading", "running", "input_required", "cancelling")),
+        "list status=running": (
+            f"SELECT id FROM tasks WHERE NOT (purge_at IS NOT NULL AND purge_at <= {p}) "
+            f"AND status IN ({p}) ORDER BY id DESC LIMIT {p}", (now, "running", 21)),
+        "list kind=rare": (
+            f"SELECT id FROM tasks WHERE NOT (purge_at IS NOT NULL AND purge_at <= {p}) "
+            f"AND kind IN ({p}) ORDER BY id DESC LIMIT {p}", (now, "rare", 21)),
+    }
+    out = {}
+    for name, (sql, params) in statements.items():
+        with contextlib.suppress(Exception):
+            out[name] = side.explain(store, sql, params)
+    return out
+
+
+def print_report(report):
+    m = report["machine"]
+    engine = f"SQLite {m['sqlite']}" if report["engine"] == "sqlite" else \
+        f"PostgreSQL {m['postgresql']} (psycopg {m['psycopg']})"
+    print(f"\ntaskstore scale: {engine}, Python {m['python']}, {m['cpus']} CPUs, "
+          f"{m['platform']}; load average {m['loadavg_start']} at the start, "
+          f"{m['loadavg_end']} at the end (the machine may be shared)")
+    ff, fq = report["fill_finished"], report["fill_queued"]
+    print(f"fill: {ff['tasks']:,} finished tasks in {ff['seconds']} s "
+          f"({ff['tasks_per_s']:,.0f} tasks/s, {ff['threads']} threads; releasing the "
+          f"runners after: {ff['release_all_runners_s']} s); {fq['tasks']:,} queued tasks in "
+          f"{fq['seconds']} s")
+    lf = report["list_filters"]
+    print(f"list rows: limit {lf['limit']}; {lf['note']}")
+    print(f"medians and 99th percentiles of {report['reps']} calls per verb and store; "
+          f"ratios over {RATIO_FLAG}x flagged")
+    print_table(f"{report['n']:,} finished tasks against the empty store",
+                report["finished"], "N")
+    print_table(f"{report['queued']:,} queued tasks against the empty store",
+                report["queued_table"], "Q")
+    s = report["sizes"]
+    what = "file + WAL after a checkpoint" if report["engine"] == "sqlite" else \
+        "tasks + events relations, indexes and TOAST included"
+    print(f"\nsize ({what}): empty {s['empty']['total']:,} bytes; "
+          f"{report['n']:,} finished: {s['finished']['total']:,} bytes, "
+          f"{s['finished_bytes_per_task']:,.0f} bytes a task; {report['queued']:,} queued: "
+          f"{s['queued']['total']:,} bytes, {s['queued_bytes_per_task']:,.0f} bytes a task")
+    r = report["reap_at_volume"]
+    print(f"reap at volume: {r['counts']['tasks']:,} tasks and {r['counts']['events']:,} events "
+          f"expired at once, reaped in {r['seconds']} s ({r['tasks_per_s']:,.0f} tasks/s), "
+          f"{r['transactions']} transactions, longest {r['longest_transaction_ms']} ms, "
+          f"median {r['median_transaction_ms']} ms")
+    flagged = sorted({verb for table in ("finished", "queued_table")
+                      for verb, row in report[table].items() if not row["flat"]})
+    print(f"not flat (over {RATIO_FLAG}x): {', '.join(flagged) or 'none'}")
+    for name, plan in report.get("plans", {}).items():
+        print(f"plan of {name}: {' / '.join(plan)}")
+
+
+def _load_pg():
+    """Import bench/pg.py (and psycopg with it): only for a PostgreSQL run."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pg.py")
+    spec = importlib.util.spec_from_file_location("taskstore_bench_pg", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _at_least(minimum):
+    def check(text):
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {text}")
+        return value
+    return check
+
+
+def build_parser():
+    """Return the argparse parser of ``bench/scale.py``."""
+    parser = argparse.ArgumentParser(
+        prog="bench/scale.py",
+        description="Time every verb on an empty store and on stores holding N finished "
+                    "and Q queued tasks, in one run; print medians, 99th percentiles and "
+                    "their ratios.")
+    parser.add_argument("--n", type=_at_least(1), default=1_000_000, metavar="N",
+                        help="finished tasks in the filled store (default: %(default)s)")
+    parser.add_argument("--queued", type=_at_least(1), default=100_000, metavar="Q",
+                        help="queued tasks in the queued store (default: %(default)s)")
+    parser.add_argument("--engine", choices=("sqlite", "postgres"), default="sqlite",
+                        help="SQLite files in a temporary directory, or databases on a "
+                             "throwaway PostgreSQL server (default: %(default)s)")
+    parser.add_argument("--db", metavar="URL",
+                        help="with --engine postgres: use this server (a role with CREATEDB) "
+                             "instead of starting one")
+    parser.add_argument("--reps", type=_at_least(2), default=300, metavar="R",
+                        help="cycles of every verb on each store (default: %(default)s)")
+    parser.add_argument("--threads", type=_at_least(1), default=FILL_THREADS, metavar="T",
+                        help="threads filling the store of finished tasks (default: %(default)s)")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also write the whole report, machine-readable, to FILE")
+    return parser
+
+
+def main(argv=None):
+    """Run the scale benchmark the command line asks for; return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.db and args.engine != "postgres":
+        parser.error("--db applies to --engine postgres")
+
+    def say(text):
+        print(text, file=sys.stderr, flush=True)
+    # Recovery logs each dead owner it meets, and the cycle makes one each
+    # time: a handler of its own keeps the lines off stderr.
+    logging.getLogger("taskstore").addHandler(logging.NullHandler())
+    if args.engine == "sqlite":
+        with tempfile.TemporaryDirectory(prefix="taskstore-scale-") as d:
+            report = run(SQLiteSide(d), args.n, args.queued, args.reps, args.threads, say)
+    else:
+        try:
+            pg = _load_pg()
+        except ImportError as exc:
+            print(f"bench/scale.py: the PostgreSQL engine needs psycopg 3 ({exc}): "
+                  f"pip install 'psycopg[binary]'", file=sys.stderr)
+            return 2
+        try:
+            with (pg.throwaway_server() if not args.db
+                  else contextlib.nullcontext(args.db)) as url:
+                side = PostgresSide(url, pg)
+                try:
+                    report = run(side, args.n, args.queued, args.reps, args.threads, say)
+                finally:
+                    side.close()
+        except (RuntimeError, OSError, pg.psycopg.Error) as exc:
+            print(f"bench/scale.py: {exc}", file=sys.stderr)
+            return 1
+    print_report(report)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1, sort_keys=True)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
