@@ -678,7 +678,7 @@ def main(argv=None):
     print_report(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1, sort_keys=True)
+            json.dump(report, f, indent=1)      # in the table's order
             f.write("\n")
     return 0
 
