@@ -354,14 +354,6 @@ class Probe:
         t("summary", lambda: store.summary(task.id))
         t("events", lambda: store.events(task.id))
         t("wait (finished task)", lambda: store.wait(task.id, timeout=10, terminal=True))
-        t("list", lambda: store.list(limit=LIST_LIMIT))
-        t("list status=succeeded", lambda: store.list(status="succeeded", limit=LIST_LIMIT))
-        t(f"list kind={PROBE_KIND}", lambda: store.list(kind=PROBE_KIND, limit=LIST_LIMIT))
-        t(f"list principal={PROBE_PRINCIPAL}",
-          lambda: store.list(principal=PROBE_PRINCIPAL, limit=LIST_LIMIT))
-        t("list status=running (few or none match)",
-          lambda: store.list(status="running", limit=LIST_LIMIT))
-        t("list kind=rare (none match)", lambda: store.list(kind="rare", limit=LIST_LIMIT))
         store.create(PROBE_KIND, PAYLOAD, retention_ms=RETENTION_MS, principal=PROBE_PRINCIPAL)
         task = store.claim(KINDS, owner=proc)
         t("fail", lambda: store.fail(task.id, ERROR, attempt=task.attempt))
@@ -390,6 +382,17 @@ class Probe:
         # A server opening the store: recovery at open, as the default does.
         opened = t("open", lambda: self.side.open(self.target))
         opened.close()
+        # The lists last: a list that reads the whole table (a filter that
+        # selects fewer rows than the limit, where no index serves it) would
+        # otherwise evict the pages the verbs after it need.
+        t("list", lambda: store.list(limit=LIST_LIMIT))
+        t("list status=succeeded", lambda: store.list(status="succeeded", limit=LIST_LIMIT))
+        t(f"list kind={PROBE_KIND}", lambda: store.list(kind=PROBE_KIND, limit=LIST_LIMIT))
+        t(f"list principal={PROBE_PRINCIPAL}",
+          lambda: store.list(principal=PROBE_PRINCIPAL, limit=LIST_LIMIT))
+        t("list status=running (few or none match)",
+          lambda: store.list(status="running", limit=LIST_LIMIT))
+        t("list kind=rare (none match)", lambda: store.list(kind="rare", limit=LIST_LIMIT))
 
     def woken(self, task):
         """A waiter on the running *task*; the time from a change's start to its waking."""
