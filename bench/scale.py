@@ -143,8 +143,17 @@ class SQLiteSide:
     def versions(self):
         return {"sqlite": sqlite3.sqlite_version}
 
-    def explain(self, store, sql, params):
-        return [r[-1] for r in store._engine.conn.execute("EXPLAIN QUERY PLAN " + sql, params)]
+    def explain(self, target, sql, params):
+        with contextlib.closing(sqlite3.connect(target)) as conn:
+            # The store's own SQL function (the reaper's and recovery's purge_at):
+            # a stand-in of the same arity, for the plan only.
+            conn.create_function("taskstore_purge_at", 4, lambda *args: None)
+            return [r[-1] for r in conn.execute("EXPLAIN QUERY PLAN " + sql)]
+
+    @staticmethod
+    def suspect(plan):
+        return any((line.startswith("SCAN ") and not line.startswith("SCAN range_rows"))
+                   or "TEMP B-TREE" in line for line in plan)
 
 
 class PostgresSide:
@@ -186,10 +195,16 @@ class PostgresSide:
         return {"postgresql": self.admin.execute("SHOW server_version").fetchone()[0],
                 "psycopg": self.pg.psycopg.__version__}
 
-    def explain(self, store, sql, params):
-        conn = store._engine.conn
-        with store._engine.reading():
-            return [r[0] for r in conn.execute("EXPLAIN " + sql, params).fetchall()]
+    def explain(self, target, sql, params):
+        with contextlib.closing(self.pg.psycopg.connect(target)) as conn:
+            try:
+                return [r[0] for r in conn.execute("EXPLAIN " + sql, params or None).fetchall()]
+            finally:
+                conn.rollback()
+
+    @staticmethod
+    def suspect(plan):
+        return any("Seq Scan" in line or line.lstrip(" ->").startswith("Sort") for line in plan)
 
     def close(self):
         for db in self.made:
@@ -534,7 +549,7 @@ def run(side, n, queued, reps, threads, say=print):
                 say(f"  {rep + 1} of {reps} cycles ({time.perf_counter() - started:.0f} s)")
         report["finished"] = compare(probes["empty"], probes["finished"])
         report["queued_table"] = compare(probes["empty"], probes["queued"])
-        report["plans"] = plans(side, stores["finished"])
+        report["plans"] = plans(side, probes["finished"])
         say(f"reaping {n:,} expired tasks at once ...")
         report["reap_at_volume"] = reap_at_volume(stores["finished"], n)
     finally:
@@ -544,26 +559,60 @@ def run(side, n, queued, reps, threads, say=print):
     return report
 
 
-def plans(side, store):
-    """The query plans of the statements behind the verbs most likely to grow."""
-    now = int(time.time() * 1000)
-    p = "?" if side.name == "sqlite" else "%s"
-    statements = {
-        "recovery_view": (
-            "SELECT DISTINCT owner, status, policy FROM tasks WHERE owner IS NOT NULL "
-            f"AND status IN ({p}, {p}, {p}, {p}, {p})",
-            ("queued", "loading", "running", "input_required", "cancelling")),
-        "list status=running": (
-            f"SELECT id FROM tasks WHERE NOT (purge_at IS NOT NULL AND purge_at <= {p}) "
-            f"AND status IN ({p}) ORDER BY id DESC LIMIT {p}", (now, "running", 21)),
-        "list kind=rare": (
-            f"SELECT id FROM tasks WHERE NOT (purge_at IS NOT NULL AND purge_at <= {p}) "
-            f"AND kind IN ({p}) ORDER BY id DESC LIMIT {p}", (now, "rare", 21)),
-    }
+def plans(side, probe):
+    """Run one cycle on *probe*'s store, noting each verb's statements; return their plans.
+
+    ``{verb: [{"sql", "plan", "suspect"}]}``, each statement once.  A plan
+    is suspect where it reads a whole table or sorts what it read (SQLite:
+    ``SCAN`` of a table, a temporary B-tree; PostgreSQL: ``Seq Scan``,
+    ``Sort``): a cost that may grow with the rows the store holds.  The
+    plans are read on the same database, by a connection of its own; the
+    statements the verbs ran are captured by peeking at the engine's
+    connection (SQLite's trace callback; a wrapper of the PostgreSQL
+    connection's execute), in this bench only.
+    """
+    verb, seen = [None], {}
+    timed = probe.timed
+
+    def noting(name, fn):
+        verb[0] = name
+        try:
+            return fn()                 # not a sample: this cycle is traced
+        finally:
+            verb[0] = None
+
+    def note(sql, params=None):
+        if verb[0] and not sql.lstrip().upper().startswith(
+                ("BEGIN", "COMMIT", "ROLLBACK", "PRAGMA", "SAVEPOINT", "RELEASE", "SET",
+                 "START", "NOTIFY", "LISTEN", "SELECT PG_NOTIFY")):
+            seen.setdefault((verb[0], sql), params)
+    conn = probe.store._engine.conn
+    probe.timed = noting
+    if side.name == "sqlite":
+        conn.set_trace_callback(note)       # statements with their values written in
+    else:
+        execute = conn.execute
+
+        def traced(sql, params=()):
+            note(sql, params)
+            return execute(sql, params)
+        conn.execute = traced
+    try:
+        probe.cycle()
+    finally:
+        probe.timed = timed
+        if side.name == "sqlite":
+            conn.set_trace_callback(None)
+        else:
+            del conn.execute
     out = {}
-    for name, (sql, params) in statements.items():
-        with contextlib.suppress(Exception):
-            out[name] = side.explain(store, sql, params)
+    for (name, sql), params in seen.items():
+        try:
+            plan = side.explain(probe.target, sql, params)
+        except Exception as exc:            # a statement EXPLAIN cannot take: say so
+            plan = [f"(no plan: {type(exc).__name__})"]
+        out.setdefault(name, []).append({"sql": sql, "plan": plan,
+                                         "suspect": side.suspect(plan)})
     return out
 
 
@@ -602,8 +651,16 @@ def print_report(report):
     flagged = sorted({verb for table in ("finished", "queued_table")
                       for verb, row in report[table].items() if not row["flat"]})
     print(f"not flat (over {RATIO_FLAG}x): {', '.join(flagged) or 'none'}")
-    for name, plan in report.get("plans", {}).items():
-        print(f"plan of {name}: {' / '.join(plan)}")
+    suspects = [(verb, p) for verb, statements in report["plans"].items()
+                for p in statements if p["suspect"]]
+    print(f"\nstatements whose plan reads a whole table or sorts (on the store of finished "
+          f"tasks; every verb's plans are in the JSON): {len(suspects) or 'none'}")
+    for verb, p in suspects:
+        sql = p["sql"]
+        if sql.startswith("SELECT") and len(sql) > 160 and " FROM " in sql:
+            sql = "SELECT ..." + sql[sql.index(" FROM "):]      # the columns are not the point
+        sql = sql if len(sql) <= 200 else sql[:197] + "..."
+        print(f"  {verb}: {sql}\n    -> {' / '.join(line.strip() for line in p['plan'])}")
 
 
 def _load_pg():
