@@ -13317,6 +13317,13 @@ class ScaleBenchTests(unittest.TestCase):
         self.assertGreater(reaped["transactions"], 0)
         self.assertGreater(reaped["longest_transaction_ms"], 0)
         self.assertEqual(report["machine"]["cpus"], os.cpu_count())
+        # The statements each verb ran on the store of finished tasks, with their plans.
+        self.assertIn("claim", report["plans"])
+        for verb, statements in report["plans"].items():
+            self.assertIn(verb, scale.VERBS)
+            for statement in statements:
+                self.assertEqual(set(statement), {"sql", "plan", "suspect"})
+                self.assertIsInstance(statement["plan"], list)    # an INSERT's may be empty
         for header in ("EMPTY MEDIAN", "RATIO P99", "bytes a task", "reap at volume"):
             self.assertIn(header, stdout)
 

@@ -492,13 +492,23 @@ def reap_at_volume(store, count):
         finally:
             durations.append(time.perf_counter() - start)
     engine.write = timed_write          # this bench's wrapper, on this instance only
+    error = None
     try:
         later = int(time.time() * 1000) + RETENTION_MS + 3600 * 1000
         start = time.perf_counter()
-        counts = store.reap(now=later)
+        try:
+            counts = store.reap(now=later)
+        except taskstore.TaskStoreError as exc:     # a figure too: what failed, and when
+            error = f"{type(exc).__name__}: {exc}"
+            counts = {"tasks": None, "events": None}
         seconds = time.perf_counter() - start
     finally:
         del engine.write
+    if error is not None:
+        return {"filled": count, "error": error, "seconds": round(seconds, 3),
+                "counts": counts, "transactions": len(durations),
+                "longest_transaction_ms": round(max(durations, default=0) * 1000, 2),
+                "last_transaction_ms": round(durations[-1] * 1000, 2) if durations else None}
     return {"filled": count, "counts": counts, "seconds": round(seconds, 3),
             "tasks_per_s": round(counts["tasks"] / max(seconds, 1e-9), 1),
             "transactions": len(durations),
@@ -655,10 +665,16 @@ def print_report(report):
           f"{s['finished_bytes_per_task']:,.0f} bytes a task; {report['queued']:,} queued: "
           f"{s['queued']['total']:,} bytes, {s['queued_bytes_per_task']:,.0f} bytes a task")
     r = report["reap_at_volume"]
-    print(f"reap at volume: {r['counts']['tasks']:,} tasks and {r['counts']['events']:,} events "
-          f"expired at once, reaped in {r['seconds']} s ({r['tasks_per_s']:,.0f} tasks/s), "
-          f"{r['transactions']} transactions, longest {r['longest_transaction_ms']} ms, "
-          f"median {r['median_transaction_ms']} ms")
+    if "error" in r:
+        print(f"reap at volume: {r['filled']:,} tasks expired at once; reap() FAILED after "
+              f"{r['seconds']} s and {r['transactions']} transactions (the last "
+              f"{r['last_transaction_ms']} ms, the longest {r['longest_transaction_ms']} ms): "
+              f"{r['error']}")
+    else:
+        print(f"reap at volume: {r['counts']['tasks']:,} tasks and {r['counts']['events']:,} "
+              f"events expired at once, reaped in {r['seconds']} s ({r['tasks_per_s']:,.0f} tasks/s), "
+              f"{r['transactions']} transactions, longest {r['longest_transaction_ms']} ms, "
+              f"median {r['median_transaction_ms']} ms")
     flagged = sorted({verb for table in ("finished", "queued_table")
                       for verb, row in report[table].items() if not row["flat"]})
     print(f"not flat (over {RATIO_FLAG}x): {', '.join(flagged) or 'none'}")
