@@ -454,10 +454,11 @@ def compare(empty, filled):
         e, f = summarise(empty.samples[verb]), summarise(filled.samples[verb])
         if e is None or f is None:
             continue
-        ratio_median = f["median_s"] / max(e["median_s"], 1e-9)
-        ratio_p99 = f["p99_s"] / max(e["p99_s"], 1e-9)
-        rows[verb] = {"empty": e, "filled": f, "ratio_median": round(ratio_median, 2),
-                      "ratio_p99": round(ratio_p99, 2),
+        # Rounded as shown, and judged as shown: a row never reads 1.50x and flagged.
+        ratio_median = round(f["median_s"] / max(e["median_s"], 1e-9), 2)
+        ratio_p99 = round(f["p99_s"] / max(e["p99_s"], 1e-9), 2)
+        rows[verb] = {"empty": e, "filled": f, "ratio_median": ratio_median,
+                      "ratio_p99": ratio_p99,
                       "flat": ratio_median <= RATIO_FLAG and ratio_p99 <= RATIO_FLAG}
     return rows
 
