@@ -14308,6 +14308,114 @@ class BenchCommandTests(unittest.TestCase):
         self.assertEqual(rows[4][7], "yes")
 
 
+class ScaleBenchTests(unittest.TestCase):
+    """``bench/scale.py`` fills its stores, times every verb and reports it; speed is not tested."""
+
+    SCALE_PY = os.path.join(HERE, "bench", "scale.py")
+
+    def load_scale(self):
+        """Import bench/scale.py as a module of its own (it is not on sys.path)."""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("taskstore_bench_scale", self.SCALE_PY)
+        scale = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(scale)
+        return scale
+
+    def run_scale(self, *engine):
+        """Run the README's command at a small size; return (report, stdout)."""
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "scale.json")
+            out = subprocess.run([sys.executable, os.path.join("bench", "scale.py"), *engine,
+                                  "--n", "2000", "--queued", "500", "--reps", "12",
+                                  "--json", path], cwd=HERE, capture_output=True, text=True,
+                                 timeout=900)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            with open(path, encoding="utf-8") as f:
+                return json.load(f), out.stdout
+
+    def check_report(self, report, stdout, engine):
+        scale = self.load_scale()
+        self.assertEqual((report["engine"], report["n"], report["queued"], report["reps"]),
+                         (engine, 2000, 500, 12))
+        self.assertEqual(report["fill_finished"]["tasks"], 2000)
+        self.assertEqual(report["fill_queued"]["tasks"], 500)
+        number = (int, float)
+        for table in ("finished", "queued_table"):
+            # Every verb, with both stores' figures from the same run.
+            self.assertEqual(list(report[table]), list(scale.VERBS))
+            for verb, row in report[table].items():
+                with self.subTest(table=table, verb=verb):
+                    for side in ("empty", "filled"):
+                        self.assertEqual(row[side]["count"], 12)
+                        self.assertGreater(row[side]["median_s"], 0)
+                        self.assertGreaterEqual(row[side]["p99_s"], row[side]["median_s"])
+                    self.assertIsInstance(row["ratio_median"], number)
+                    self.assertEqual(row["flat"], row["ratio_median"] <= 1.5
+                                     and row["ratio_p99"] <= 1.5)
+                    self.assertIn(verb, stdout)
+        # Each finished task costs room; the reaper took every one (and the probe's).
+        self.assertGreater(report["sizes"]["finished_bytes_per_task"], 0)
+        reaped = report["reap_at_volume"]
+        self.assertGreaterEqual(reaped["counts"]["tasks"], 2000)
+        self.assertGreaterEqual(reaped["counts"]["events"], 3 * 2000)
+        self.assertGreater(reaped["transactions"], 0)
+        self.assertGreater(reaped["longest_transaction_ms"], 0)
+        self.assertEqual(report["machine"]["cpus"], os.cpu_count())
+        # The statements each verb ran on the store of finished tasks, with their plans.
+        self.assertIn("claim", report["plans"])
+        for verb, statements in report["plans"].items():
+            self.assertIn(verb, scale.VERBS)
+            for statement in statements:
+                self.assertEqual(set(statement), {"sql", "plan", "suspect"})
+                self.assertIsInstance(statement["plan"], list)    # an INSERT's may be empty
+        for header in ("EMPTY MEDIAN", "RATIO P99", "bytes a task", "reap at volume"):
+            self.assertIn(header, stdout)
+
+    @unittest.skipUnless(FULL, f"the scale bench on SQLite: {FULL_ONLY}")
+    def test_scale_reports_every_verb_on_sqlite(self):
+        report, stdout = self.run_scale()
+        self.check_report(report, stdout, "sqlite")
+        self.assertIn("sqlite", report["machine"])
+
+    @unittest.skipUnless(FULL, f"the scale bench on PostgreSQL: {FULL_ONLY}")
+    def test_scale_reports_every_verb_on_postgres(self):
+        missing = PostgresServer.missing()      # CI runs it with TASKSTORE_PG_REQUIRED=1
+        if missing and PG_REQUIRED:
+            self.fail(f"TASKSTORE_PG_REQUIRED=1, but {missing}")
+        if missing:
+            self.skipTest(missing)
+        report, stdout = self.run_scale("--engine", "postgres")
+        self.check_report(report, stdout, "postgres")
+        self.assertIn("postgresql", report["machine"])
+
+    def test_scale_usage_errors(self):
+        for argv, message in ((["--n", "0"], "--n: must be at least 1"),
+                              (["--reps", "1"], "--reps: must be at least 2"),
+                              (["--db", "postgresql://u@127.0.0.1:1/d"],
+                               "--db applies to --engine postgres")):
+            with self.subTest(argv=argv):
+                out = subprocess.run([sys.executable, self.SCALE_PY, *argv], cwd=HERE,
+                                     capture_output=True, text=True, timeout=TIMEOUT)
+                self.assertEqual((out.returncode, out.stdout), (2, ""))
+                self.assertIn(message, out.stderr)
+
+    def test_percentile_and_ratios(self):
+        scale = self.load_scale()
+        values = list(range(1, 201))
+        self.assertEqual((scale.percentile(values, 0.5), scale.percentile(values, 0.99)),
+                         (100, 198))
+        self.assertEqual(scale.percentile([5], 0.99), 5)
+
+        class Probe:
+            def __init__(self, seconds):
+                self.samples = {verb: [] for verb in scale.VERBS}
+                self.samples["get"] = seconds
+        rows = scale.compare(Probe([1.0, 1.0, 2.0]), Probe([1.4, 1.4, 3.2]))
+        self.assertEqual(list(rows), ["get"])           # verbs without samples are left out
+        self.assertEqual((rows["get"]["ratio_median"], rows["get"]["ratio_p99"],
+                          rows["get"]["flat"]), (1.4, 1.6, False))
+
+
 # The guided labs (docs/labs/*.md) are run command by command and their output compared, so
 # that no lab can go stale. The format is described in docs/labs/README.md ("How the labs are
 # tested"); this is its only reader.
