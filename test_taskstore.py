@@ -2571,6 +2571,10 @@ class HistoryCostTests(StoreTestCase):
         failed = store.create("k", principal="alice", retention_ms=86_400_000)
         store.claim(("k",), owner=self.runner_id)
         store.fail(failed.id, {"code": "boom", "message": "boom"})
+        store.create("later")
+        # The backlog's kind (test_no_verb_reads_a_backlog_of_another_kind) and
+        # one with nothing queued: each kind's oldest, not a sort of them all.
+        steps("claim of two kinds", lambda: store.claim(("later", "none"), owner=self.runner_id))
         task = steps("create", lambda: store.create("k", {"n": 1}, principal="alice"))
         steps("claim", lambda: store.claim(("k",), owner=self.runner_id))
         steps("get", lambda: store.get(task.id))
