@@ -1232,7 +1232,7 @@ class Engine:
         raise NotImplementedError
 
     def owner_batch(self, owner, after, size, statuses):
-        """``(selector, last id or None)``: the owner's next *size* unfinished tasks after id *after*.
+        """``(selector, last id or None)``: the owner's next *size* unfinished tasks after *after*.
 
         The selector holds those of them in *statuses*; None as the last
         id: this was the last batch.
@@ -1376,7 +1376,7 @@ SCHEMA = {
     # Recovery finds owners there, the heartbeat's cancel check an owner's
     # cancelling tasks (so tasks_cancelling goes), and list a status in
     # flight.  tasks_unsuccessful lets list find failed and cancelled tasks
-    # among a million completed ones; only a task that ends so writes to it.
+    # among a million succeeded ones; only a task that ends so writes to it.
     # Queries use a partial index only when their WHERE repeats its
     # condition: both databases prove it usable from the query's own terms.
     3: ("DROP INDEX tasks_owner",
