@@ -9151,10 +9151,10 @@ class McpElicitationCommandTests(McpElicitationTests):
 class McpCommandTests(McpTestBase):
     """The command over real pipes: defaults, EOF, SIGTERM, kill -9 and restart."""
 
-    def test_readme_says_what_each_client_sends_first(self):
+    def test_the_docs_say_what_each_client_sends_first(self):
         # The Inspector's protocol era is "legacy" unless told otherwise: it sends
         # initialize, and only a modern or auto era makes it send server/discover.
-        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        with open(os.path.join(HERE, "docs", "mcp.md"), encoding="utf-8") as f:
             rows = [line for line in f if line.startswith("| ") and "Inspector" in line
                     and line.count(" | ") >= 2]
         self.assertTrue(rows)
