@@ -2226,10 +2226,10 @@ class _SqlEngine(Engine):
         A batch is a key range of the tasks_active index: this owner's ids
         after the previous batch, up to the size-th one (a walk of the
         index alone, with no row read), so the statements find it with no
-        id list built in Python.  Where
-        the range holds fewer than twice *size* rows, whoever owns them, the
-        statements walk it in the table (the dialect's ``owner_in_range``),
-        else the owner's entries in the index.  None: this is the last batch.
+        id list built in Python.  Where the range holds fewer than twice
+        *size* rows, whoever owns them, the statements walk it in the table
+        (the dialect's ``owner_in_range``), else the owner's entries in the
+        index.  None: this is the last batch.
         """
         conn, sql, p = self.conn, self._sql, self._dialect.param
         last = conn.execute(sql.owner_batch_end, (owner, after, size - 1)).fetchone()
@@ -2247,10 +2247,11 @@ class _SqlEngine(Engine):
             if bound is not None and conn.execute(
                     sql.range_count, (after, bound, 2 * size)).fetchone()[0] < 2 * size:
                 column = in_range
-        # The statuses are this module's constants, written as literals;
-        # by the index, the statement repeats its condition.
-        owned = (f"{column} = {p} AND status IN ({', '.join(repr(s) for s in statuses)}) "
-                 f"{'' if column == in_range else 'AND ' + _ACTIVE + ' '}AND id > {p}")
+        # The statuses are this module's constants, written as literals; by
+        # the index, the statement repeats the index's condition (_ACTIVE).
+        wanted = f"status IN ({', '.join(repr(s) for s in statuses)})"
+        owned = (f"{column} = {p} AND {wanted} AND id > {p}" if column == in_range else
+                 f"owner = {p} AND {_ACTIVE} AND {wanted} AND id > {p}")
         selector = ((owned, (owner, after)) if bound is None else
                     (owned + f" AND id <= {p}", (owner, after, bound)))
         return selector, None if last is None else last[0]
@@ -9273,18 +9274,18 @@ class PostgresEngine(_SqlEngine):
     # tasks_queue gives.  Each kind's candidate stays locked until the claim
     # commits: a claimer of several kinds holds one row a kind for a moment,
     # and others skip it and take the next.
-    _oldest_queued = (
-        f"SELECT t.* FROM unnest(%s::text[]) AS k(kind) CROSS JOIN LATERAL ("
-        f"{_SELECT_TASK} WHERE status = '{QUEUED}' AND kind >= k.kind AND kind <= k.kind "
-        "ORDER BY kind, id LIMIT 1 FOR UPDATE SKIP LOCKED) AS t ORDER BY t.id LIMIT 1")
+    # The oldest queued row of each kind ({} the columns, {} a locking clause).
+    _each_kind = ("FROM unnest(%s::text[]) AS k(kind) CROSS JOIN LATERAL ({} FROM tasks "
+                  f"WHERE status = '{QUEUED}' AND kind >= k.kind AND kind <= k.kind "
+                  "ORDER BY kind, id LIMIT 1{}) AS t")
+    _oldest_queued = ("SELECT t.* " + _each_kind.format(
+        "SELECT " + ", ".join(_TASK_COLUMNS), " FOR UPDATE SKIP LOCKED") + " ORDER BY t.id LIMIT 1")
 
     def _any_queued(self, kinds):
         # As _oldest_queued, for the same reason: a plain "LIMIT 1" read the
         # table from its start, past every finished task, under the same
         # statistics.
-        return (f"SELECT 1 FROM unnest(%s::text[]) AS k(kind) CROSS JOIN LATERAL ("
-                f"SELECT id FROM tasks WHERE status = '{QUEUED}' AND kind >= k.kind "
-                "AND kind <= k.kind ORDER BY kind, id LIMIT 1) AS t LIMIT 1", (list(kinds),))
+        return f"SELECT 1 {self._each_kind.format('SELECT id', '')} LIMIT 1", (list(kinds),)
 
     def oldest_queued(self, kinds, gen):
         """The oldest queued Task of *kinds* no other process is claiming, or None (locked)."""

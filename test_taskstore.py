@@ -14038,18 +14038,23 @@ class McpKilledQueueTests(McpTestBase):
 
 
 
+def load_bench_file(name):
+    """Import ``bench/<name>.py`` as a module of its own (bench/ is not on sys.path)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"taskstore_bench_{name}",
+                                                  os.path.join(HERE, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 class BenchCommandTests(unittest.TestCase):
     """``bench/bench.py`` runs and reports well-formed figures; how fast they are is not tested."""
 
     BENCH_PY = os.path.join(HERE, "bench", "bench.py")
 
     def load_bench(self):
-        """Import bench/bench.py as a module of its own (it is not on sys.path)."""
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("taskstore_bench", self.BENCH_PY)
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-        return bench
+        return load_bench_file("bench")
 
     @unittest.skipUnless(FULL, f"every workload of the bench: {FULL_ONLY}")
     def test_bench_json_reports_every_workload(self):
@@ -14168,11 +14173,7 @@ class BenchCommandTests(unittest.TestCase):
             self.fail(f"TASKSTORE_PG_REQUIRED=1, but {missing}")
         if missing:
             self.skipTest(missing)
-        import importlib.util
-        spec = importlib.util.spec_from_file_location(
-            "taskstore_bench_pg", os.path.join(HERE, "bench", "pg.py"))
-        pg = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(pg)
+        pg = load_bench_file("pg")
         self.assertIsNone(pg.cannot_start_server())
         n = 200
         out = subprocess.run([sys.executable, os.path.join("bench", "bench.py"),
@@ -14318,12 +14319,7 @@ class ScaleBenchTests(unittest.TestCase):
     SCALE_PY = os.path.join(HERE, "bench", "scale.py")
 
     def load_scale(self):
-        """Import bench/scale.py as a module of its own (it is not on sys.path)."""
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("taskstore_bench_scale", self.SCALE_PY)
-        scale = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(scale)
-        return scale
+        return load_bench_file("scale")
 
     def run_scale(self, *engine):
         """Run the README's command at a small size; return (report, stdout)."""

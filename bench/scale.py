@@ -701,15 +701,6 @@ def _load_pg():
     return module
 
 
-def _at_least(minimum):
-    def check(text):
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {text}")
-        return value
-    return check
-
-
 def build_parser():
     """Return the argparse parser of ``bench/scale.py``."""
     parser = argparse.ArgumentParser(
@@ -717,9 +708,9 @@ def build_parser():
         description="Time every verb on an empty store and on stores holding N finished "
                     "and Q queued tasks, in one run; print medians, 99th percentiles and "
                     "their ratios.")
-    parser.add_argument("--n", type=_at_least(1), default=1_000_000, metavar="N",
+    parser.add_argument("--n", type=taskstore._at_least(1), default=1_000_000, metavar="N",
                         help="finished tasks in the filled store (default: %(default)s)")
-    parser.add_argument("--queued", type=_at_least(1), default=100_000, metavar="Q",
+    parser.add_argument("--queued", type=taskstore._at_least(1), default=100_000, metavar="Q",
                         help="queued tasks in the queued store (default: %(default)s)")
     parser.add_argument("--engine", choices=("sqlite", "postgres"), default="sqlite",
                         help="SQLite files in a temporary directory, or databases on a "
@@ -727,9 +718,9 @@ def build_parser():
     parser.add_argument("--db", metavar="URL",
                         help="with --engine postgres: use this server (a role with CREATEDB) "
                              "instead of starting one")
-    parser.add_argument("--reps", type=_at_least(2), default=300, metavar="R",
+    parser.add_argument("--reps", type=taskstore._at_least(2), default=300, metavar="R",
                         help="cycles of every verb on each store (default: %(default)s)")
-    parser.add_argument("--threads", type=_at_least(1), default=FILL_THREADS, metavar="T",
+    parser.add_argument("--threads", type=taskstore._at_least(1), default=FILL_THREADS, metavar="T",
                         help="threads filling the store of finished tasks (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE",
                         help="also write the whole report, machine-readable, to FILE")
