@@ -2546,8 +2546,12 @@ class HistoryCostTests(StoreTestCase):
             store.emit(task.id, "progress", {"n": n})
             store.succeed(task.id, {"n": n})
 
-    def probe(self, store):
-        """Run every verb once on *store*; ``{verb: steps}``."""
+    def probe(self, store, backlog=0):
+        """Run every verb once on *store*; ``{verb: steps}``.
+
+        *backlog*: queued tasks of another kind created after the probe's
+        finished ones, which a list of those must not step over.
+        """
         counted = {}
 
         def steps(name, call):
@@ -2572,6 +2576,7 @@ class HistoryCostTests(StoreTestCase):
         store.claim(("k",), owner=self.runner_id)
         store.fail(failed.id, {"code": "boom", "message": "boom"})
         store.create("later")
+        store.create_many("later", [{"n": n} for n in range(backlog)])
         # The backlog's kind (test_no_verb_reads_a_backlog_of_another_kind) and
         # one with nothing queued: each kind's oldest, not a sort of them all.
         steps("claim of two kinds", lambda: store.claim(("later", "none"), owner=self.runner_id))
@@ -2585,6 +2590,9 @@ class HistoryCostTests(StoreTestCase):
         steps("list failed", lambda: store.list(status=FAILED, limit=20))
         steps("list succeeded", lambda: store.list(status=SUCCEEDED, limit=20))
         steps("list kind", lambda: store.list(kind="k", limit=20))
+        steps("list kinds", lambda: store.list(kind=("k", "none"), limit=20))
+        steps("list kind none", lambda: store.list(kind="none", limit=20))
+        steps("list failed or cancelled", lambda: store.list(status=(FAILED, CANCELLED)))
         steps("list principal", lambda: store.list(principal="alice", limit=20))
         steps("heartbeat", lambda: store.heartbeat(self.runner_id))
         steps("cancelling_owned", lambda: store.cancelling_owned(self.runner_id))
@@ -2629,8 +2637,8 @@ class HistoryCostTests(StoreTestCase):
         self.store.close()
         os.remove(self.path)
         full_store = self.registered(self.open_store())
-        full_store.create_many("later", [{"n": n} for n in range(self.HISTORY)])
-        self.assertFlat(empty, self.probe(full_store), f"{self.HISTORY} queued tasks")
+        full = self.probe(full_store, backlog=self.HISTORY)
+        self.assertFlat(empty, full, f"{self.HISTORY} queued tasks")
 
     def assertFlat(self, empty, full, kept):
         self.assertEqual(full.keys(), empty.keys())
@@ -2681,6 +2689,9 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
             self.assertEqual(store.cancelling_owned(self.runner_id), {running.id})
             self.assertEqual([t.id for t in store.list(status=CANCELLING)[0]], [running.id])
             self.assertEqual(store.list(status=FAILED)[0], [])
+            self.assertEqual(len(store.list(status=SUCCEEDED, limit=5)[0]), 5)
+            self.assertEqual(store.list(kind="none")[0], [])
+            self.assertEqual(len(store.list(kind=("k", "none"), limit=5)[0]), 5)
             queued = store.create("k").id
             engine = store._engine       # an idle runner's poll, as if it had found none
             self.assertTrue(engine.may_have_queued(("k",), engine._empty_gen))
@@ -2690,6 +2701,8 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
             plan = "\n".join(row[0] for row in self.sql("EXPLAIN " + sql.replace("%s", "?"),
                                                          params))
             self.assertNotIn("Seq Scan on tasks", plan, sql)
+            if "status = 'queued' AND kind" in sql:     # a claim steps over no finished task
+                self.assertIn("tasks_queue", plan, sql)
             # The primary key only to look a task up, never walked in id order.
             self.assertNotRegex(plan, r"Index Scan (Backward )?using tasks_pkey on tasks "
                                       r"[^\n]*\n\s*(Filter|$)", sql)
