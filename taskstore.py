@@ -174,6 +174,14 @@ POLICIES = ("fail", "retry", "resume")
 
 SCHEMA_VERSION = 4
 APPLICATION_ID = 0x7A5C5701        # PRAGMA application_id: "this is a taskstore file"
+# The page size of a new file (one made before keeps its own).  A lifecycle
+# task dirties about ten pages in small commits, and SQLite copies and
+# checksums each whole page into the WAL: at 2,048 bytes instead of the
+# default 4,096 a lifecycle task takes 12 us less CPU (71 against 84 us,
+# bench.py lifecycle, sync normal, 2 cores) and create 2-3 us less, for
+# about 1 us more a task in bulk recovery and 0.3 us in reaping, and 2% more
+# file.  At 1,024 recovery doubled.
+PAGE_SIZE = 2048
 
 DEFAULT_DB = "taskstore.db"
 DEFAULT_BUSY_TIMEOUT_S = 10.0
@@ -2441,6 +2449,8 @@ class SQLiteEngine(_SqlEngine):
                 raise StoreUnavailable(f"{self.path}: read-only, and not at schema "
                                        f"{SCHEMA_VERSION}")
             return
+        if not tables:
+            conn.execute(f"PRAGMA page_size={PAGE_SIZE}")    # before anything is written
         mode = self._switch_to_wal(conn, self._busy_timeout)
         if mode.lower() != "wal":
             raise StoreUnavailable(f"{self.path}: cannot switch to WAL mode (is it read-only?)")

@@ -3043,6 +3043,21 @@ class OpenErrorTests(StoreTestCase):
             self.assertEqual(conn.execute("PRAGMA application_id").fetchone()[0],
                              taskstore.APPLICATION_ID)
 
+    def test_a_new_file_gets_the_small_pages_and_an_old_file_keeps_its_own(self):
+        with contextlib.closing(sqlite3.connect(self.path)) as conn:
+            self.assertEqual(conn.execute("PRAGMA page_size").fetchone()[0],
+                             taskstore.PAGE_SIZE)
+        older = os.path.join(self.dir, "older.db")
+        with contextlib.closing(sqlite3.connect(older)) as conn:
+            conn.execute("PRAGMA page_size=4096")
+            conn.execute("PRAGMA journal_mode=WAL")
+        store = taskstore.TaskStore(older, clock=self.clock)
+        try:
+            self.assertEqual(store.create("k").status, QUEUED)
+            self.assertEqual(store._engine.conn.execute("PRAGMA page_size").fetchone()[0], 4096)
+        finally:
+            store.close()
+
     @unittest.skipIf(hasattr(os, "geteuid") and os.geteuid() == 0, "root ignores file modes")
     def test_a_read_only_file_gives_a_clear_error(self):
         task = self.store.create("k")
