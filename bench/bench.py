@@ -51,7 +51,9 @@ FILL_THREADS = 4           # callers moving the filled tasks on: group commit se
 
 
 def _raw_connect(path, sync):
+    # The store's file settings: its page size, WAL, the same synchronous.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn.execute(f"PRAGMA page_size={taskstore.PAGE_SIZE}")
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(f"PRAGMA synchronous={sync.upper()}")
     conn.execute("CREATE TABLE IF NOT EXISTS t (id TEXT PRIMARY KEY, kind TEXT, status TEXT, "
