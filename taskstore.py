@@ -2583,11 +2583,23 @@ class SQLiteEngine(_SqlEngine):
                     self._checkpoint_soon_locked()
 
     def checkpoint(self):
-        """Copy the whole WAL into the database file now (lock held); ``(log, copied)``."""
+        """Copy the whole WAL into the database file now (lock held); ``(log, copied)``.
+
+        While another connection checkpoints (the background checkpointer's
+        passes run outside the lock), SQLite answers busy at once, without
+        its busy handler, and (-1, -1): this asks again, every millisecond,
+        up to the busy timeout.
+        """
         if self.readonly:
             raise StoreUnavailable(f"{self.path}: opened read-only")
+        deadline = time.monotonic() + self._busy_timeout
         try:
-            _, log, copied = self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            while True:
+                busy, log, copied = self.conn.execute(
+                    "PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                if not busy or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.001)
         except sqlite3.Error as exc:
             raise self._unavailable(exc) from None
         self._checkpoint_mark = self.conn.total_changes

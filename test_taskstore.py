@@ -1353,6 +1353,27 @@ class CheckpointTests(StoreTestCase):
         self.assertEqual(os.path.getsize(self.path + "-wal"), 0)
         self.assertEqual(self.rows_in_main_file(), len(ids))
 
+    def test_checkpoint_waits_out_another_connections_checkpoint(self):
+        # SQLite answers busy at once while the background checkpointer
+        # copies: the first answer here is that one.
+        ids, engine = self.writes(50), self.store._engine
+        conn, answers = engine.conn, []
+
+        class Busy:
+            total_changes = property(lambda self: conn.total_changes)
+
+            def execute(self, sql, *args):
+                if "wal_checkpoint(TRUNCATE)" in sql and not answers:
+                    answers.append("busy")
+                    return conn.execute("SELECT 1, -1, -1")
+                return conn.execute(sql, *args)
+        with unittest.mock.patch.object(engine, "conn", Busy()):
+            log, copied = self.store.checkpoint()
+        self.assertEqual(answers, ["busy"])
+        self.assertEqual(log, copied)
+        self.assertGreater(log, -1)
+        self.assertEqual(self.rows_in_main_file(), len(ids))
+
     def test_a_commit_is_readable_by_another_connection_before_any_checkpoint(self):
         task = self.store.create("k")
         with contextlib.closing(sqlite3.connect(self.path)) as other:
