@@ -5568,11 +5568,15 @@ class McpTaskMethods:
         """tasks/result: wait until the task is finished; answer its outcome."""
         task = self.task(request.params, _LESSON_ID_KEYS)
         closing = self._mcp.closing
-        while mcp_status(task) not in _MCP_TERMINAL:
-            if closing.is_set():
-                raise StoreClosed("the server is shutting down")
-            # Bounded waits so that shutdown is noticed; in-process changes wake it at once.
-            task = self._mcp.store.wait(task.id, timeout=0.25, since_version=task.version)
+        # cancel_inline(request id) ends the wait (HTTP: its client left); no answer then.
+        with self._mcp.calls.cancellable(request.id, threading.Event()) as cancelled:
+            while mcp_status(task) not in _MCP_TERMINAL:
+                if closing.is_set():
+                    raise StoreClosed("the server is shutting down")
+                if cancelled.is_set():
+                    return _NO_RESPONSE
+                # Bounded waits so that shutdown is noticed; in-process changes wake it at once.
+                task = self._mcp.store.wait(task.id, timeout=0.25, since_version=task.version)
         if closing.is_set():
             # Stopping, and read after the stop began: what the task shows now may be the
             # shutdown's own CRASH_RECOVERY, so every answer not given yet is this one.
@@ -7756,6 +7760,10 @@ def _board_page():
 MCP_PATH = "/mcp"
 MCP_SESSION_HEADER = "Mcp-Session-Id"
 DEFAULT_MCP_MAX_SESSIONS = 1024     # 2025-11-25 sessions kept; the least recently used idle one goes
+# A 2025-11-25 session with no stream open and no request for this long ends
+# (its Mcp-Session-Id gets 404 and the client initializes again): a client
+# that vanished without DELETE frees its slot without waiting to be evicted.
+DEFAULT_MCP_SESSION_IDLE_S = 30 * 60
 # The HTTP status of a JSON-RPC error answer, by era and code (else the era's
 # default).  2026-07-28 refuses with 400 (its transport names 400 for -32020,
 # -32021, -32022 and invalid _meta, and 404 for -32601); 2025-11-25 carries an
@@ -7880,15 +7888,21 @@ class _McpSession:
 
     What its dispatcher sends on its own (progress, task status, our
     elicitation requests) goes on the stream most recently opened for the
-    session: a request's, else the standalone GET stream; with none open
-    it is dropped (the client polls).
+    session: a request's, else the standalone GET stream.  With none open a
+    notification is dropped (the client polls), but a request waits for the
+    next stream opened: a task's question reaches a client that polls, sees
+    ``input_required`` and calls tasks/result, as 2025-11-25 prescribes.
     """
 
     def __init__(self, mcp, principal):
         self.id = secrets.token_urlsafe(24)
         self.principal = principal
+        self.version = None                 # the protocol version initialize negotiated
         self.streams = []                   # outboxes of the open request streams, oldest first
         self.standalone = None              # the GET stream's outbox
+        self.pending = []                   # our requests sent while no stream was open
+        self.used = mcp.clock()             # when a request or a stream of it last ended
+        self._clock = mcp.clock
         self._lock = threading.Lock()
         self.dispatcher = mcp.dispatcher(principal, self.send)
 
@@ -7896,6 +7910,10 @@ class _McpSession:
         """Put *message* on the newest open stream of this session."""
         with self._lock:
             target = self.streams[-1] if self.streams else self.standalone
+            if target is None and "id" in message:
+                # Bounded by the tools waiting for an answer (each asks one at a time).
+                self.pending.append(message)
+                return
         if target is None:
             logger.debug("mcp session %s: no open stream for %s", self.id[:8],
                          message.get("method"))
@@ -7908,6 +7926,9 @@ class _McpSession:
                 self.standalone = outbox
             else:
                 self.streams.append(outbox)
+            pending, self.pending = self.pending, []
+        for message in pending:
+            outbox.put(message)
 
     def closed(self, outbox):
         with self._lock:
@@ -7915,6 +7936,7 @@ class _McpSession:
                 self.standalone = None
             elif outbox in self.streams:
                 self.streams.remove(outbox)
+            self.used = self._clock()       # idle from now, if nothing else is open
 
     @property
     def busy(self):
@@ -7950,14 +7972,20 @@ class McpHttp:
     """
 
     def __init__(self, store, *, tools=None, max_sessions=DEFAULT_MCP_MAX_SESSIONS,
-                 **options):
+                 session_idle_s=DEFAULT_MCP_SESSION_IDLE_S, clock=time.monotonic, **options):
         self.store = store
         self.options = options
         self.tools = tools if tools is not None else {}
         self.max_sessions = max_sessions
+        self.session_idle_s = session_idle_s    # an idle session ends after this long
+        self.clock = clock                  # seconds, for idleness only; tests pass a fake
         self.owner = None                   # the Runner's process_id, recorded on each task
         self.app = None                     # the LMSPApp serving us (streams, stopping)
         self.sessions = {}                  # id -> _McpSession, least recently used first
+        # The sessions again, by the id their dispatcher writes into each task's
+        # meta ("session"): a task's run and its changes find their session by it.
+        # (Not the Mcp-Session-Id, which is a credential and stays out of the store.)
+        self._by_task_meta = {}
         self._lock = threading.Lock()
         self._registry = self.dispatcher(None, lambda message: None)
 
@@ -7978,23 +8006,32 @@ class McpHttp:
 
     def run_task(self, task_ctx, payload):
         """Runner handler for kind ``mcp.tools/call``: run the tool for the task's session."""
-        session = self.sessions.get(task_ctx.task.meta.get("session"))
+        session = self._by_task_meta.get(task_ctx.task.meta.get("session"))
         dispatcher = session.dispatcher if session is not None else self._registry
         return dispatcher.run_task(task_ctx, payload)
 
     def on_change(self, task, change):
         """Store listener: a 2025-11-25 session hears about its tasks (``McpTaskNotices``)."""
-        session = self.sessions.get(task.meta.get("session")) if task.kind == MCP_TASK_KIND \
-            else None
+        session = self._by_task_meta.get(task.meta.get("session")) \
+            if task.kind == MCP_TASK_KIND else None
         if session is not None:
             session.dispatcher.on_change(task, change)
 
     def close(self):
         """End every session: their waits give up."""
         with self._lock:
-            sessions, self.sessions = list(self.sessions.values()), {}
+            sessions, self.sessions, self._by_task_meta = list(self.sessions.values()), {}, {}
         for session in sessions:
             session.dispatcher.close()
+
+    def _end_locked(self, session):
+        """Forget *session* (its id then gets 404) and end its waits; holding ``_lock``."""
+        self.sessions.pop(session.id, None)
+        self._by_task_meta.pop(session.dispatcher._session, None)
+        session.dispatcher.close()
+
+    def _expired(self, session, now):
+        return not session.busy and now - session.used >= self.session_idle_s
 
     @staticmethod
     def error_reply(msg_id, exc):
@@ -8023,8 +8060,8 @@ class McpHttp:
     def _message(self, message, kind, headers, principal, client_gone):
         session_id = headers.get(MCP_SESSION_HEADER)
         if session_id is not None:
-            return self._in_session(self._session(session_id, principal), message, kind,
-                                    client_gone)
+            return self._in_session(self._session(session_id, principal, headers), message,
+                                    kind, client_gone)
         if kind == "response":
             raise InvalidRequest("a response is accepted only in a 2025-11-25 session "
                                  f"(with its {MCP_SESSION_HEADER}): this server asked nothing")
@@ -8064,8 +8101,7 @@ class McpHttp:
         """DELETE /mcp: end a 2025-11-25 session; 405 without one."""
         session = self._session_of(request)
         with self._lock:
-            self.sessions.pop(session.id, None)
-        session.dispatcher.close()
+            self._end_locked(session)
         return Reply(204, content_type=None)
 
     # -- framing --
@@ -8074,16 +8110,33 @@ class McpHttp:
         session_id = request["headers"].get(MCP_SESSION_HEADER)
         if session_id is None:
             raise MethodNotAllowed(request["method"], ["POST"])
-        return self._session(session_id, request["principal"])
+        return self._session(session_id, request["principal"], request["headers"])
 
-    def _session(self, session_id, principal):
+    def _session(self, session_id, principal, headers):
+        """The live session *session_id* of *principal*, now its most recently used.
+
+        Raises:
+            SessionNotFound: unknown, another principal's, ended, or idle too long.
+            InvalidRequest: an ``MCP-Protocol-Version`` other than the one
+                initialize negotiated (HTTP 400).  Without the header the
+                session's version is assumed: the transport lets a client that
+                predates the header leave it out.
+        """
         with self._lock:
             session = self.sessions.get(session_id.strip())
+            if session is not None and self._expired(session, self.clock()):
+                self._end_locked(session)
+                session = None
             # Another principal's session is as unknown as one never opened.
             if session is None or session.principal != principal:
                 raise SessionNotFound(f"no session {_echo(session_id)}: it ended, or this "
                                       "server never opened it; send initialize again")
             self.sessions[session.id] = self.sessions.pop(session.id)   # now the most recent
+            session.used = self.clock()
+        versions = headers.get_all("MCP-Protocol-Version") or []
+        if any(v.strip(" \t") != session.version for v in versions):
+            raise InvalidRequest(f"this session speaks MCP {session.version}: its requests "
+                                 f"must send that MCP-Protocol-Version, or none")
         return session
 
     def _initialize(self, message, principal):
@@ -8091,15 +8144,21 @@ class McpHttp:
         [answer] = session.dispatcher.receive(message)     # initialize answers on the reader
         if "result" not in answer:
             return Reply(_mcp_status(answer, _LEGACY), answer)
+        session.version = answer["result"]["protocolVersion"]
         with self._lock:
+            now = self.clock()
+            # Sessions idle too long end here too (least recently used first),
+            # so that abandoned ones do not wait for their id to come back.
+            for old in [s for s in self.sessions.values() if self._expired(s, now)]:
+                self._end_locked(old)
             if len(self.sessions) >= self.max_sessions:
                 idle = next((s for s in self.sessions.values() if not s.busy), None)
                 if idle is None:
                     raise ServiceUnavailable(f"too many MCP sessions (at most "
                                              f"{self.max_sessions}); try again shortly")
-                del self.sessions[idle.id]
-                idle.dispatcher.close()
+                self._end_locked(idle)
             self.sessions[session.id] = session
+            self._by_task_meta[session.dispatcher._session] = session
         return Reply(200, answer, [(MCP_SESSION_HEADER, session.id)])
 
     def _in_session(self, session, message, kind, client_gone):

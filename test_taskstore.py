@@ -12227,10 +12227,10 @@ class McpHttpClient:
         status, _, body = self.post(message, mcp_headers(message, **headers))
         return status, body[-1]["data"] if isinstance(body, list) else body
 
-    def legacy(self, method, params=None):
+    def legacy(self, method, params=None, **headers):
         message = {"jsonrpc": "2.0", "id": next(self.ids), "method": method,
                    "params": params or {}}
-        status, resp, body = self.post(message, self.legacy_headers())
+        status, resp, body = self.post(message, dict(self.legacy_headers(), **headers))
         if method == "initialize" and status == 200:
             self.session = resp.getheader("Mcp-Session-Id")
         return status, body[-1]["data"] if isinstance(body, list) else body
@@ -12294,9 +12294,9 @@ def sse_messages(resp, stop=None):
 class McpHttpTestCase(ServerTestCase):
     """An in-process http server with /mcp (the demo tools), its Runner running both kinds."""
 
-    def start_mcp(self, tokens=None, tools=None, **app_kwargs):
+    def start_mcp(self, tokens=None, tools=None, mcp_options=None, **app_kwargs):
         store = TaskStore(self.db)
-        mcp = taskstore.McpHttp(store, tools=tools)
+        mcp = taskstore.McpHttp(store, tools=tools, **(mcp_options or {}))
         if tools is None:
             taskstore.add_demo_tools(mcp)
         runner = Runner(store, {"response": response_handler(DemoBackend(delay=0)),
@@ -12586,6 +12586,111 @@ class McpHttpLegacyTests(McpHttpTestCase):
         self.assertEqual((status, body), (202, None))
         [answer] = [f["data"] for f in sse_messages(resp) if "data" in f]
         self.assertEqual((answer["id"], era2_text(answer["result"])), (3, "blue"))
+
+    def test_a_task_of_the_session_asks_its_user_on_the_tasks_result_stream(self):
+        mcp = self.start_mcp()
+        self.initialize(mcp, {"elicitation": {}})
+        _, created = mcp.legacy("tools/call", {"name": "ask_user", "task": {"ttl": 60000},
+                                               "arguments": {"question": "Colour?"}})
+        task_id = created["result"]["task"]["taskId"]
+        # No stream is open when it asks: the question waits for the next one.
+        self.wait_task(task_id, "input_required")
+        message = {"jsonrpc": "2.0", "id": 50, "method": "tasks/result",
+                   "params": {"taskId": task_id}}
+        conn, resp = mcp.open(message, mcp.legacy_headers())
+        self.addCleanup(conn.close)
+        # The task runs for this session: its question reaches this session's open stream.
+        [ask] = [f["data"] for f in sse_messages(
+            resp, stop=lambda m: m.get("method") == "elicitation/create")
+            if f["data"].get("method") == "elicitation/create"]
+        self.assertEqual(ask["params"]["_meta"][taskstore.RELATED_TASK], {"taskId": task_id})
+        status, _, _ = mcp.post({"jsonrpc": "2.0", "id": ask["id"], "result": {
+            "action": "accept", "content": {"answer": "teal"}}}, mcp.legacy_headers())
+        self.assertEqual(status, 202)
+        [answer] = [f["data"] for f in sse_messages(resp, stop=lambda m: m.get("id") == 50)
+                    if f["data"].get("id") == 50]
+        self.assertEqual(era2_text(answer["result"]), "teal")
+
+    def test_a_waiting_tasks_result_ends_when_its_client_leaves(self):
+        mcp = self.start_mcp()
+        self.initialize(mcp)
+        _, created = mcp.legacy("tools/call", {"name": "generate_report", "task": {},
+                                               "arguments": {"topic": "t", "seconds": 600}})
+        task_id = created["result"]["task"]["taskId"]
+        [session] = self.mcp.sessions.values()
+        inline = session.dispatcher.calls._inline
+        message = {"jsonrpc": "2.0", "id": 60, "method": "tasks/result",
+                   "params": {"taskId": task_id}}
+        conn = self.client.connection()     # no answer comes: its headers are not read
+        conn.request("POST", "/mcp", body=json.dumps(message).encode(),
+                     headers=mcp.legacy_headers())
+        poll_until("the tasks/result waiting", lambda: 60 in inline, TIMEOUT)
+        self.assertTrue(session.busy)
+        conn.close()
+        # The wait ends (its thread and its stream with it); the task goes on.
+        poll_until("the wait ended", lambda: 60 not in inline and not session.busy, TIMEOUT)
+        self.assertEqual(self.store.get(task_id).status, "running")
+        self.assertEqual(mcp.legacy("tasks/get", {"taskId": task_id})[1]["result"]["status"],
+                         "working")
+
+    def test_the_protocol_version_header_must_be_the_sessions(self):
+        mcp = self.start_mcp()
+        self.initialize(mcp)
+        self.assertEqual(mcp.legacy("tools/list", **{"MCP-Protocol-Version": "2025-11-25"})[0],
+                         200)
+        self.assertEqual(mcp.legacy("tools/list")[0], 200)     # none: the session's is assumed
+        for version in ("2025-06-18", "2026-07-28", "bogus"):
+            with self.subTest(version=version):
+                self.assertRpcError(mcp.legacy("tools/list", **{"MCP-Protocol-Version": version}),
+                                    400, -32600)
+                for method in ("GET", "DELETE"):
+                    status, _, body = self.client.request(method, "/mcp", headers={
+                        "Accept": MCP_ACCEPT, "Mcp-Session-Id": mcp.session,
+                        "MCP-Protocol-Version": version})
+                    self.assertEqual((status, body["error"]["code"]), (400, -32600))
+        self.assertEqual(mcp.legacy("tools/list")[0], 200)     # still open
+        # A session that negotiated an older version is held to that one.
+        older = McpHttpClient(self.client)
+        status, answer = older.legacy("initialize", {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "old", "version": "1"}})
+        self.assertEqual(answer["result"]["protocolVersion"], "2025-06-18")
+        self.assertEqual(older.legacy("tools/list",
+                                      **{"MCP-Protocol-Version": "2025-06-18"})[0], 200)
+        self.assertRpcError(older.legacy("tools/list", **{"MCP-Protocol-Version": "2025-11-25"}),
+                            400, -32600)
+
+    def test_an_idle_session_expires(self):
+        clock = FakeClock()
+        mcp = self.start_mcp(mcp_options={"clock": clock, "session_idle_s": 60})
+        self.initialize(mcp)
+        clock.advance(59)
+        self.assertEqual(mcp.legacy("tools/list")[0], 200)     # a request: idle from now
+        clock.advance(59)
+        self.assertEqual(mcp.legacy("tools/list")[0], 200)
+        # A session with a stream open is not idle, however long the stream lasts.
+        conn = self.client.connection()
+        self.addCleanup(conn.close)
+        conn.request("GET", "/mcp", headers={"Accept": MCP_ACCEPT, "Mcp-Session-Id": mcp.session})
+        resp = conn.getresponse()
+        self.assertEqual(resp.status, 200)
+        [session] = self.mcp.sessions.values()
+        clock.advance(600)
+        self.assertEqual(mcp.legacy("tools/list")[0], 200)
+        resp.close()
+        conn.close()
+        poll_until("the GET stream closed", lambda: not session.busy, TIMEOUT)
+        clock.advance(60)
+        self.assertRpcError(mcp.legacy("tools/list"), 404, -32001)
+        self.assertTrue(session.dispatcher.closing.is_set())
+        # Sessions nobody comes back to end when another opens.
+        first = McpHttpClient(self.client)
+        self.initialize(first)
+        clock.advance(60)
+        mcp.session = None
+        self.initialize(mcp)
+        self.assertEqual(list(self.mcp.sessions), [mcp.session])
+        self.assertRpcError(first.legacy("tools/list"), 404, -32001)
 
     def test_an_enveloped_request_in_a_session_is_refused(self):
         mcp = self.start_mcp()
