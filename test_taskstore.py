@@ -15815,5 +15815,67 @@ class PgFaultCrossReplicaStreamTests(PgFaultCase):
                         repeats=0, gaps=0, wall_s=round(time.monotonic() - self.started, 1))
 
 
+
+class PgMcpReplicaTests(PgFaultCase):
+    """/mcp over two replicas on one database: a 2026-07-28 task made on A is B's too."""
+
+    def test_a_task_created_on_a_is_read_updated_and_cancelled_on_b_and_listened_to(self):
+        a, b = (ServerProcess(self, self.url, "--workers", "2") for _ in range(2))
+        on_a, on_b = McpHttpClient(a.client), McpHttpClient(b.client)
+        capabilities = dict(ERA2_TASKS, elicitation={})
+        created = {}
+        for name, tool, arguments in (
+                ("asks", "ask_user", {"question": "Name?"}),
+                ("a cancels", "generate_report", {"topic": "a", "seconds": 600}),
+                ("b cancels", "generate_report", {"topic": "b", "seconds": 600})):
+            status, answer = on_a.modern("tools/call", {"name": tool, "arguments": arguments},
+                                         capabilities)
+            self.assertEqual((status, answer["result"]["resultType"]), (200, "task"), answer)
+            created[name] = answer["result"]["taskId"]
+        # B listens to all three from the start: it must hear what A's side does.
+        message = {"jsonrpc": "2.0", "id": 77, "method": "subscriptions/listen",
+                   "params": {"notifications": {"taskIds": list(created.values())},
+                              "_meta": era2_meta(capabilities)}}
+        conn, resp = on_b.open(message, mcp_headers(message))
+        self.addCleanup(conn.close)
+        [ack] = sse_messages(resp, stop=lambda m: True)
+        self.assertEqual(sorted(ack["data"]["params"]["notifications"]["taskIds"]),
+                         sorted(created.values()))
+        heard = collections.defaultdict(list)       # task id -> statuses B's listen told
+
+        def hear(until):
+            for frame in sse_messages(resp, stop=lambda m: (
+                    heard[m["params"]["taskId"]].append(m["params"]["status"]) or until())):
+                pass
+
+        # Read on B: the question A's task asks (whichever replica runs it).
+        def asking():
+            _, got = on_b.modern("tasks/get", {"taskId": created["asks"]}, capabilities)
+            return got["result"] if got["result"]["status"] == "input_required" else None
+        [(key, request)] = poll_until("the task asking, seen on B", asking,
+                                      3 * TIMEOUT)["inputRequests"].items()
+        self.assertEqual(request["params"]["message"], "Name?")
+        # Updated on B: the answer reaches the tool, and B reads the result.
+        _, ack = on_b.modern("tasks/update", {"taskId": created["asks"], "inputResponses": {
+            key: {"action": "accept", "content": {"answer": "Ada"}}}}, capabilities)
+        self.assertEqual(ack["result"]["resultType"], "complete", ack)
+        hear(lambda: "completed" in heard[created["asks"]])
+        _, got = on_b.modern("tasks/get", {"taskId": created["asks"]}, capabilities)
+        self.assertEqual((got["result"]["status"], era2_text(got["result"]["result"])),
+                         ("completed", "Ada"))
+        # Cancelled on A: B's listen hears it; cancelled on B: A reads it.
+        self.assertEqual(on_a.modern("tasks/cancel", {"taskId": created["a cancels"]},
+                                     capabilities)[0], 200)
+        hear(lambda: "cancelled" in heard[created["a cancels"]])
+        self.assertEqual(on_b.modern("tasks/cancel", {"taskId": created["b cancels"]},
+                                     capabilities)[0], 200)
+        hear(lambda: "cancelled" in heard[created["b cancels"]])
+        _, got = on_a.modern("tasks/get", {"taskId": created["b cancels"]}, capabilities)
+        self.assertEqual(got["result"]["status"], "cancelled")
+        self.assertNoServerErrors([a, b])
+        pgfault_figures("mcp across replicas", tasks=3, told={
+            name: heard[task_id] for name, task_id in created.items()},
+            wall_s=round(time.monotonic() - self.started, 1))
+
 if __name__ == "__main__":
     unittest.main()
