@@ -7775,6 +7775,9 @@ _MCP_NAME_PARAM = {"tools/call": "name", "prompts/get": "name", "resources/read"
                    "tasks/get": "taskId", "tasks/update": "taskId", "tasks/cancel": "taskId"}
 _MCP_DONE = object()                # the end of a request's work, in its outbox
 _MCP_WAKE_S = 0.25                  # how soon a waiting request notices its client left
+# 2025-11-25: the messages of a session's GET stream kept for a client that
+# resumes it with Last-Event-ID (the most recent ones; older ids get 400).
+_MCP_REPLAY_EVENTS = 256
 
 
 class HeaderMismatch(TaskStoreError):
@@ -7879,7 +7882,12 @@ class McpStream:
             if item is _MCP_DONE:
                 self.complete = True
                 return
-            yield b"event: message\ndata: " + dumps(item).encode() + b"\n\n"
+            if isinstance(item, tuple):         # (event id, message): a resumable stream's
+                event_id, item = item
+                yield (b"id: %d\nevent: message\ndata: " % event_id) + dumps(item).encode() \
+                    + b"\n\n"
+            else:
+                yield b"event: message\ndata: " + dumps(item).encode() + b"\n\n"
             idle_since = time.monotonic()
 
 
@@ -7888,10 +7896,16 @@ class _McpSession:
 
     What its dispatcher sends on its own (progress, task status, our
     elicitation requests) goes on the stream most recently opened for the
-    session: a request's, else the standalone GET stream.  With none open a
-    notification is dropped (the client polls), but a request waits for the
-    next stream opened: a task's question reaches a client that polls, sees
-    ``input_required`` and calls tasks/result, as 2025-11-25 prescribes.
+    session: a request's, else the standalone GET stream.  A request (our
+    question) sent while no stream is open waits for the next one opened: a
+    task's question reaches a client that polls, sees ``input_required`` and
+    calls tasks/result, as 2025-11-25 prescribes.
+
+    The GET stream is resumable: what goes on it, or would while it is down,
+    is numbered (its SSE ``id``) and the last ``_MCP_REPLAY_EVENTS`` kept; a
+    GET with ``Last-Event-ID`` replays what followed and takes the stream
+    over.  A request's stream carries no ids: its client leaving cancels
+    the request, so there is nothing to resume.
     """
 
     def __init__(self, mcp, principal):
@@ -7901,6 +7915,8 @@ class _McpSession:
         self.streams = []                   # outboxes of the open request streams, oldest first
         self.standalone = None              # the GET stream's outbox
         self.pending = []                   # our requests sent while no stream was open
+        self.log = []                       # (event id, message): the last ones kept
+        self.last_id = 0                    # the GET stream's last event id given
         self.used = mcp.clock()             # when a request or a stream of it last ended
         self._clock = mcp.clock
         self._lock = threading.Lock()
@@ -7909,26 +7925,52 @@ class _McpSession:
     def send(self, message):
         """Put *message* on the newest open stream of this session."""
         with self._lock:
-            target = self.streams[-1] if self.streams else self.standalone
-            if target is None and "id" in message:
+            if self.streams:
+                self.streams[-1].put(message)
+            elif self.standalone is None and "id" in message:
                 # Bounded by the tools waiting for an answer (each asks one at a time).
                 self.pending.append(message)
-                return
-        if target is None:
-            logger.debug("mcp session %s: no open stream for %s", self.id[:8],
-                         message.get("method"))
-            return
-        target.put(message)
-
-    def opened(self, outbox, standalone=False):
-        with self._lock:
-            if standalone:
-                self.standalone = outbox
             else:
-                self.streams.append(outbox)
+                self._standalone_locked(message)
+
+    def _standalone_locked(self, message):
+        self.last_id += 1
+        self.log.append((self.last_id, message))
+        if len(self.log) > _MCP_REPLAY_EVENTS:
+            del self.log[0]                 # a list: 256 pointers move, cheaper than a deque import
+        if self.standalone is not None:
+            self.standalone.put((self.last_id, message))
+
+    def opened(self, outbox, standalone=False, after=None):
+        """Register a stream's *outbox*; the GET stream's resumes after event *after*.
+
+        Raises:
+            InvalidRequest: a second GET stream without ``Last-Event-ID``, or
+                one resuming after an id whose successors are no longer kept.
+        """
+        with self._lock:
             pending, self.pending = self.pending, []
-        for message in pending:
-            outbox.put(message)
+            if not standalone:
+                self.streams.append(outbox)
+                for message in pending:
+                    outbox.put(message)
+                return
+            if after is None and self.standalone is not None:
+                self.pending = pending
+                raise InvalidRequest("this session has its GET stream open already")
+            first = self.log[0][0] if self.log else self.last_id + 1
+            if after is not None and not first - 1 <= after <= self.last_id:
+                self.pending = pending
+                raise InvalidRequest(f"Last-Event-ID {after}: the events after it are not "
+                                     "kept; open the GET stream without it (and poll tasks/get)")
+            if self.standalone is not None:     # the resumed stream takes over
+                self.standalone.put(_MCP_DONE)
+            self.standalone = outbox
+            for event_id, message in self.log:
+                if after is not None and event_id > after:
+                    outbox.put((event_id, message))
+            for message in pending:
+                self._standalone_locked(message)
 
     def closed(self, outbox):
         with self._lock:
@@ -8087,10 +8129,15 @@ class McpHttp:
     def get(self, request):
         """GET /mcp: a 2025-11-25 session's standalone SSE stream; 405 without a session."""
         session = self._session_of(request)
-        if session.standalone is not None:
-            raise InvalidRequest("this session has its GET stream open already")
+        header = request["headers"].get("Last-Event-ID")
+        after = None
+        if header is not None:
+            if not re.fullmatch(r"[0-9]{1,18}", header.strip()):
+                raise InvalidRequest(f"Last-Event-ID {_echo(header)} is not an event id of "
+                                     "this session's GET stream")
+            after = int(header.strip())
         outbox = queue.SimpleQueue()
-        session.opened(outbox, standalone=True)
+        session.opened(outbox, standalone=True, after=after)
         try:
             return self._stream(outbox, lambda: None, session.closed)
         except ServiceUnavailable:

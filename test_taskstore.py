@@ -12692,6 +12692,100 @@ class McpHttpLegacyTests(McpHttpTestCase):
         self.assertEqual(list(self.mcp.sessions), [mcp.session])
         self.assertRpcError(first.legacy("tools/list"), 404, -32001)
 
+    def open_get(self, mcp, **headers):
+        """Open the session's GET stream; return the response (closed at cleanup)."""
+        conn = self.client.connection()
+        self.addCleanup(conn.close)
+        conn.request("GET", "/mcp", headers=dict({"Accept": MCP_ACCEPT,
+                                                  "Mcp-Session-Id": mcp.session}, **headers))
+        resp = conn.getresponse()
+        self.addCleanup(resp.close)
+        return resp
+
+    @staticmethod
+    def read_events(resp, stop):
+        """SSE events of *resp* as ``(id, message)`` until *stop*(message) (or the end)."""
+        events, fields = [], {}
+        while True:
+            line = resp.readline().decode()
+            if not line:
+                return events
+            line = line.rstrip("\r\n")
+            if line == "" and "data" in fields:
+                events.append((fields.get("id"), json.loads(fields["data"])))
+                if stop(events[-1][1]):
+                    return events
+                fields = {}
+            elif line and not line.startswith(":"):
+                name, _, value = line.partition(":")
+                fields[name] = value.lstrip(" ")
+
+    def test_the_get_stream_resumes_after_last_event_id(self):
+        mcp = self.start_mcp()
+        self.initialize(mcp)
+        [session] = self.mcp.sessions.values()
+
+        def task(text):
+            _, created = mcp.legacy("tools/call", {"name": "sleep_then_echo", "task": {},
+                                                   "arguments": {"seconds": 0, "text": text}})
+            return created["result"]["task"]["taskId"]
+
+        def done(task_id):
+            return lambda m: m["params"].get("taskId") == task_id and \
+                m["params"].get("status") == "completed"
+        resp = self.open_get(mcp)
+        first = task("one")
+        seen = self.read_events(resp, done(first))
+        self.assertEqual([int(i) for i, _ in seen], list(range(1, len(seen) + 1)))
+        resp.close()
+        poll_until("the GET stream closed", lambda: not session.busy, TIMEOUT)
+        # While it is down, what it would carry is numbered and kept.
+        second = task("two")
+        self.wait_terminal(second)
+        self.assertRpcError(self.client.request("GET", "/mcp", headers={
+            "Accept": MCP_ACCEPT, "Mcp-Session-Id": mcp.session,
+            "Last-Event-ID": str(len(seen) + 99)}), 400, -32600)      # never given
+        self.assertRpcError(self.client.request("GET", "/mcp", headers={
+            "Accept": MCP_ACCEPT, "Mcp-Session-Id": mcp.session, "Last-Event-ID": "x1"}),
+            400, -32600)
+        resumed = self.open_get(mcp, **{"Last-Event-ID": seen[-1][0]})
+        rest = self.read_events(resumed, done(second))
+        ids = [int(i) for i, _ in seen + rest]
+        self.assertEqual(ids, list(range(1, len(ids) + 1)), "a gap or a repeat")
+        self.assertTrue(all(m["params"]["taskId"] == second for _, m in rest))
+        # Resuming while the old stream still looks open: the new one takes over.
+        third = task("three")
+        told = self.read_events(resumed, done(third))
+        again = self.open_get(mcp, **{"Last-Event-ID": rest[-1][0]})
+        self.assertEqual(self.read_events(again, done(third)), told)
+        self.assertEqual(self.read_events(resumed, lambda m: False), [])   # ended
+        # A second GET stream without Last-Event-ID is refused, as before.
+        self.assertRpcError(self.client.request("GET", "/mcp", headers={
+            "Accept": MCP_ACCEPT, "Mcp-Session-Id": mcp.session}), 400, -32600)
+
+    def test_ids_older_than_those_kept_cannot_resume(self):
+        patcher = unittest.mock.patch.object(taskstore, "_MCP_REPLAY_EVENTS", 2)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+        mcp = self.start_mcp()
+        self.initialize(mcp)
+        [session] = self.mcp.sessions.values()
+        for text in ("a", "b", "c", "d"):
+            _, created = mcp.legacy("tools/call", {"name": "sleep_then_echo", "task": {},
+                                                   "arguments": {"seconds": 0, "text": text}})
+            self.wait_terminal(created["result"]["task"]["taskId"])
+        # Each task's completion is told (and kept) while no stream is open.
+        poll_until("four events given", lambda: session.last_id >= 4, TIMEOUT)
+        last = session.last_id
+        self.assertRpcError(self.client.request("GET", "/mcp", headers={
+            "Accept": MCP_ACCEPT, "Mcp-Session-Id": mcp.session, "Last-Event-ID": "1"}),
+            400, -32600)
+        resp = self.open_get(mcp, **{"Last-Event-ID": str(last - 2)})
+        events = []
+        while len(events) < 2:
+            events += self.read_events(resp, lambda m: True)
+        self.assertEqual([int(i) for i, _ in events], [last - 1, last])
+
     def test_an_enveloped_request_in_a_session_is_refused(self):
         mcp = self.start_mcp()
         self.initialize(mcp)
