@@ -13038,13 +13038,22 @@ class McpHttpSdkTests(McpHttpTestCase):
     """The official Python SDK's Streamable HTTP client against /mcp (2025-11-25 tasks)."""
 
     def run_client(self, body, elicit=None):
-        """Run ``await body(session)`` against the in-process server; return its value."""
+        """Run ``await body(session)`` against the in-process server; return its value.
+
+        The server's notifications, as the SDK parsed them, go to ``self.notes``.
+        """
         self.start_mcp(mcp_options={"poll_interval_ms": 20})
         url = f"http://127.0.0.1:{self.client.port}/mcp"
 
+        async def on_message(message):
+            if isinstance(message, mcp_types.ServerNotification):
+                self.notes.put_nowait(message.root)
+
         async def main():
+            self.notes = asyncio.Queue()
             async with _sdk_http_client(url) as (read, write, session_id):
-                async with ClientSession(read, write, elicitation_callback=elicit) as session:
+                async with ClientSession(read, write, elicitation_callback=elicit,
+                                         message_handler=on_message) as session:
                     init = await session.initialize()
                     self.assertEqual(init.protocolVersion, "2025-11-25")
                     self.assertIsNotNone(init.capabilities.tasks.requests.tools.call)
@@ -13109,6 +13118,50 @@ class McpHttpSdkTests(McpHttpTestCase):
             self.assertEqual(result.content[0].text, "teal")
         self.run_client(body, elicit=elicit)
         self.assertEqual(asked, ["Colour?"])
+
+
+    def test_the_get_stream_resumes_with_last_event_id(self):
+        gate, resumed = threading.Event(), []
+
+        async def completed(task_id):
+            while True:
+                note = await asyncio.wait_for(self.notes.get(), TIMEOUT)
+                if isinstance(note, mcp_types.TaskStatusNotification) and \
+                        note.params.taskId == task_id and note.params.status == "completed":
+                    return
+
+        async def body(session):
+            [live] = self.mcp.sessions.values()
+            await asyncio.to_thread(poll_until, "the SDK's GET stream open",
+                                    lambda: live.standalone is not None, TIMEOUT)
+            # A first event on the stream: the SDK resumes after the last id it saw.
+            created = await session.experimental.call_tool_as_task(
+                "sleep_then_echo", {"seconds": 0, "text": "first"})
+            await completed(created.task.taskId)
+            opened = live.opened
+
+            def held(outbox, standalone=False, after=None):     # the resume waits for us
+                if after is not None:
+                    resumed.append(after)
+                    gate.wait(TIMEOUT)
+                return opened(outbox, standalone, after)
+            live.opened = held
+            live.standalone.put(taskstore._MCP_DONE)     # the server ends the stream
+            await asyncio.to_thread(poll_until, "the stream ended",
+                                    lambda: live.standalone is None, TIMEOUT)
+            created = await session.experimental.call_tool_as_task(
+                "sleep_then_echo", {"seconds": 0, "text": "while down"})
+            task_id = created.task.taskId
+            # Its completion is told while no stream is open: numbered and kept.
+            await asyncio.to_thread(self.wait_terminal, task_id)
+            await asyncio.to_thread(poll_until, "the completion kept", lambda: any(
+                m["params"].get("taskId") == task_id for _, m in live.log), TIMEOUT)
+            gate.set()
+            await completed(task_id)                    # replayed on the resumed stream
+            return live
+        live = self.run_client(body)
+        self.assertEqual(len(resumed), 1)
+        self.assertLess(resumed[0], live.last_id)
 
 
 MCP_NODE_DIR = os.environ.get("TASKSTORE_MCP_NODE")
