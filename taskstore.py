@@ -7751,7 +7751,9 @@ def _board_page():
 # 2025-11-25: initialize opens a session (Mcp-Session-Id) whose dispatcher
 # lives in this process until DELETE (sticky: its elicitation requests travel
 # on the SSE stream of a request open here, and their answers must reach the
-# tool waiting here).  A request whose work waits (the method table's "wait":
+# tool waiting here); it ends after DEFAULT_MCP_SESSION_IDLE_S without a
+# request or an open stream, and its GET stream resumes with Last-Event-ID.
+# A request whose work waits (the method table's "wait":
 # an inline tools/call, tasks/result, subscriptions/listen) runs on a thread of
 # its own while the connection's thread writes; the client closing the
 # connection cancels it.  Guards are the LMSP routes': bearer tokens, Host and
