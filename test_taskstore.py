@@ -8669,6 +8669,27 @@ class McpDispatcherTests(unittest.TestCase):
         except queue.Empty:
             self.fail(f"receive blocked on {method}: the reader thread would wait with it")
 
+    def test_a_cancelled_tasks_result_stops_waiting_and_gets_no_answer(self):
+        self.initialize()
+        [created] = self.receive(2, "tools/call", {"name": "generate_report", "task": {},
+                                                   "arguments": {"topic": "t", "seconds": 600}})
+        if isinstance(created, taskstore.McpWork):      # a create writes: on the write pool
+            [created] = created.run()
+        task_id = created["result"]["task"]["taskId"]
+        [wait] = self.receive(3, "tasks/result", {"taskId": task_id})
+        self.assertEqual(wait.kind, "wait")
+        answers = queue.Queue()
+        thread = threading.Thread(target=lambda: answers.put(wait.run()), daemon=True)
+        thread.start()
+        self.addCleanup(thread.join, TIMEOUT)
+        poll_until("the wait registered", lambda: 3 in self.dispatcher.calls._inline, TIMEOUT)
+        # The request is cancelled, not the task (that takes tasks/cancel).
+        self.assertEqual(self.dispatcher.receive({"jsonrpc": "2.0",
+                                                  "method": "notifications/cancelled",
+                                                  "params": {"requestId": 3}}), [])
+        self.assertEqual(answers.get(timeout=TIMEOUT), [])
+        self.assertEqual(self.store.get(task_id).status, taskstore.QUEUED)
+
     def test_initialize_is_answered_at_once_and_locks_the_era(self):
         answer = self.initialize()
         self.assertEqual(answer["id"], 1)
