@@ -7779,7 +7779,9 @@ _MCP_DONE = object()                # the end of a request's work, in its outbox
 _MCP_WAKE_S = 0.25                  # how soon a waiting request notices its client left
 # 2025-11-25: the messages of a session's GET stream kept for a client that
 # resumes it with Last-Event-ID (the most recent ones; older ids get 400).
-_MCP_REPLAY_EVENTS = 256
+# At most this many per session, and DEFAULT_MCP_MAX_SESSIONS sessions: about
+# 50 MB in all at ~400 bytes a message, should every session fill its log.
+_MCP_REPLAY_EVENTS = 128
 
 
 class HeaderMismatch(TaskStoreError):
@@ -7904,7 +7906,8 @@ class _McpSession:
     calls tasks/result, as 2025-11-25 prescribes.
 
     The GET stream is resumable: what goes on it, or would while it is down,
-    is numbered (its SSE ``id``) and the last ``_MCP_REPLAY_EVENTS`` kept; a
+    is numbered (its SSE ``id``) and the last ``_MCP_REPLAY_EVENTS`` kept
+    (once a GET stream has been opened: before, no client can resume); a
     GET with ``Last-Event-ID`` replays what followed and takes the stream
     over.  A request's stream carries no ids: its client leaving cancels
     the request, so there is nothing to resume.
@@ -7918,6 +7921,7 @@ class _McpSession:
         self.standalone = None              # the GET stream's outbox
         self.pending = []                   # our requests sent while no stream was open
         self.log = []                       # (event id, message): the last ones kept
+        self.resumable = False              # a GET stream was opened: it may come back
         self.last_id = 0                    # the GET stream's last event id given
         self.used = mcp.clock()             # when a request or a stream of it last ended
         self._clock = mcp.clock
@@ -7932,8 +7936,11 @@ class _McpSession:
             elif self.standalone is None and "id" in message:
                 # Bounded by the tools waiting for an answer (each asks one at a time).
                 self.pending.append(message)
-            else:
+            elif self.resumable:
                 self._standalone_locked(message)
+            else:                           # no GET stream ever: no one to resume it
+                logger.debug("mcp session %s: no open stream for %s", self.id[:8],
+                             message.get("method"))
 
     def _standalone_locked(self, message):
         self.last_id += 1
@@ -7967,7 +7974,7 @@ class _McpSession:
                                      "kept; open the GET stream without it (and poll tasks/get)")
             if self.standalone is not None:     # the resumed stream takes over
                 self.standalone.put(_MCP_DONE)
-            self.standalone = outbox
+            self.standalone, self.resumable = outbox, True
             for event_id, message in self.log:
                 if after is not None and event_id > after:
                     outbox.put((event_id, message))

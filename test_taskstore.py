@@ -12791,6 +12791,13 @@ class McpHttpLegacyTests(McpHttpTestCase):
         mcp = self.start_mcp()
         self.initialize(mcp)
         [session] = self.mcp.sessions.values()
+        # Before any GET stream nothing is kept: no client can resume one never opened.
+        _, created = mcp.legacy("tools/call", {"name": "sleep_then_echo", "task": {},
+                                               "arguments": {"seconds": 0, "text": "-"}})
+        self.wait_terminal(created["result"]["task"]["taskId"])
+        self.assertEqual((session.last_id, session.log), (0, []))
+        self.open_get(mcp).close()
+        poll_until("the GET stream closed", lambda: not session.busy, TIMEOUT)
         for text in ("a", "b", "c", "d"):
             _, created = mcp.legacy("tools/call", {"name": "sleep_then_echo", "task": {},
                                                    "arguments": {"seconds": 0, "text": text}})
