@@ -7943,10 +7943,11 @@ class _McpSession:
                              message.get("method"))
 
     def _standalone_locked(self, message):
+        """Number *message*, keep it, and put it on the GET stream if one is open."""
         self.last_id += 1
         self.log.append((self.last_id, message))
         if len(self.log) > _MCP_REPLAY_EVENTS:
-            del self.log[0]                 # a list: 256 pointers move, cheaper than a deque import
+            del self.log[0]                 # 128 pointers move: no deque (and its import) needed
         if self.standalone is not None:
             self.standalone.put((self.last_id, message))
 
