@@ -11797,12 +11797,18 @@ class Era2ProtocolTests(Era2TestBase):
         got = self.wait_done(client, store, task_id)
         self.assertTrue(got["result"]["isError"])
         self.assertIn("elicitation", era2_text(got["result"]))
-        # Inline there is no way to ask in this era (no server-to-client requests).
-        result = self.mresult(client, "tools/call", {"name": "ask_user",
-                                                     "arguments": {"question": "?"}},
-                              capabilities={"elicitation": {}})
-        self.assertTrue(result["isError"])
-        self.assertIn("needs a task", era2_text(result))
+        # Inline the question comes back as an InputRequiredResult (no server-to-client
+        # requests in this era), and the retry with its answer completes.
+        call = {"name": "ask_user", "arguments": {"question": "?"}}
+        asked = self.mresult(client, "tools/call", call, capabilities={"elicitation": {}})
+        self.assertEqual(asked["resultType"], "input_required")
+        (key, question), = asked["inputRequests"].items()
+        self.assertEqual(question["method"], "elicitation/create")
+        result = self.mresult(client, "tools/call", {
+            **call, "requestState": asked["requestState"],
+            "inputResponses": {key: {"action": "accept", "content": {"answer": "yes"}}}},
+            capabilities={"elicitation": {}})
+        self.assertEqual((result["resultType"], era2_text(result)), ("complete", "yes"))
         self.assertNoServerRequests(client)
 
     def test_cancel_is_a_plain_ack_and_never_an_error_on_terminal_tasks(self):
