@@ -12727,8 +12727,103 @@ def add_conformance_tools(mcp):
     tool("confirm_delete", "Ask whether to delete, then answer.", ask(
         {"type": "object", "properties": {"confirm": {"type": "boolean"}}}, "Delete the file?"),
          task_support="optional")
-    tool("multi_input", "Ask two questions.", ask(
-        {"type": "object", "properties": {"name": {"type": "string"}}}), task_support="optional")
+    name_schema = {"type": "object", "properties": {"name": {"type": "string"}},
+                   "required": ["name"]}
+
+    def multi_input(ctx, args):
+        answers = ctx.ask({key: {"method": "elicitation/create", "params": {
+            "message": f"Your {key} name?", "requestedSchema": {
+                "type": "object", "properties": {"name": {"type": "string"}}}}}
+            for key in ("first", "second")})
+        return "names: " + ", ".join(a.get("content", {}).get("name", "?")
+                                     for a in answers.values())
+
+    def sampled_text(result):
+        content = result.get("content")
+        return content.get("text", "") if isinstance(content, dict) else str(content)
+
+    def mrtr_elicitation(ctx, args):
+        answer = ctx.elicit("What is your name?", name_schema, key="user_name")
+        return f"Hello, {answer.get('content', {}).get('name')}!"
+
+    def mrtr_request_state(ctx, args):
+        answer = ctx.elicit("Please confirm", {"type": "object", "required": ["ok"],
+                                               "properties": {"ok": {"type": "boolean"}}},
+                            key="confirm")
+        return f"state-ok: ok={answer.get('content', {}).get('ok')}"
+
+    def mrtr_multiple(ctx, args):
+        answers = ctx.ask({
+            "user_name": {"method": "elicitation/create", "params": {
+                "message": "What is your name?", "requestedSchema": name_schema}},
+            "greeting": {"method": "sampling/createMessage", "params": {
+                "messages": [{"role": "user", "content": {"type": "text",
+                                                          "text": "Generate a greeting"}}],
+                "maxTokens": 50}},
+            "client_roots": {"method": "roots/list", "params": {}}})
+        return (f"{sampled_text(answers['greeting'])} {answers['user_name']['content']['name']}"
+                f" ({len(answers['client_roots']['roots'])} roots)")
+
+    def mrtr_multi_round(ctx, args):
+        name = ctx.elicit("Step 1: What is your name?", name_schema, key="step1")
+        color = ctx.elicit("Step 2: What is your favorite color?", {
+            "type": "object", "properties": {"color": {"type": "string"}},
+            "required": ["color"]}, key="step2")
+        return f"{name['content']['name']} likes {color['content']['color']}"
+
+    def mrtr_capabilities(ctx, args):
+        wanted = {"elicitation": ("elicitation/create", {
+                      "message": "What is your name?", "requestedSchema": name_schema}),
+                  "sampling": ("sampling/createMessage", {"messages": [{
+                      "role": "user", "content": {"type": "text", "text": "Hi?"}}],
+                      "maxTokens": 20}),
+                  "roots": ("roots/list", {})}
+        answers = ctx.ask({kind: {"method": method, "params": params}
+                           for kind, (method, params) in wanted.items()
+                           if kind in ctx.client_capabilities})
+        return f"answered: {', '.join(sorted(answers))}"
+
+    def logs(delay):
+        def handler(ctx, args):
+            for text in ("Tool execution started", "Tool processing data",
+                         "Tool execution completed"):
+                ctx.log("info", text, logger="fixture")
+                ctx.cancelled.wait(delay)       # the scenario wants them spread out a little
+            return "logged three messages"
+        return handler
+
+    def test_sampling(ctx, args):
+        return "LLM response: " + sampled_text(ctx.sample(args["prompt"], 100))
+
+    def ask_name_first(ctx, args):
+        return ctx.elicit("What is your name?", name_schema, key="user_name")["content"]["name"]
+
+    tool("multi_input", "Ask two questions at once.", multi_input, task_support="optional")
+    tool("test_input_required_result_elicitation", "MRTR: one elicitation.", mrtr_elicitation)
+    tool("test_input_required_result_sampling", "MRTR: one sampling request.",
+         lambda ctx, args: sampled_text(ctx.sample("What is the capital of France?", 100,
+                                                   key="capital_question")))
+    tool("test_input_required_result_list_roots", "MRTR: the client's roots.",
+         lambda ctx, args: "roots: " + ", ".join(
+             root.get("uri", "?") for root in ctx.list_roots(key="client_roots")))
+    tool("test_input_required_result_request_state", "MRTR with requestState.",
+         mrtr_request_state)
+    tool("test_input_required_result_tampered_state", "MRTR: a tampered state is refused.",
+         mrtr_request_state)
+    tool("test_input_required_result_multiple_inputs", "MRTR: three questions at once.",
+         mrtr_multiple)
+    tool("test_input_required_result_multi_round", "MRTR: two rounds.", mrtr_multi_round)
+    tool("test_input_required_result_capabilities", "MRTR: asks only what the client declared.",
+         mrtr_capabilities)
+    tool("test_streaming_elicitation", "Asks the user (an InputRequiredResult in 2026-07-28).",
+         mrtr_elicitation)
+    tool("test_logging_tool", "Logs three info messages.", logs(0))
+    tool("test_tool_with_logging", "Logs three info messages, 50 ms apart.", logs(0.05))
+    tool("test_sampling", "Asks the client's model `prompt`.", test_sampling,
+         {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}})
+    mcp.add_tool("test_tool_with_task", lambda ctx, args: f"Hello, {ctx.prepared}!",
+                 description="Asks user_name first (MRTR), then runs as a task.",
+                 input_schema=obj, task_support="required", prepare=ask_name_first)
     tool("test_simple_text", "Simple text.",
          lambda ctx, args: "This is a simple text response for testing.")
     tool("test_image_content", "An image.", lambda ctx, args: {"content": [
