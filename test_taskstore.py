@@ -1027,6 +1027,38 @@ class RunnerTests(StoreTestCase):
             self.store.provide_input(task.id, "twice")
         self.assertEqual(self.finished(task.id).result, {"hello": "ada"})
 
+    def test_a_question_in_parts_is_answered_part_by_part(self):
+        def handler(ctx, payload):
+            return ctx.ask({"parts": {"a": {"q": "first?"}, "b": {"q": "second?"}}})
+
+        self.start_runner({"q": handler})
+        task = self.store.create("q")
+        asked = self.store.get(task.id)
+        while asked.status != INPUT_REQUIRED:
+            asked = self.store.wait(task.id, timeout=TIMEOUT, since_version=asked.version)
+        # One part answered (and a key never asked, ignored): still waiting, for b only.
+        half = self.store.provide_input(task.id, {"parts": {"a": 1, "zz": 0}})
+        self.assertEqual((half.status, half.input_request, half.input_answer),
+                         (INPUT_REQUIRED, {"parts": {"b": {"q": "second?"}}},
+                          {"parts": {"a": 1}}))
+        self.assertEqual(self.store.get(task.id).input_request, half.input_request)
+        self.assertEqual([e.type for e in self.store.events(task.id)].count("status"), 2,
+                         "a part answered is no status change")
+        again = self.store.provide_input(task.id, {"parts": {"a": 9}})
+        self.assertEqual((again.version, again.input_answer), (half.version, {"parts": {"a": 1}}),
+                         "an answered part is not answered twice")
+        self.store.provide_input(task.id, {"parts": {"b": 2}})
+        self.assertEqual(self.finished(task.id).result, {"parts": {"a": 1, "b": 2}})
+        with self.assertRaises(taskstore.InvalidTransition):
+            self.store.provide_input(task.id, {"parts": {"b": 3}})
+
+    def test_a_secret_is_made_once_and_shared_by_every_store_on_the_database(self):
+        first = self.store.secret("one")
+        self.assertRegex(first, r"^[0-9a-f]{64}$")
+        self.assertEqual(self.store.secret("one"), first)
+        self.assertNotEqual(self.store.secret("two"), first)
+        self.assertEqual(self.open_store().secret("one"), first, "one value for every process")
+
     def test_snapshots_round_trip_with_events(self):
         def handler(ctx, payload):
             ctx.emit("chunk", {"t": "a"}, snapshot={"done": 1})
