@@ -11954,6 +11954,281 @@ class Era2ProtocolCommandTests(Era2ProtocolTests):
     COMMAND = True
 
 
+NAME_SCHEMA = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
+
+
+def _mrtr_greet(ctx, args):
+    return f"Hello, {ctx.elicit('Your name?', NAME_SCHEMA, key='name')['content']['name']}!"
+
+
+def _mrtr_two_rounds(ctx, args):
+    name = ctx.elicit("Step 1: name?", NAME_SCHEMA, key="step1")["content"]["name"]
+    colour = ctx.elicit("Step 2: colour?", {"type": "object", "properties": {
+        "colour": {"type": "string"}}}, key="step2")["content"]["colour"]
+    return f"{name} likes {colour}"
+
+
+def _mrtr_three(ctx, args):
+    answers = ctx.ask({
+        "who": {"method": "elicitation/create", "params": {"message": "Name?",
+                                                           "requestedSchema": NAME_SCHEMA}},
+        "model": {"method": "sampling/createMessage", "params": {
+            "messages": [{"role": "user", "content": {"type": "text", "text": "Hi?"}}],
+            "maxTokens": 10}},
+        "roots": {"method": "roots/list", "params": {}}})
+    return (f"{answers['who']['content']['name']}/{answers['model']['content']['text']}/"
+            f"{answers['roots']['roots'][0]['uri']}")
+
+
+def _mrtr_pair(ctx, args):
+    answers = ctx.ask({key: {"method": "elicitation/create", "params": {
+        "message": f"{key} name?", "requestedSchema": NAME_SCHEMA}} for key in ("a", "b")})
+    return "+".join(answers[key]["content"]["name"] for key in ("a", "b"))
+
+
+def _mrtr_chatty(ctx, args):
+    sent = [ctx.log(level, f"a {level} message", logger="chatty")
+            for level in ("debug", "info", "warning")]
+    return f"sent {sum(sent)}"
+
+
+def _mrtr_sample_and_roots(ctx, args):
+    reply = ctx.sample(args["prompt"], 20, systemPrompt="Be brief.")
+    roots = ctx.list_roots()
+    return f"{reply['content']['text']} in {roots[0]['uri']}"
+
+
+MRTR_TOOLS = [
+    ("greet_me", _mrtr_greet, {}),
+    ("two_rounds", _mrtr_two_rounds, {}),
+    ("three_at_once", _mrtr_three, {}),
+    ("pair", _mrtr_pair, {"task_support": "optional"}),
+    ("chatty", _mrtr_chatty, {"task_support": "optional"}),
+    ("sample_and_roots", _mrtr_sample_and_roots, {"input_schema": {
+        "type": "object", "properties": {"prompt": {"type": "string"}}}}),
+    ("greet_later", lambda ctx, args: f"Hello, {ctx.prepared}!", {
+        "task_support": "optional",
+        "prepare": lambda ctx, args: ctx.elicit("Your name?", NAME_SCHEMA,
+                                                key="name")["content"]["name"]}),
+]
+ALL_INPUT = {"elicitation": {}, "sampling": {}, "roots": {}}
+ACCEPT_ANN = {"action": "accept", "content": {"name": "Ann"}}
+SAMPLED = {"role": "assistant", "content": {"type": "text", "text": "hi"}, "model": "m",
+           "stopReason": "endTurn"}
+
+
+class McpInputRoundsTests(Era2TestBase):
+    """2026-07-28 MRTR: an inline tools/call asks with an InputRequiredResult, the retry answers."""
+
+    def start(self, **kwargs):
+        client, dispatcher, store = self.start_modern(tools=MRTR_TOOLS, **kwargs)
+        return client, store
+
+    def call(self, client, name, capabilities=ALL_INPUT, arguments=None, **params):
+        return self.mcall(client, "tools/call", {"name": name, "arguments": arguments or {},
+                                                 **params}, capabilities)
+
+    def rounds(self, client, name, capabilities=ALL_INPUT, **params):
+        response = self.call(client, name, capabilities, **params)
+        self.assertIn("result", response, response)
+        return response["result"]
+
+    def test_a_question_is_an_input_required_result_and_the_retry_completes(self):
+        client, store = self.start()
+        asked = self.rounds(client, "greet_me")
+        self.assertEqual(set(asked), {"resultType", "inputRequests", "requestState", "_meta"})
+        self.assertEqual(asked["resultType"], "input_required")
+        self.assertEqual(asked["inputRequests"], {"name": {
+            "method": "elicitation/create", "params": {
+                "message": "Your name?", "requestedSchema": NAME_SCHEMA, "mode": "form"}}})
+        self.assertIsInstance(asked["requestState"], str)
+        done = self.rounds(client, "greet_me", inputResponses={"name": ACCEPT_ANN},
+                           requestState=asked["requestState"])
+        self.assertEqual((done["resultType"], era2_text(done)), ("complete", "Hello, Ann!"))
+        self.assertEqual(store.list()[0], [], "no task: the rounds keep nothing")
+        self.assertNoServerRequests(client)
+
+    def test_each_round_carries_the_answers_before_it_in_a_new_signed_state(self):
+        client, _ = self.start()
+        first = self.rounds(client, "two_rounds")
+        self.assertEqual(list(first["inputRequests"]), ["step1"])
+        second = self.rounds(client, "two_rounds", inputResponses={"step1": ACCEPT_ANN},
+                             requestState=first["requestState"])
+        self.assertEqual(list(second["inputRequests"]), ["step2"])
+        self.assertNotEqual(second["requestState"], first["requestState"])
+        teal = {"step2": {"action": "accept", "content": {"colour": "teal"}}}
+        done = self.rounds(client, "two_rounds", inputResponses=teal,
+                           requestState=second["requestState"])
+        self.assertEqual(era2_text(done), "Ann likes teal")
+        # Without the state the first answer is missing: asked again, never an error.
+        again = self.rounds(client, "two_rounds", inputResponses=teal)
+        self.assertEqual(list(again["inputRequests"]), ["step1"])
+
+    def test_missing_answers_are_asked_again_and_extra_ones_ignored(self):
+        client, _ = self.start()
+        wrong = self.rounds(client, "greet_me", inputResponses={"other": ACCEPT_ANN})
+        self.assertEqual(list(wrong["inputRequests"]), ["name"])
+        done = self.rounds(client, "greet_me", inputResponses={
+            "name": ACCEPT_ANN, "extra": {"action": "accept", "content": {"x": 1}}})
+        self.assertEqual(era2_text(done), "Hello, Ann!")
+
+    def test_answers_of_the_wrong_shape_are_32602(self):
+        client, store = self.start()
+        for responses, text in ((None, "inputResponses must be an object"),
+                                ({"name": 12345}, "inputResponses must be an object"),
+                                ({"name": {"action": "maybe"}}, "not an ElicitResult")):
+            with self.subTest(responses=responses):
+                self.assertError(self.call(client, "greet_me", inputResponses=responses),
+                                 -32602, text)
+        self.assertError(self.call(client, "three_at_once", inputResponses={
+            "who": ACCEPT_ANN, "model": {"role": "assistant"}, "roots": {"roots": []}}),
+            -32602, "not a CreateMessageResult")
+
+    def test_a_state_that_fails_its_check_is_refused(self):
+        clock = FakeClock()
+        client, _ = self.start(clock=clock)
+        state = self.rounds(client, "two_rounds")["requestState"]
+        body, mac = state.split(".")
+        forged = base64.urlsafe_b64encode(json.dumps({"call": "x", "exp": 10**15, "answers": {
+            "step1": ACCEPT_ANN}}).encode()).decode().rstrip("=") + "." + mac
+        for bad, text in ((state + "-TAMPERED", "integrity"), (forged, "integrity"),
+                          ("not a state", "integrity"), (7, "must be a string")):
+            with self.subTest(bad=bad):
+                self.assertError(self.call(client, "two_rounds", requestState=bad), -32602, text)
+        self.assertError(self.call(client, "two_rounds", arguments={"other": 1},
+                                   requestState=state), -32602, "another call")
+        self.assertError(self.call(client, "greet_me", requestState=state),
+                         -32602, "another call")
+        clock.advance(taskstore.MCP_REQUEST_STATE_TTL_MS / 1000 + 1)
+        self.assertError(self.call(client, "two_rounds", requestState=state),
+                         -32602, "expired")
+
+    def test_another_server_on_the_same_store_verifies_the_state(self):
+        client, _ = self.start()
+        state = self.rounds(client, "greet_me")["requestState"]
+        other, _, _ = self.start_fresh(tools=MRTR_TOOLS)
+        done = self.rounds(other, "greet_me", inputResponses={"name": ACCEPT_ANN},
+                           requestState=state)
+        self.assertEqual(era2_text(done), "Hello, Ann!")
+        elsewhere, _, _ = self.start_fresh(tools=MRTR_TOOLS, db=os.path.join(self.dir, "b.db"))
+        self.assertError(self.call(elsewhere, "greet_me", inputResponses={"name": ACCEPT_ANN},
+                                   requestState=state), -32602, "integrity")
+
+    def test_several_questions_at_once_and_only_those_the_client_declared(self):
+        client, _ = self.start()
+        asked = self.rounds(client, "three_at_once")
+        self.assertEqual({key: q["method"] for key, q in asked["inputRequests"].items()},
+                         {"who": "elicitation/create", "model": "sampling/createMessage",
+                          "roots": "roots/list"})
+        done = self.rounds(client, "three_at_once", requestState=asked["requestState"],
+                           inputResponses={"who": ACCEPT_ANN, "model": SAMPLED, "roots": {
+                               "roots": [{"uri": "file:///r", "name": "r"}]}})
+        self.assertEqual(era2_text(done), "Ann/hi/file:///r")
+        refused = self.call(client, "three_at_once", capabilities={"sampling": {}})
+        self.assertError(refused, -32021)
+        self.assertEqual(refused["error"]["data"]["requiredCapabilities"], {"elicitation": {}})
+
+    def test_input_before_a_task_then_the_task_runs_with_it(self):
+        client, store = self.start()
+        tasks = dict(ALL_INPUT, **ERA2_TASKS)
+        asked = self.rounds(client, "greet_later", tasks)
+        self.assertEqual(asked["resultType"], "input_required")
+        self.assertNotIn("taskId", asked)
+        created = self.rounds(client, "greet_later", tasks, inputResponses={"name": ACCEPT_ANN},
+                              requestState=asked["requestState"])
+        self.assertEqual(created["resultType"], "task")
+        self.assertFalse({"requestState", "inputRequests"} & set(created))
+        got = self.wait_done(client, store, created["taskId"])
+        self.assertEqual(era2_text(got["result"]), "Hello, Ann!")
+        inline = self.rounds(client, "greet_later", inputResponses={"name": ACCEPT_ANN})
+        self.assertEqual(era2_text(inline), "Hello, Ann!")
+
+    def test_several_questions_in_a_task_are_answered_one_at_a_time(self):
+        client, store = self.start()
+        task_id = self.rounds(client, "pair", dict(ALL_INPUT, **ERA2_TASKS))["taskId"]
+        self.wait_store(store, task_id, lambda t: t.status == INPUT_REQUIRED)
+        first, second = self.mget(client, task_id, ERA2_ELICIT)["inputRequests"]
+        self.mresult(client, "tasks/update", {"taskId": task_id, "inputResponses": {
+            first: ACCEPT_ANN}})
+        got = self.mget(client, task_id, ERA2_ELICIT)
+        self.assertEqual((got["status"], list(got["inputRequests"])),
+                         ("input_required", [second]))
+        self.mresult(client, "tasks/update", {"taskId": task_id, "inputResponses": {
+            first: {"action": "accept", "content": {"name": "late"}},
+            second: {"action": "accept", "content": {"name": "Bo"}}}})
+        self.assertEqual(era2_text(self.wait_done(client, store, task_id)["result"]), "Ann+Bo")
+
+    def test_log_messages_go_only_at_the_level_the_request_asked(self):
+        client, store = self.start()
+        quiet = self.rounds(client, "chatty")
+        self.assertEqual(era2_text(quiet), "sent 0", "no logLevel: no log messages")
+        loud = self.mcall(client, "tools/call", {"name": "chatty", "arguments": {}},
+                          ALL_INPUT, **{"io.modelcontextprotocol/logLevel": "info"})
+        self.assertEqual(era2_text(loud["result"]), "sent 2")
+        logs = [m["params"] for m in client.unread() if m.get("method") == "notifications/message"]
+        self.assertEqual(logs, [{"level": "info", "data": "a info message", "logger": "chatty"},
+                                {"level": "warning", "data": "a warning message",
+                                 "logger": "chatty"}])
+        created = self.mcreate(client, "chatty", {}, **{"_meta": era2_meta(
+            None, **{"io.modelcontextprotocol/logLevel": "debug"})})
+        self.assertEqual(era2_text(self.wait_done(client, store, created["taskId"])["result"]),
+                         "sent 0", "a task sends none")
+        self.assertError(self.mcall(client, "tools/call", {"name": "chatty", "arguments": {}},
+                                    ALL_INPUT, **{"io.modelcontextprotocol/logLevel": "loud"}),
+                         -32602, "logLevel")
+        self.assertEqual(self.discover(client)["capabilities"]["logging"], {})
+
+
+class McpClientInputTests(McpTestBase):
+    """2025-11-25: sampling, roots and several questions go to the client as requests; logging."""
+
+    def answer(self, client, method, result):
+        ask = client.wait_for(lambda m: m.get("method") == method and "id" in m)
+        client.send({"jsonrpc": "2.0", "id": ask["id"], "result": result})
+        return ask
+
+    def test_sampling_and_roots_are_requests_to_the_client(self):
+        client, _, _ = self.start_server(MRTR_TOOLS, capabilities=ALL_INPUT)
+        waiting = client.request("tools/call", {"name": "sample_and_roots",
+                                                "arguments": {"prompt": "Say hi"}})
+        ask = self.answer(client, "sampling/createMessage", SAMPLED)
+        self.assertEqual(ask["params"], {"messages": [{"role": "user", "content": {
+            "type": "text", "text": "Say hi"}}], "maxTokens": 20, "systemPrompt": "Be brief."})
+        self.answer(client, "roots/list", {"roots": [{"uri": "file:///w"}]})
+        self.assertEqual(_text(client.response(waiting)["result"]), "hi in file:///w")
+        # A client that declared neither is not asked: the McpError is the answer.
+        bare, _, _ = self.start_server(MRTR_TOOLS, capabilities={})
+        self.assertError(bare.call("tools/call", {"name": "sample_and_roots",
+                                                  "arguments": {"prompt": "?"}}),
+                         -32601, "does not support sampling")
+
+    def test_a_task_asks_several_questions_at_once(self):
+        client, _, _ = self.start_server(MRTR_TOOLS, capabilities=ALL_INPUT)
+        task = self.create_task(client, "pair", {})
+        asks = [client.wait_for(lambda m: m.get("method") == "elicitation/create")
+                for _ in range(2)]
+        self.assertEqual(sorted(a["params"]["message"] for a in asks), ["a name?", "b name?"])
+        for ask, name in zip(asks, ("Ann", "Bo")):
+            client.send({"jsonrpc": "2.0", "id": ask["id"], "result": {
+                "action": "accept", "content": {"name": name}}})
+        result = client.result("tasks/result", {"taskId": task["taskId"]})
+        self.assertIn(_text(result), ("Ann+Bo", "Bo+Ann"))
+
+    def test_logging_set_level_filters_what_the_tools_send(self):
+        client, _, _ = self.start_fresh(MRTR_TOOLS)
+        answer = client.result("initialize", {"protocolVersion": "2025-11-25",
+                                              "capabilities": {}})
+        self.assertEqual(answer["capabilities"]["logging"], {})
+        self.assertEqual(_text(client.result("tools/call", {"name": "chatty"})), "sent 3",
+                         "every level until the client sets one")
+        self.assertEqual(client.result("logging/setLevel", {"level": "warning"}), {})
+        self.assertEqual(_text(client.result("tools/call", {"name": "chatty"})), "sent 1")
+        logs = [m["params"]["level"] for m in client.log
+                if m.get("method") == "notifications/message"]
+        self.assertEqual(logs, ["debug", "info", "warning", "warning"])
+        self.assertError(client.call("logging/setLevel", {"level": "loud"}), -32602)
+
+
 class Era2CommandTests(Era2TestBase):
     """The command: restarts in the 2026-07-28 era, and two eras on one store file."""
 
