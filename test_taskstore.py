@@ -12779,6 +12779,32 @@ class McpHttpModernTests(McpHttpTestCase):
         self.assertTrue(all(m["method"] == "notifications/progress" for m in messages[:-1]))
         self.assertEqual((messages[-1]["id"], era2_text(messages[-1]["result"])), (7, "done"))
 
+    def test_log_messages_and_input_rounds_over_http(self):
+        tools = {}
+        mcp = self.start_mcp(tools=tools)
+        for name, handler, options in MRTR_TOOLS:
+            self.mcp.add_tool(name, handler, **options)
+        message = {"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": {
+            "name": "chatty", "arguments": {},
+            "_meta": era2_meta({}, **{"io.modelcontextprotocol/logLevel": "warning"})}}
+        status, resp, frames = mcp.post(message, mcp_headers(message))
+        self.assertEqual((status, resp.getheader("Content-Type")), (200, "text/event-stream"))
+        messages = [f["data"] for f in frames if "data" in f]
+        self.assertEqual([(m["method"], m["params"]["level"]) for m in messages[:-1]],
+                         [("notifications/message", "warning")])
+        self.assertEqual(era2_text(messages[-1]["result"]), "sent 1")
+        # Each round is a request of its own: the state carries what the next one needs.
+        status, asked = mcp.modern("tools/call", {"name": "greet_me", "arguments": {}},
+                                   ALL_INPUT)
+        self.assertEqual((status, asked["result"]["resultType"]), (200, "input_required"))
+        status, done = mcp.modern("tools/call", {
+            "name": "greet_me", "arguments": {}, "inputResponses": {"name": ACCEPT_ANN},
+            "requestState": asked["result"]["requestState"]}, ALL_INPUT)
+        self.assertEqual((status, era2_text(done["result"])), (200, "Hello, Ann!"))
+        self.assertRpcError(mcp.modern("tools/call", {
+            "name": "greet_me", "arguments": {}, "inputResponses": {"name": ACCEPT_ANN},
+            "requestState": asked["result"]["requestState"] + "x"}, ALL_INPUT), 400, -32602)
+
     def test_closing_the_stream_cancels_the_inline_call(self):
         tools = {}
         mcp = self.start_mcp(tools=tools)
