@@ -90,7 +90,8 @@ __all__ = [
     "mcp_task_to_modern_wire", "MissingClientCapability",
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
     "ElicitationMismatch", "elicitation_problems",
-    "MCP_CANCELLED_MESSAGE",
+    "MCP_CANCELLED_MESSAGE", "InputRequired", "McpInputRounds", "LOG_LEVELS",
+    "MCP_REQUEST_STATE_TTL_MS",
     # LMSP HTTP server (section 10)
     "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
@@ -4692,15 +4693,18 @@ class Runner:
 # the only writer of the output stream).  The dispatcher is a composition of
 # parts with one job each: McpEras (the era and envelope of a request, the
 # handshakes), McpTaskMethods (tasks/*), McpToolCalls (the tools, tools/call),
-# McpClientRequests (our requests to the client) and McpTaskNotices (what the
-# client hears about its tasks).  Rules: each era has one method table
+# McpInputRounds (2026-07-28 input rounds: InputRequiredResult and its signed
+# requestState), McpClientRequests (our requests to the client) and
+# McpTaskNotices (what the client hears about its tasks).  Rules: each era has one method table
 # (McpDispatcher.methods), method -> handler and where it runs (the reader,
 # the waiting pool or the write pool), and nothing else decides either; no
 # SQL and no store locking here; every read of a task goes through
 # McpTaskMethods.task; errors reach the client only through to_jsonrpc_error,
 # which carries each class's extra data (or, for tasks/result, as the error
 # stored when the task failed); the reader thread never waits for work; in
-# the modern era the server never sends a request.
+# the modern era the server never sends a request: a tool's question is an
+# InputRequiredResult inline, inputRequests in a task; nothing lasts between
+# two rounds of an inline call but what the client carries in requestState.
 
 MCP_PROTOCOL_VERSION = "2025-11-25"
 # Older revisions are served the way the 1.x SDK serves them: same
@@ -6257,7 +6261,7 @@ class McpInputRounds:
 
 
 class McpClientRequests:
-    """The requests this server sends its client (2025-11-25 elicitation), and their answers.
+    """The requests this server sends its client (2025-11-25: elicitation, sampling, roots).
 
     Each request waits in ``_pending`` under its id until its answer arrives
     (through ``McpDispatcher.receive``, which hands it to ``answer``) or its
@@ -6583,8 +6587,8 @@ class McpDispatcher:
     ``run_task`` as that kind's handler runs it, and ``owner`` is that
     Runner's ``process_id``.  The work is shared among parts, each with one
     job: ``eras`` (McpEras), ``tasks`` (McpTaskMethods), ``calls``
-    (McpToolCalls), ``requests`` (McpClientRequests) and ``notices``
-    (McpTaskNotices).
+    (McpToolCalls), ``rounds`` (McpInputRounds), ``requests``
+    (McpClientRequests) and ``notices`` (McpTaskNotices).
 
     Example (no pipes, no threads)::
 

@@ -3121,8 +3121,8 @@ def owned_history(test, store):
 def downgrade(migrations, version):
     """The statements that take a database at today's schema back to *version*.
 
-    Each index a later version created is dropped, and each it dropped is
-    created again as the version that made it wrote it.
+    Each index or table a later version created is dropped, and each index
+    it dropped is created again as the version that made it wrote it.
     """
     created = {}
     for step in sorted(migrations):
@@ -3133,6 +3133,9 @@ def downgrade(migrations, version):
     for step in range(max(migrations), version, -1):
         for ddl in reversed(migrations[step]):
             verb, kind, name = ddl.split()[:3]
+            if kind == "TABLE" and verb == "CREATE":
+                statements.append(f"DROP TABLE {name}")
+                continue
             if kind != "INDEX":
                 raise AssertionError(f"no way back from {ddl!r}")
             statements.append(f"DROP INDEX {name}" if verb == "CREATE" else created[name])
