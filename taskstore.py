@@ -2721,6 +2721,8 @@ def open_engine(path, **options):
 # - The reaper thread (at the end of this section) belongs to the store.
 
 _MISSING = object()
+# The statuses that take an answer to an input request: the table's say.
+_TAKES_INPUT = tuple(state for state, row in TRANSITIONS.items() if PROVIDE_INPUT in row)
 _JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
 _PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
 _TASK_INDEX = {name: i for i, name in enumerate(_TASK_COLUMNS)}   # a Task's field -> position
@@ -3542,7 +3544,7 @@ class TaskStore:
             if given and engine.set_progress(task.id, {
                     "input_request": _json_param({"parts": left}, "request"),
                     "input_answer": _json_param({"parts": answered}, "answer")},
-                    (INPUT_REQUIRED,), None, now):
+                    _TAKES_INPUT, None, now):
                 task = engine.read_task(task.id)
                 return task, (_Change(task, "input"),)
             return task, ()
