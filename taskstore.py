@@ -4697,9 +4697,10 @@ class Runner:
 # handshakes), McpTaskMethods (tasks/*), McpToolCalls (the tools, tools/call),
 # McpInputRounds (2026-07-28 input rounds: InputRequiredResult and its signed
 # requestState), McpClientRequests (our requests to the client) and
-# McpTaskNotices (what the client hears about its tasks).  Rules: each era has one method table
-# (McpDispatcher.methods), method -> handler and where it runs (the reader,
-# the waiting pool or the write pool), and nothing else decides either; no
+# McpTaskNotices (what the client hears about its tasks).  Rules: each era has
+# one method table (McpDispatcher.methods), method -> handler and where it
+# runs (the reader, the waiting pool or the write pool), and nothing else
+# decides either; no
 # SQL and no store locking here; every read of a task goes through
 # McpTaskMethods.task; errors reach the client only through to_jsonrpc_error,
 # which carries each class's extra data (or, for tasks/result, as the error
