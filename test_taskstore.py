@@ -2692,7 +2692,7 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
         # Stale: the planner last counted the tasks while all were queued,
         # as autovacuum may have, and they finished since.
         self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
-                 "processes, taskstore_schema")
+                 "processes, secrets, taskstore_schema")
         store = self.registered(self.open_store())
         self.fill_history(store, created=(lambda: self.sql("ANALYZE")) if stale else
                           lambda: None)
@@ -5250,7 +5250,7 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         for version in range(1, taskstore.SCHEMA_VERSION):
             with self.subTest(version=version):
                 self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
-                         "processes, taskstore_schema")
+                         "processes, secrets, taskstore_schema")
                 store = self.open_store()
                 owner, cancelled, orphan = owned_history(self, store)
                 store.close()
