@@ -90,7 +90,8 @@ __all__ = [
     "mcp_task_to_modern_wire", "MissingClientCapability",
     "UnsupportedProtocolVersion", "MCP_MODERN_VERSION", "MCP_SUPPORTED_VERSIONS", "TASKS_EXTENSION",
     "ElicitationMismatch", "elicitation_problems",
-    "MCP_CANCELLED_MESSAGE",
+    "MCP_CANCELLED_MESSAGE", "InputRequired", "McpInputRounds", "LOG_LEVELS",
+    "MCP_REQUEST_STATE_TTL_MS",
     # LMSP HTTP server (section 10)
     "LMSPApp", "LMSPServer", "EventStream", "Reply", "ResponseOutput", "DemoBackend",
     "OpenAIBackend", "BackendError", "response_handler", "request_text", "demo_chunks", "task_object",
@@ -1206,6 +1207,10 @@ class Engine:
         """Record a key (replacing an expired one)."""
         raise NotImplementedError
 
+    def secret(self, name, make, now):
+        """The value of the store's secret *name*; in a write, made with ``make()`` if absent."""
+        raise NotImplementedError
+
     # -- processes -------------------------------------------------------------
 
     def register(self, proc_id, now):
@@ -1391,19 +1396,26 @@ SCHEMA = {
         "DROP INDEX tasks_cancelling",
         "CREATE INDEX tasks_active ON tasks (owner, id) WHERE {active}",
         "CREATE INDEX tasks_unsuccessful ON tasks (id) WHERE {unsuccessful}"),
-    # Version 4: every filter of list walks an index of its own, newest
+    # Version 4.  Every filter of list walks an index of its own, newest
     # first, and stops at its page: a kind in tasks_kind (one entry a task,
     # written at create and never moved; newest first within the kind, so
-    # that no planner takes it for the claim's oldest-first tasks_queue,
-    # which it would walk with the kind's finished tasks), a finished status in
-    # tasks_finished (one entry a task, written when it finishes; it takes
+    # that no planner takes it for the claim's oldest-first queue index,
+    # which it would walk with the kind's finished tasks), a finished status
+    # in tasks_finished (one entry a task, written when it finishes; it takes
     # over tasks_unsuccessful's job).  Before, a filter by kind or by
     # "succeeded" walked every task newer than its matches: 1,000 times the
-    # empty store's time for a rare kind among a million tasks kept, and
-    # 68 times for "succeeded" behind 100,000 queued tasks.
+    # empty store's time for a rare kind among a million tasks kept, and 68
+    # times for "succeeded" behind 100,000 queued tasks.
+    # secrets: keys the store keeps for its fronts, made once and shared by
+    # every process and replica on the database.  MCP signs the requestState
+    # of its input rounds with one ("mcp.request_state"), so any replica can
+    # verify a state another issued.  Never shown, never rotated by the store.
     4: ("DROP INDEX tasks_unsuccessful",
         "CREATE INDEX tasks_finished ON tasks (status, id) WHERE {finished}",
-        "CREATE INDEX tasks_kind ON tasks (kind, id DESC)"),
+        "CREATE INDEX tasks_kind ON tasks (kind, id DESC)",
+        """CREATE TABLE secrets (
+        name {text} PRIMARY KEY, value {text} NOT NULL, created_at {integer} NOT NULL)
+       {without_rowid}"""),
 }
 
 
@@ -1965,6 +1977,12 @@ class _Statements:
             f"INSERT INTO {key_row} ON CONFLICT (scope, key) DO UPDATE SET "
             "fingerprint = EXCLUDED.fingerprint, task_id = EXCLUDED.task_id, "
             "created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at")
+        self.secret_get = f"SELECT value FROM secrets WHERE name = {p}"
+        secret_row = f"secrets (name, value, created_at) VALUES ({p}, {p}, {p})"
+        # Two replicas making the first one at once: the first insert wins, and
+        # both read it back.  (An error would fail the whole group commit.)
+        self.secret_put = (f"INSERT OR IGNORE INTO {secret_row}" if d.upsert_replaces else
+                           f"INSERT INTO {secret_row} ON CONFLICT (name) DO NOTHING")
         self.unregister = f"DELETE FROM processes WHERE id = {p}"
         self.processes = (f"SELECT id, pid, host, proc_start, heartbeat_at, "
                           f"{d.registration_age} FROM processes")
@@ -2246,6 +2264,13 @@ class _SqlEngine(Engine):
     def idempotency_put(self, scope, key, fingerprint, task_id, now, expires_at):
         self.conn.execute(self._sql.idempotency_put,
                           (scope, key, fingerprint, task_id, now, expires_at))
+
+    def secret(self, name, make, now):
+        row = self.conn.execute(self._sql.secret_get, (name,)).fetchone()
+        if row is None and make is not None:
+            self.conn.execute(self._sql.secret_put, (name, make(), now))
+            row = self.conn.execute(self._sql.secret_get, (name,)).fetchone()
+        return None if row is None else row[0]
 
     # -- processes -------------------------------------------------------------
 
@@ -2762,6 +2787,8 @@ def open_engine(path, **options):
 # - The reaper thread (at the end of this section) belongs to the store.
 
 _MISSING = object()
+# The statuses that take an answer to an input request: the table's say.
+_TAKES_INPUT = tuple(state for state, row in TRANSITIONS.items() if PROVIDE_INPUT in row)
 _JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
 _PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
 _TASK_INDEX = {name: i for i, name in enumerate(_TASK_COLUMNS)}   # a Task's field -> position
@@ -2950,7 +2977,8 @@ class _IdSequence:
 class _Change(typing.NamedTuple):
     """What a committed write tells this process: one task as the write left it.
 
-    ``change`` is ``created``, ``status``, ``progress`` or ``event``; ``task``
+    ``change`` is ``created``, ``status``, ``progress``, ``input`` (a part of
+    an input request answered) or ``event``; ``task``
     is the Task as written, read or built inside the write's transaction.
     A verb's body returns its changes with its result, and the verb hands
     them to ``_Waiters.committed`` once the engine's ``write`` has returned:
@@ -3452,6 +3480,25 @@ class TaskStore:
             raise TaskNotFound(task_id)
         return None if snapshot is None else _loads(snapshot)
 
+    def secret(self, name):
+        """Return the store's secret *name* (64 hex digits), made on first use.
+
+        The same value for every process and replica on this database, so a
+        front may sign what it hands a client (MCP's ``requestState``) and
+        any of them verify it.  Made from ``secrets.token_hex(32)`` by the
+        first caller and kept in the ``secrets`` table; a read-only store
+        that has none raises StoreUnavailable.
+        """
+        with self._engine.reading() as engine:
+            value = engine.secret(name, None, None)
+        if value is None:
+            if self.readonly:
+                raise StoreUnavailable(f"the store has no secret {name!r} and is read-only")
+            now = int(self.clock() * 1000)
+            value = self._engine.write(
+                lambda: self._engine.secret(name, lambda: secrets.token_hex(32), now))
+        return value
+
     # -- moving tasks ----------------------------------------------------------
 
     def cancel(self, task_id, *, principal=None, reason=None, refuse_repeat=False):
@@ -3520,12 +3567,56 @@ class TaskStore:
     def provide_input(self, task_id, answer, *, principal=None):
         """Answer the pending input request; the task goes back to ``running``.
 
+        A request in parts (``{"parts": {key: request, ...}}``: several
+        questions asked at once) is answered part by part: *answer*
+        ``{"parts": {key: answer, ...}}`` answers any of the parts still
+        pending and the others are ignored (answered already, or never
+        asked).  Until the last part is answered the task stays
+        ``input_required``, its ``input_request`` holding only the parts
+        still pending and its ``input_answer`` those answered (a write, not
+        a status change: no event); the last one moves it to ``running``
+        with every part's answer.  Either way it is the table's
+        ``provide_input`` that decides whether the task takes an answer.
+
         Raises:
             InvalidTransition: the task is not waiting for input (already
                 answered, cancelled, or finished).
         """
+        parts = answer.get("parts") if isinstance(answer, dict) else None
+        if isinstance(parts, dict):
+            return self._provide_parts(task_id, parts, principal)
         return self._move(task_id, PROVIDE_INPUT, principal=principal, fields={
             "input_answer": _json_param(answer, "answer"), "input_request": None})
+
+    def _provide_parts(self, task_id, parts, principal):
+        """``provide_input`` for a request in parts; one transaction."""
+        now = int(self.clock() * 1000)
+        engine = self._engine
+
+        def body():
+            task = self._get_locked(task_id, principal)
+            next_state(task.id, task.status, PROVIDE_INPUT)     # waiting for input, or refused
+            pending = (task.input_request or {}).get("parts")
+            if not isinstance(pending, dict):
+                raise InvalidParams("the task's input request is not in parts", param="answer")
+            given = {key: value for key, value in parts.items() if key in pending}
+            answered = {**((task.input_answer or {}).get("parts") or {}), **given}
+            left = {key: value for key, value in pending.items() if key not in given}
+            if not left:
+                task = self._transition_locked(task, PROVIDE_INPUT, now, fields={
+                    "input_answer": _json_param({"parts": answered}, "answer"),
+                    "input_request": None})
+                return task, (_Change(task, "status"),)
+            if given and engine.set_progress(task.id, {
+                    "input_request": _json_param({"parts": left}, "request"),
+                    "input_answer": _json_param({"parts": answered}, "answer")},
+                    _TAKES_INPUT, None, now):
+                task = engine.read_task(task.id)
+                return task, (_Change(task, "input"),)
+            return task, ()
+        task, changes = engine.write(body)
+        self._waiters.committed(changes)
+        return task
 
     def set_progress(self, task_id, *, progress=None, total=None, message=_MISSING,
                      attempt=None):
@@ -4670,15 +4761,19 @@ class Runner:
 # the only writer of the output stream).  The dispatcher is a composition of
 # parts with one job each: McpEras (the era and envelope of a request, the
 # handshakes), McpTaskMethods (tasks/*), McpToolCalls (the tools, tools/call),
-# McpClientRequests (our requests to the client) and McpTaskNotices (what the
-# client hears about its tasks).  Rules: each era has one method table
-# (McpDispatcher.methods), method -> handler and where it runs (the reader,
-# the waiting pool or the write pool), and nothing else decides either; no
+# McpInputRounds (2026-07-28 input rounds: InputRequiredResult and its signed
+# requestState), McpClientRequests (our requests to the client) and
+# McpTaskNotices (what the client hears about its tasks).  Rules: each era has
+# one method table (McpDispatcher.methods), method -> handler and where it
+# runs (the reader, the waiting pool or the write pool), and nothing else
+# decides either; no
 # SQL and no store locking here; every read of a task goes through
 # McpTaskMethods.task; errors reach the client only through to_jsonrpc_error,
 # which carries each class's extra data (or, for tasks/result, as the error
 # stored when the task failed); the reader thread never waits for work; in
-# the modern era the server never sends a request.
+# the modern era the server never sends a request: a tool's question is an
+# InputRequiredResult inline, inputRequests in a task; nothing lasts between
+# two rounds of an inline call but what the client carries in requestState.
 
 MCP_PROTOCOL_VERSION = "2025-11-25"
 # Older revisions are served the way the 1.x SDK serves them: same
@@ -4731,6 +4826,18 @@ _MODERN_REPLACED = {"initialize": "that era has no handshake: send server/discov
                     "tasks/list": "it has no listing; keep the task ids tools/call returns"}
 _LEGACY = MCP_PROTOCOL_VERSION          # era names: the version each era is named after
 _MODERN = MCP_MODERN_VERSION
+META_LOG_LEVEL = "io.modelcontextprotocol/logLevel"
+# MCP's log levels, least severe first (RFC 5424's, as MCP names them).
+LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
+# What a tool may ask the client, and the client capability each needs.
+_INPUT_CAPABILITY = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling",
+                     "roots/list": "roots"}
+_INPUT_KEY = {"elicitation/create": "elicit", "sampling/createMessage": "sample",
+              "roots/list": "roots"}            # a question's default key: elicit-1, sample-2 ...
+# 2026-07-28 MRTR: how long a requestState is good for.  A retry comes back as
+# soon as the user has answered; an hour bounds what a leaked state is worth.
+MCP_REQUEST_STATE_TTL_MS = 3600 * 1000
+_REQUEST_STATE_SECRET = "mcp.request_state"     # the store secret that signs it
 
 
 class ParseError(TaskStoreError):
@@ -4831,6 +4938,54 @@ class UnsupportedProtocolVersion(TaskStoreError):
         self.jsonrpc_data = {"supported": list(supported), "requested": requested}
 
 
+class InputRequired(Exception):
+    """Ends an inline 2026-07-28 tool run that asked for what its request did not bring.
+
+    ``ToolContext`` raises it; the dispatcher answers the ``tools/call``
+    with an ``InputRequiredResult`` asking *requests* (key -> ``{method,
+    params}``).  A tool must let it through (not catch it).
+    """
+
+    def __init__(self, requests):
+        super().__init__(f"input required: {', '.join(requests)}")
+        self.requests = requests
+
+
+def _input_request_wire(request):
+    """The ``InputRequest`` a stored or asked question shows on the 2026-07-28 wire."""
+    params = dict(request.get("params") or {})
+    if request["method"] == "elicitation/create":
+        params.setdefault("mode", "form")
+    return {"method": request["method"], "params": params}
+
+
+def _input_result(method, key, answer):
+    """The result in *answer* (``{"result"}`` or ``{"error"}``) to question *key*, checked.
+
+    Raises:
+        McpError: the client answered with an error.
+        InvalidParams: the result is not what *method* answers.
+    """
+    if not isinstance(answer, dict):
+        raise McpError(-32603, f"{_INPUT_KEY[method]} failed: no answer to {key!r}")
+    if "error" in answer:
+        error = answer["error"] if isinstance(answer["error"], dict) else {}
+        code = error.get("code")
+        raise McpError(code if isinstance(code, int) and not isinstance(code, bool) else -32603,
+                       f"{method} failed: {error.get('message', 'error')}")
+    result = answer.get("result")
+    fits = isinstance(result, dict) and {
+        "elicitation/create": lambda: result.get("action") in ("accept", "decline", "cancel"),
+        "sampling/createMessage": lambda: "content" in result,
+        "roots/list": lambda: isinstance(result.get("roots"), list)}[method]()
+    if not fits:
+        what = {"elicitation/create": "an ElicitResult", "roots/list": "a ListRootsResult",
+                "sampling/createMessage": "a CreateMessageResult"}[method]
+        raise InvalidParams(f"the answer to {key!r} is not {what}: {_shown(result)}",
+                            param="inputResponses")
+    return result
+
+
 def _error_message(msg_id, exc):
     """Return the JSON-RPC error response to request *msg_id* for *exc*."""
     return {"jsonrpc": "2.0", "id": msg_id, "error": to_jsonrpc_error(exc)}
@@ -4908,15 +5063,15 @@ def mcp_task_to_modern_wire(task, poll_interval_ms, *, created=False):
             wire["error"] = {"code": -32603, "message": message or "task failed"}
     elif status == "input_required":
         wire["inputRequests"] = {}
-        request = task.input_request
-        if isinstance(request, dict) and isinstance(request.get("method"), str):
-            params = dict(request.get("params") or {})
-            if request["method"] == "elicitation/create":
-                params.setdefault("mode", "form")
-            # Keys are minted when the question is stored (ToolContext.elicit);
-            # a row written before keys existed gets a fixed one.
-            wire["inputRequests"][request.get("key") or "input"] = {
-                "method": request["method"], "params": params}
+        request = task.input_request if isinstance(task.input_request, dict) else {}
+        parts = request.get("parts")
+        if isinstance(parts, dict):         # the questions still pending (ToolContext.ask)
+            wire["inputRequests"] = {key: _input_request_wire(part)
+                                     for key, part in parts.items()}
+        elif isinstance(request.get("method"), str):
+            # One question, as rows written before questions came in parts
+            # hold it; one written before keys existed gets a fixed one.
+            wire["inputRequests"][request.get("key") or "input"] = _input_request_wire(request)
     return wire
 
 
@@ -5265,6 +5420,13 @@ class McpTool(typing.NamedTuple):
     value (sent as text plus ``structuredContent``).  It raises ``McpError``
     to answer with a JSON-RPC error; any other exception becomes an
     ``isError`` result with a generic text (the traceback goes to the log).
+
+    ``prepare(ctx, arguments)``, when given, runs first, before the call is
+    decided to run inline or as a task, and asks what the work needs to
+    know up front (``ctx.elicit`` ...): in 2026-07-28 its questions are
+    input rounds on the ``tools/call`` itself, before any task exists.
+    What it returns (a JSON value) is the handler's ``ctx.prepared``, kept
+    in the task's payload when the call becomes a task.
     """
 
     name: str
@@ -5272,6 +5434,7 @@ class McpTool(typing.NamedTuple):
     description: str
     input_schema: dict
     task_support: str
+    prepare: object = None
 
     def to_wire(self, era=_LEGACY):
         """Return the ``tools/list`` entry (2026-07-28 has no ``execution``)."""
@@ -5290,11 +5453,25 @@ class ToolContext:
     the inline request is cancelled by ``notifications/cancelled``); long work
     waits on it instead of sleeping, so it stops at once.  ``era`` is the MCP
     version whose client made the call (``"2025-11-25"`` or ``"2026-07-28"``);
-    tools rarely need it: the same handler serves both eras.
+    tools rarely need it: the same handler serves both eras.  ``prepared``
+    is what the tool's ``prepare`` returned (None without one).
+
+    Asking the client (``elicit``, ``sample``, ``list_roots``, several at
+    once with ``ask``) works in every case, each era its own way: in
+    2025-11-25 the question goes out as a request to the client and the
+    call waits for the answer; in a 2026-07-28 task it waits in the store
+    (``inputRequests`` on tasks/get, answered with tasks/update); in an
+    inline 2026-07-28 call it ends this run of the handler with an
+    ``InputRequiredResult``, and the client's retry (with ``inputResponses``
+    and the signed ``requestState``) runs the handler again from the start,
+    this time with the answers: the same questions under the same keys
+    get them at once.  So a handler asks the same questions in the same
+    order on every run, and does nothing it cannot repeat before it has
+    its answers (``InputRequired``, which ends the run, must not be caught).
     """
 
     def __init__(self, dispatcher, *, task_ctx=None, progress_token=None, era=_LEGACY,
-                 capabilities=None):
+                 capabilities=None, answers=None, log_level=None, prepared=None):
         self._dispatcher = dispatcher
         self._task_ctx = task_ctx
         self._progress_token = progress_token
@@ -5303,8 +5480,15 @@ class ToolContext:
         if task_ctx is not None:            # a task: what its creating request said
             era = task_ctx.task.meta.get("era", _LEGACY)
             capabilities = task_ctx.task.meta.get("capabilities")
+            payload = task_ctx.task.payload
+            prepared = payload.get("prepared") if isinstance(payload, dict) else None
         self.era = era
+        self.prepared = prepared
         self._capabilities = capabilities   # modern: the request's clientCapabilities
+        self._answers = answers or {}       # modern inline: key -> the client's answer
+        self.used = {}                      # modern inline: the answers this run used
+        self._asked = 0                     # questions asked so far: default keys count them
+        self._log_level = log_level         # modern inline: the request's logLevel
 
     @property
     def client_capabilities(self):
@@ -5331,57 +5515,59 @@ class ToolContext:
         elif self._progress_token is not None:
             self._dispatcher.notices.progress(self._progress_token, value, total, message, None)
 
-    def elicit(self, message, requested_schema):
-        """Ask the user through the client (``elicitation/create``) and wait for the answer.
+    def log(self, level, data, logger=None):
+        """Send the client a log message (``notifications/message``); return whether it went.
 
-        Returns the ElicitResult dict: ``{"action": "accept"|"decline"|"cancel",
-        "content": {...}}``.  As a task, the task is ``input_required`` until
-        the answer arrives, then ``working`` again.
-
-        In the 2026-07-28 era the question is not sent: it waits in the store
-        and the client reads it from tasks/get ``inputRequests`` and answers
-        with tasks/update.  An inline call there cannot ask (no server-to-client
-        requests in that era).
+        *level* is one of ``LOG_LEVELS`` (``"debug"`` ... ``"emergency"``);
+        *data* any JSON value.  It goes out when the client asked for that
+        level or a lower one: in 2025-11-25 with ``logging/setLevel`` (all
+        levels until it does), in 2026-07-28 with its request's
+        ``_meta["io.modelcontextprotocol/logLevel"]`` (without it, none).
+        A 2026-07-28 task sends none (the tasks extension has no place for
+        them); a 2025-11-25 task only to the client that created it, with
+        the related-task ``_meta``.
 
         Raises:
-            McpError: the client did not declare elicitation, or answered with an error.
+            InvalidParams: *level* is not a log level.
+        """
+        if level not in LOG_LEVELS:
+            raise InvalidParams(f"level must be one of {', '.join(LOG_LEVELS)}", param="level")
+        if self.era == _MODERN:
+            wanted = None if self._task_ctx is not None else self._log_level
+        else:
+            wanted = self._dispatcher.eras.log_level
+            if self._task_ctx is not None and \
+                    self._task_ctx.task.meta.get("session") != self._dispatcher._session:
+                wanted = None               # its client is not connected here
+        if wanted is None or LOG_LEVELS.index(level) < LOG_LEVELS.index(wanted):
+            return False
+        params = {"level": level, "data": data}
+        if logger is not None:
+            params["logger"] = logger
+        if self._task_ctx is not None:
+            params["_meta"] = {RELATED_TASK: {"taskId": self.task_id}}
+        self._dispatcher.notices.notify("notifications/message", params)
+        return True
+
+    def elicit(self, message, requested_schema, *, key=None):
+        """Ask the user through the client (``elicitation/create``); return the ElicitResult.
+
+        Returns ``{"action": "accept"|"decline"|"cancel", "content": {...}}``.
+        As a task, the task is ``input_required`` until the answer arrives,
+        then ``working`` again.  *key* names the question in an inline
+        2026-07-28 call's ``inputRequests`` (by default ``elicit-<n>``, n
+        counting this run's questions).
+
+        Raises:
+            McpError: the client answered with an error, or (2025-11-25) did
+                not declare elicitation.
+            MissingClientCapability: (2026-07-28) the client did not declare it.
             ElicitationMismatch: (an McpError) the user accepted, but the content
                 does not fit *requested_schema*; its message says what did not.
             Cancelled: the task (or inline request) was cancelled while waiting.
         """
-        params = {"message": message, "requestedSchema": requested_schema}
-        if self.era == _MODERN:
-            if self._task_ctx is None:
-                raise McpError(-32601, "elicitation needs a task in MCP 2026-07-28: "
-                                       "declare the io.modelcontextprotocol/tasks extension")
-            if "elicitation" not in (self._capabilities or {}):
-                raise McpError(-32601, "the client does not support elicitation")
-            # The key is unique for the task's life: never reused after an answer.
-            answer = self._task_ctx.ask({"method": "elicitation/create", "params": params,
-                                         "key": f"elicit-{secrets.token_hex(8)}"})
-            return self._elicit_result(answer, requested_schema)
-        if "elicitation" not in self._dispatcher.client_capabilities:
-            raise McpError(-32601, "the client does not support elicitation")
-        if self._task_ctx is not None and \
-                self._task_ctx.task.meta.get("session") != self._dispatcher._session:
-            # Claimed from a file shared with another server: its client is not ours.
-            raise McpError(-32603, "the client that created this task is not connected here")
-        if self._task_ctx is not None:
-            answer = self._task_ctx.ask({"method": "elicitation/create", "params": params})
-        else:
-            answer = self._dispatcher.requests.ask("elicitation/create", params, self.cancelled)
-        return self._elicit_result(answer, requested_schema)
-
-    @staticmethod
-    def _elicit_result(answer, requested_schema):
-        if not isinstance(answer, dict):
-            raise McpError(-32603, "elicitation failed: no answer")
-        if "error" in answer:
-            error = answer["error"] if isinstance(answer["error"], dict) else {}
-            raise McpError(error.get("code", -32603),
-                           f"elicitation failed: {error.get('message', 'error')}")
-        result = answer.get("result")
-        result = result if isinstance(result, dict) else {}
+        result = self._ask_one("elicitation/create", {"message": message,
+                                                      "requestedSchema": requested_schema}, key)
         if result.get("action") == "accept":
             # Accepted content the tool did not ask for is a mistake to name, never
             # to pass on as if the user had answered (or had not).
@@ -5389,6 +5575,88 @@ class ToolContext:
             if problems:
                 raise ElicitationMismatch(result, problems)
         return result
+
+    def sample(self, messages, max_tokens, *, key=None, **params):
+        """Ask the client's model (``sampling/createMessage``); return the CreateMessageResult.
+
+        *messages* is the SamplingMessage list, or a string (one user
+        message); *params* adds the request's other fields (``systemPrompt``,
+        ``temperature`` ...).  Asked as ``elicit`` asks (*key*: ``sample-<n>``).
+        """
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": {"type": "text", "text": messages}}]
+        return self._ask_one("sampling/createMessage",
+                             {"messages": messages, "maxTokens": max_tokens, **params}, key)
+
+    def list_roots(self, *, key=None):
+        """Ask the client for its roots (``roots/list``); return the list of Root objects."""
+        return self._ask_one("roots/list", {}, key)["roots"]
+
+    def ask(self, requests):
+        """Ask the client several things at once; return ``{key: result}``.
+
+        *requests* maps a key to ``{"method": ..., "params": {...}}``, the
+        method one of ``elicitation/create``, ``sampling/createMessage`` and
+        ``roots/list``.  All go out together (one ``InputRequiredResult``,
+        one ``input_required`` with several ``inputRequests``, or several
+        requests to the client at once) and this returns when all are
+        answered.  Each result is the client's, checked for its shape (an
+        ElicitResult is not checked against its schema here: ``elicit`` does).
+
+        Raises:
+            InvalidParams: a method that cannot be asked, or an answer of
+                the wrong shape.
+            McpError, MissingClientCapability, Cancelled: as ``elicit``.
+        """
+        if not isinstance(requests, dict) or not requests:
+            raise InvalidParams("requests must be a non-empty object", param="requests")
+        wire = {}
+        for key, request in requests.items():
+            method = request.get("method") if isinstance(request, dict) else None
+            capability = _INPUT_CAPABILITY.get(method)
+            if not isinstance(key, str) or capability is None:
+                raise InvalidParams(f"cannot ask the client {_echo(repr(method))} under "
+                                    f"{_echo(repr(key))}", param="requests")
+            if capability not in self.client_capabilities:
+                if self.era == _MODERN:
+                    raise MissingClientCapability(f"the client does not support {capability}",
+                                                  {capability: {}})
+                raise McpError(-32601, f"the client does not support {capability}")
+            wire[key] = {"method": method, "params": dict(request.get("params") or {})}
+        self._asked += len(wire)
+        if self._task_ctx is not None:
+            answers = self._ask_in_task(wire)
+        elif self.era == _MODERN:
+            answers = self._answered(wire)
+        else:
+            answers = self._dispatcher.requests.ask(wire, self.cancelled)
+        return {key: _input_result(wire[key]["method"], key, answers[key]) for key in wire}
+
+    def _ask_one(self, method, params, key):
+        key = key if key is not None else f"{_INPUT_KEY[method]}-{self._asked + 1}"
+        return self.ask({key: {"method": method, "params": params}})[key]
+
+    def _answered(self, wire):
+        """2026-07-28 inline: the answers the request brought, or end this run asking for them."""
+        missing = {key: request for key, request in wire.items() if key not in self._answers}
+        if missing:
+            raise InputRequired(missing)
+        for key in wire:
+            self.used[key] = self._answers[key]
+        return {key: {"result": self._answers[key]} for key in wire}
+
+    def _ask_in_task(self, wire):
+        """A task waits in the store for the answers (``input_required``)."""
+        if self.era == _LEGACY and \
+                self._task_ctx.task.meta.get("session") != self._dispatcher._session:
+            # Claimed from a file shared with another server: its client is not ours.
+            raise McpError(-32603, "the client that created this task is not connected here")
+        # A key is unique for the task's life: never reused after an answer.
+        minted = {f"{key}-{secrets.token_hex(8)}": key for key in wire}
+        answer = self._task_ctx.ask({"parts": {m: wire[key] for m, key in minted.items()}})
+        parts = answer.get("parts") if isinstance(answer, dict) else None
+        parts = parts if isinstance(parts, dict) else {}
+        return {key: parts.get(m) for m, key in minted.items()}
 
 
 class McpWork(typing.NamedTuple):
@@ -5462,6 +5730,7 @@ class McpEras:
         self._mcp = mcp                     # the dispatcher: server_info, list_tasks
         self.era = None                     # "2025-11-25" or "2026-07-28" once chosen
         self.client_capabilities = {}       # 2025-11-25: what initialize declared
+        self.log_level = "debug"            # 2025-11-25: logging/setLevel's (all until then)
         self._lock = threading.Lock()
 
     def select(self, message):
@@ -5525,6 +5794,9 @@ class McpEras:
             if not isinstance(capabilities, dict):
                 raise InvalidParams(f"params._meta[{META_CLIENT_CAPABILITIES!r}] must be an "
                                     "object", param=META_CLIENT_CAPABILITIES)
+            if params["_meta"].get(META_LOG_LEVEL, "debug") not in LOG_LEVELS:
+                raise InvalidParams(f"params._meta[{META_LOG_LEVEL!r}] must be one of "
+                                    f"{', '.join(LOG_LEVELS)}", param=META_LOG_LEVEL)
         row = table.get(method) if isinstance(method, str) else None
         if row is None:
             hint = _MODERN_REPLACED.get(method) if era == _MODERN and isinstance(method, str) \
@@ -5561,12 +5833,20 @@ class McpEras:
         if self._mcp.list_tasks:
             tasks["list"] = {}
         return {"protocolVersion": version,
-                "capabilities": {"tools": {"listChanged": False}, "tasks": tasks},
+                "capabilities": {"tools": {"listChanged": False}, "logging": {}, "tasks": tasks},
                 "serverInfo": self._mcp.server_info}
 
     @staticmethod
     def ping(request):
         """2025-11-25 ``ping``."""
+        return {}
+
+    def set_log_level(self, request):
+        """2025-11-25 ``logging/setLevel``: the least severe level the client hears from now on."""
+        level = request.params.get("level")
+        if level not in LOG_LEVELS:
+            raise InvalidParams(f"level must be one of {', '.join(LOG_LEVELS)}", param="level")
+        self.log_level = level
         return {}
 
     @staticmethod
@@ -5575,7 +5855,7 @@ class McpEras:
         # Everything a modern client checks, answered at once: a client that hears
         # nothing waits out a 10 s probe before it falls back to initialize.
         return {"supportedVersions": list(MCP_SUPPORTED_VERSIONS),
-                "capabilities": {"tools": {"listChanged": False},
+                "capabilities": {"tools": {"listChanged": False}, "logging": {},
                                  "extensions": {TASKS_EXTENSION: {}}},
                 "ttlMs": 0, "cacheScope": "private"}
 
@@ -5712,16 +5992,22 @@ class McpTaskMethods:
             raise InvalidParams("inputResponses must be an object", param="inputResponses")
         pending = mcp_task_to_modern_wire(task, self._mcp.poll_interval_ms).get(
             "inputRequests", {})
+        given = {}
         for key, response in responses.items():
             if key not in pending:
                 continue
             if not isinstance(response, dict):
                 raise InvalidParams(f"inputResponses[{key!r}] must be an object",
                                     param="inputResponses")
-            try:
-                self._mcp.store.provide_input(task.id, {"result": response})
-            except InvalidTransition:       # answered, cancelled or ended meanwhile
-                logger.debug("input for %s dropped: it is no longer waiting", task.id)
+            given[key] = {"result": response}
+        if not given:
+            return {}
+        in_parts = isinstance((task.input_request or {}).get("parts"), dict)
+        try:                                # all the answers given, in one write
+            self._mcp.store.provide_input(
+                task.id, {"parts": given} if in_parts else next(iter(given.values())))
+        except InvalidTransition:           # answered, cancelled or ended meanwhile
+            logger.debug("input for %s dropped: it is no longer waiting", task.id)
         return {}
 
     def cancel_modern(self, request):
@@ -5750,8 +6036,8 @@ class McpToolCalls:
         self._inline = {}                   # client request id -> its cancel event (cancellable)
 
     def add_tool(self, name, handler, *, description="", input_schema=None,
-                 task_support="forbidden"):
-        """Register a tool; see ``McpTool`` for the handler's contract.
+                 task_support="forbidden", prepare=None):
+        """Register a tool; see ``McpTool`` for the handler's (and *prepare*'s) contract.
 
         Raises:
             InvalidParams: *task_support* is not forbidden, optional or required.
@@ -5761,7 +6047,7 @@ class McpToolCalls:
                                 param="task_support")
         tool = McpTool(name, handler, description,
                        input_schema if input_schema is not None else {"type": "object"},
-                       task_support)
+                       task_support, prepare)
         self.tools[name] = tool
         return tool
 
@@ -5818,19 +6104,45 @@ class McpToolCalls:
         return tool, arguments, None if task is None else task[:2]
 
     def call(self, request):
-        """tools/call: the tool's CallToolResult inline, or the created task."""
+        """tools/call: the tool's CallToolResult inline, or the created task.
+
+        In 2026-07-28 a call whose tool (or its ``prepare``) asks for what
+        the request did not bring answers an ``InputRequiredResult``
+        instead (``McpInputRounds``); before a task is created, never after.
+        """
         tool, arguments, task = self.plan(request)
         meta = request.params.get("_meta")
-        token = meta.get("progressToken") if isinstance(meta, dict) else None
-        if task is None:
-            return self._call_inline(tool, arguments, token, request)
+        meta = meta if isinstance(meta, dict) else {}
+        token = meta.get("progressToken")
+        answers = self._mcp.rounds.answers(request, tool, arguments) \
+            if request.era == _MODERN else None
+        ctx = ToolContext(self._mcp, progress_token=token, era=request.era,
+                          capabilities=request.capabilities, answers=answers,
+                          log_level=meta.get(META_LOG_LEVEL))
+        with self.cancellable(request.id, ctx.cancelled):
+            try:
+                if tool.prepare is not None:
+                    ctx.prepared, broken = self._prepare(tool, ctx, arguments)
+                    if broken is not None:
+                        return broken
+                if task is None:
+                    result = self._invoke(tool, ctx, arguments)
+            except Cancelled:
+                return _NO_RESPONSE
+            except InputRequired as exc:
+                return self._mcp.rounds.input_required(request, tool, arguments, ctx, exc)
+        if task is None:                    # MCP: a request the client cancelled gets no answer
+            return _NO_RESPONSE if ctx.is_cancelled() else result
         mcp = self._mcp
         ttl, legacy = task
         meta = {"session": mcp._session, "progressToken": token, "legacy": legacy,
                 "era": request.era}
         if request.era == _MODERN:          # polled: no progress notifications
             meta.update(progressToken=None, capabilities=request.capabilities)
-        created = mcp.store.create(MCP_TASK_KIND, {"name": tool.name, "arguments": arguments},
+        payload = {"name": tool.name, "arguments": arguments}
+        if tool.prepare is not None:
+            payload["prepared"] = ctx.prepared
+        created = mcp.store.create(MCP_TASK_KIND, payload,
                                    ttl_ms=self._grant_ttl(ttl), meta=meta, owner=mcp.owner,
                                    principal=mcp.principal)
         # Committed: a tasks/get for this id resolves from now on.
@@ -5866,17 +6178,6 @@ class McpToolCalls:
             raise InvalidParams(f"task.ttl must be at most {MAX_SAFE_INTEGER}", param="ttl")
         return granted
 
-    def _call_inline(self, tool, arguments, token, request):
-        ctx = ToolContext(self._mcp, progress_token=token, era=request.era,
-                          capabilities=request.capabilities)
-        with self.cancellable(request.id, ctx.cancelled):
-            try:
-                result = self._invoke(tool, ctx, arguments)
-            except Cancelled:
-                result = _NO_RESPONSE
-        # MCP: a request the client cancelled gets no answer.
-        return _NO_RESPONSE if ctx.is_cancelled() else result
-
     @contextlib.contextmanager
     def cancellable(self, request_id, cancelled):
         """While inside, ``cancel_inline(request_id)`` sets the event *cancelled*.
@@ -5906,12 +6207,24 @@ class McpToolCalls:
     def _invoke(tool, ctx, arguments):
         try:
             value = tool.handler(ctx, arguments)
-        except (TaskStoreError, Cancelled):
+        except (TaskStoreError, Cancelled, InputRequired):
             raise
         except Exception:
             logger.exception("tool %s failed", tool.name)
             return text_result(f"Tool {tool.name} failed with an internal error", is_error=True)
         return _as_call_tool_result(value)
+
+    @staticmethod
+    def _prepare(tool, ctx, arguments):
+        """Run the tool's ``prepare``: ``(prepared, None)``, or ``(None, the isError answer)``."""
+        try:
+            return tool.prepare(ctx, arguments), None
+        except (TaskStoreError, Cancelled, InputRequired):
+            raise
+        except Exception:
+            logger.exception("tool %s failed to prepare", tool.name)
+            return None, text_result(f"Tool {tool.name} failed with an internal error",
+                                     is_error=True)
 
     def run_task(self, task_ctx, payload):
         """Runner handler for kind ``mcp.tools/call``: run the tool, map its outcome."""
@@ -5931,8 +6244,97 @@ class McpToolCalls:
         return result
 
 
+class McpInputRounds:
+    """2026-07-28 multi-round tool calls (MRTR): ``InputRequiredResult`` and its retry.
+
+    A ``tools/call`` whose tool asks for what the request did not bring is
+    answered with ``{"resultType": "input_required", "inputRequests":
+    {key: {method, params}}, "requestState": ...}``; the client asks its
+    user (or model, or roots), then sends the same call again with
+    ``inputResponses`` (key -> its answer) and that ``requestState``, and
+    the tool runs again with the answers (``ToolContext``).  Nothing is
+    kept between the rounds but what the client carries: the answers of
+    earlier rounds travel in the ``requestState``, signed (HMAC-SHA256)
+    with the store's secret ``mcp.request_state`` (``TaskStore.secret``),
+    so that any replica on the same database verifies what another one
+    issued, and a state altered, expired (``MCP_REQUEST_STATE_TTL_MS``) or
+    issued for another call (tool, arguments, principal) is refused with
+    -32602.  Extra ``inputResponses`` keys are ignored; a missing one is
+    asked again.
+    """
+
+    def __init__(self, mcp):
+        self._mcp = mcp     # the dispatcher: store, principal
+
+    def answers(self, request, tool, arguments):
+        """The answers a call brings: its ``inputResponses`` over its verified ``requestState``.
+
+        Raises:
+            InvalidParams: ``inputResponses`` not an object of objects, or a
+                ``requestState`` that fails its check.
+        """
+        params = request.params
+        responses = params.get("inputResponses", {})
+        if not isinstance(responses, dict) or \
+                not all(isinstance(value, dict) for value in responses.values()):
+            raise InvalidParams("inputResponses must be an object mapping each key to the "
+                                "client's result", param="inputResponses")
+        token = params.get("requestState")
+        if token is None:
+            return dict(responses)
+        if not isinstance(token, str):
+            raise InvalidParams("requestState must be a string", param="requestState")
+        state = self._open(token)
+        if state.get("call") != self._call(tool, arguments):
+            raise InvalidParams("requestState was issued for another call", param="requestState")
+        if state.get("exp", 0) < self._now():
+            raise InvalidParams("requestState has expired: call the tool again without it",
+                                param="requestState")
+        return {**responses, **state.get("answers", {})}
+
+    def input_required(self, request, tool, arguments, ctx, exc):
+        """The ``InputRequiredResult`` for a run that ended asking *exc*'s questions."""
+        state = {"call": self._call(tool, arguments),
+                 "exp": self._now() + MCP_REQUEST_STATE_TTL_MS, "answers": ctx.used}
+        return {"resultType": "input_required",
+                "inputRequests": {key: _input_request_wire(question)
+                                  for key, question in exc.requests.items()},
+                "requestState": self._seal(state)}
+
+    def _call(self, tool, arguments):
+        """What a state is bound to: the tool, its arguments and the caller (a digest)."""
+        return hashlib.sha256(json.dumps([tool.name, arguments, self._mcp.principal],
+                                         sort_keys=True).encode()).hexdigest()
+
+    def _now(self):
+        return int(self._mcp.store.clock() * 1000)
+
+    def _mac(self, body):
+        key = bytes.fromhex(self._mcp.store.secret(_REQUEST_STATE_SECRET))
+        return hmac.new(key, b"mcp.request_state\0" + body, hashlib.sha256).digest()
+
+    def _seal(self, state):
+        body = dumps(state).encode()
+        return ".".join(base64.urlsafe_b64encode(part).decode().rstrip("=")
+                        for part in (body, self._mac(body)))
+
+    def _open(self, token):
+        """The state *token* carries, if this store signed it (else InvalidParams)."""
+        try:
+            body, mac = (base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+                         for part in token.split("."))
+            if hmac.compare_digest(mac, self._mac(body)):
+                state = json.loads(body)
+                if isinstance(state, dict) and isinstance(state.get("answers"), dict):
+                    return state
+        except ValueError:                  # not two Base64 parts (binascii.Error is one)
+            pass
+        raise InvalidParams("requestState failed its integrity check: it was altered, or "
+                            "another server issued it", param="requestState")
+
+
 class McpClientRequests:
-    """The requests this server sends its client (2025-11-25 elicitation), and their answers.
+    """The requests this server sends its client (2025-11-25: elicitation, sampling, roots).
 
     Each request waits in ``_pending`` under its id until its answer arrives
     (through ``McpDispatcher.receive``, which hands it to ``answer``) or its
@@ -5960,24 +6362,33 @@ class McpClientRequests:
         self._mcp.send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
         return request_id
 
-    def ask(self, method, params, cancelled):
-        """Send a request and block until the client answers; return the response.
+    def ask(self, requests, cancelled):
+        """Send *requests* (key -> ``{method, params}``) at once; block until all are answered.
 
-        Runs on the thread of the work that asks (an inline tool call).
+        Returns key -> the client's response (with its ``result`` or
+        ``error``).  Runs on the thread of the work that asks (an inline
+        tool call).
 
         Raises:
-            Cancelled: *cancelled* was set, or the connection ends, before the answer.
+            Cancelled: *cancelled* was set, or the connection ends, before the answers.
         """
-        answers = queue.Queue(1)
-        request_id = self.send(method, params, answers.put)
-        while True:
+        answers = queue.Queue()
+        sent = [self.send(request["method"], request["params"],
+                          functools.partial(lambda key, response: answers.put((key, response)),
+                                            key))
+                for key, request in requests.items()]
+        got = {}
+        while len(got) < len(sent):
             try:
-                return answers.get(timeout=0.1)
+                key, response = answers.get(timeout=0.1)
+                got[key] = response
             except queue.Empty:
                 if cancelled.is_set() or self._mcp.closing.is_set():
                     with self._lock:
-                        self._pending.pop(request_id, None)
+                        for request_id in sent:
+                            self._pending.pop(request_id, None)
                     raise Cancelled() from None
+        return got
 
     def answer(self, response):
         """Return the work that hands *response* to its request's callback ([] if none waits)."""
@@ -6103,7 +6514,7 @@ class McpTaskNotices:
             status = mcp_status(step)
             if status != told and told not in _MCP_TERMINAL:
                 told = status
-                self._notify("notifications/tasks/status",
+                self.notify("notifications/tasks/status",
                              mcp_task_to_wire(step, self._mcp.poll_interval_ms))
         with self._lock:
             self._told[task.id] = (task.last_seq, told)
@@ -6138,7 +6549,15 @@ class McpTaskNotices:
                 self._tell_status(task)
 
     def _send_input_request(self, task):
-        request = task.input_request
+        """Send the task's question(s) to the client, each a request of ours."""
+        parts = task.input_request.get("parts")
+        if isinstance(parts, dict):         # several at once: each answer is one part's
+            for key, request in parts.items():
+                self._send_question(task, request, key)
+        else:
+            self._send_question(task, task.input_request, None)
+
+    def _send_question(self, task, request, key):
         params = dict(request.get("params") or {})
         params["_meta"] = {**(params.get("_meta") or {}), RELATED_TASK: {"taskId": task.id}}
         store = self._mcp.store
@@ -6147,7 +6566,7 @@ class McpTaskNotices:
             answer = ({"error": response["error"]} if "error" in response
                       else {"result": response.get("result")})
             try:
-                store.provide_input(task.id, answer)
+                store.provide_input(task.id, answer if key is None else {"parts": {key: answer}})
             except TaskStoreError as exc:   # cancelled meanwhile: the answer is moot
                 logger.debug("input for %s dropped: %s", task.id, exc)
 
@@ -6183,7 +6602,7 @@ class McpTaskNotices:
             with contextlib.suppress(TaskStoreError):
                 watched[task_id] = mcp.tasks.task({"taskId": task_id}).last_seq
         tag = {"io.modelcontextprotocol/subscriptionId": request.id}
-        self._notify("notifications/subscriptions/acknowledged",
+        self.notify("notifications/subscriptions/acknowledged",
                      {"notifications": {"taskIds": list(watched)}, "_meta": tag})
         with mcp.calls.cancellable(request.id, threading.Event()) as cancelled:
             while not (cancelled.is_set() or mcp.closing.is_set()):
@@ -6197,7 +6616,7 @@ class McpTaskNotices:
                     watched[task_id] = task.last_seq
                     wire = mcp_task_to_modern_wire(task, mcp.poll_interval_ms)
                     del wire["resultType"]          # a notification, not a result
-                    self._notify("notifications/tasks", {**wire, "_meta": tag})
+                    self.notify("notifications/tasks", {**wire, "_meta": tag})
                     if wire["status"] in _MCP_TERMINAL:
                         del watched[task_id]
         return {"_meta": tag}
@@ -6211,9 +6630,10 @@ class McpTaskNotices:
             params["message"] = message
         if task_id is not None:
             params["_meta"] = {RELATED_TASK: {"taskId": task_id}}
-        self._notify("notifications/progress", params)
+        self.notify("notifications/progress", params)
 
-    def _notify(self, method, params):
+    def notify(self, method, params):
+        """Send the client a notification (``ToolContext.log`` sends its messages here)."""
         self._mcp.send({"jsonrpc": "2.0", "method": method, "params": params})
 
 
@@ -6240,8 +6660,8 @@ class McpDispatcher:
     ``run_task`` as that kind's handler runs it, and ``owner`` is that
     Runner's ``process_id``.  The work is shared among parts, each with one
     job: ``eras`` (McpEras), ``tasks`` (McpTaskMethods), ``calls``
-    (McpToolCalls), ``requests`` (McpClientRequests) and ``notices``
-    (McpTaskNotices).
+    (McpToolCalls), ``rounds`` (McpInputRounds), ``requests``
+    (McpClientRequests) and ``notices`` (McpTaskNotices).
 
     Example (no pipes, no threads)::
 
@@ -6282,6 +6702,7 @@ class McpDispatcher:
         self.eras = McpEras(self)
         self.tasks = McpTaskMethods(self)
         self.calls = McpToolCalls(self)
+        self.rounds = McpInputRounds(self)
         self.requests = McpClientRequests(self)
         self.notices = McpTaskNotices(self)
         if tools is not None:               # another front's registry, shared: one set of tools
@@ -6293,6 +6714,7 @@ class McpDispatcher:
             _LEGACY: {
                 "initialize":      (self.eras.initialize,         _READER),
                 "ping":            (self.eras.ping,               _READER),
+                "logging/setLevel": (self.eras.set_log_level,     _READER),
                 "tools/list":      (self.calls.list,              _READER),
                 "tools/call":      (self.calls.call,              self._call_runs),
                 "tasks/get":       (self.tasks.get,               _READER),
@@ -6318,12 +6740,18 @@ class McpDispatcher:
     # its handler makes, so that the table and the handler never disagree.
 
     def _call_runs(self, request):
-        """tools/call: inline it waits for its tool; creating a task writes."""
+        """tools/call: inline it waits for its tool; creating a task writes.
+
+        A 2025-11-25 tool with a ``prepare`` waits as an inline call does: it
+        may ask its user before the task exists.
+        """
         try:
-            task = self.calls.plan(request)[2]
+            tool, _, task = self.calls.plan(request)
         except TaskStoreError:
             return _READER                  # refused: its error at once
-        return _WAITING if task is None else _WRITING
+        if task is None or (tool.prepare is not None and request.era == _LEGACY):
+            return _WAITING
+        return _WRITING
 
     def _result_runs(self, request):
         """tasks/result: it waits while its task is unfinished; then it is a read."""
@@ -6740,8 +7168,8 @@ def _demo_ask_user(ctx, args):
         answer = ctx.elicit(args["question"], {
             "type": "object", "required": ["answer"],
             "properties": {"answer": {"type": "string", "title": args["question"]}}})
-    except McpError as exc:     # ElicitationMismatch too: its message says what did not match
-        return text_result(str(exc), is_error=True)
+    except (McpError, MissingClientCapability) as exc:     # ElicitationMismatch too: its
+        return text_result(str(exc), is_error=True)         # message says what did not match
     if answer.get("action") != "accept":
         return text_result(f"the user did not answer ({answer.get('action', 'no action')})",
                            is_error=True)
@@ -8192,7 +8620,8 @@ class McpHttp:
             dispatcher = self.dispatcher(principal, outbox.put)
             meta = message["params"]["_meta"]
             sse = message["method"] == "subscriptions/listen" or (
-                message["method"] == "tools/call" and meta.get("progressToken") is not None)
+                message["method"] == "tools/call" and (meta.get("progressToken") is not None
+                                                       or meta.get(META_LOG_LEVEL) is not None))
             return self._answer(dispatcher, dispatcher.receive(message), outbox, sse, _MODERN,
                                 client_gone=client_gone)
         if kind == "request" and message["method"] == "initialize":

@@ -1027,6 +1027,38 @@ class RunnerTests(StoreTestCase):
             self.store.provide_input(task.id, "twice")
         self.assertEqual(self.finished(task.id).result, {"hello": "ada"})
 
+    def test_a_question_in_parts_is_answered_part_by_part(self):
+        def handler(ctx, payload):
+            return ctx.ask({"parts": {"a": {"q": "first?"}, "b": {"q": "second?"}}})
+
+        self.start_runner({"q": handler})
+        task = self.store.create("q")
+        asked = self.store.get(task.id)
+        while asked.status != INPUT_REQUIRED:
+            asked = self.store.wait(task.id, timeout=TIMEOUT, since_version=asked.version)
+        # One part answered (and a key never asked, ignored): still waiting, for b only.
+        half = self.store.provide_input(task.id, {"parts": {"a": 1, "zz": 0}})
+        self.assertEqual((half.status, half.input_request, half.input_answer),
+                         (INPUT_REQUIRED, {"parts": {"b": {"q": "second?"}}},
+                          {"parts": {"a": 1}}))
+        self.assertEqual(self.store.get(task.id).input_request, half.input_request)
+        self.assertEqual([e.type for e in self.store.events(task.id)].count("status"), 2,
+                         "a part answered is no status change")
+        again = self.store.provide_input(task.id, {"parts": {"a": 9}})
+        self.assertEqual((again.version, again.input_answer), (half.version, {"parts": {"a": 1}}),
+                         "an answered part is not answered twice")
+        self.store.provide_input(task.id, {"parts": {"b": 2}})
+        self.assertEqual(self.finished(task.id).result, {"parts": {"a": 1, "b": 2}})
+        with self.assertRaises(taskstore.InvalidTransition):
+            self.store.provide_input(task.id, {"parts": {"b": 3}})
+
+    def test_a_secret_is_made_once_and_shared_by_every_store_on_the_database(self):
+        first = self.store.secret("one")
+        self.assertRegex(first, r"^[0-9a-f]{64}$")
+        self.assertEqual(self.store.secret("one"), first)
+        self.assertNotEqual(self.store.secret("two"), first)
+        self.assertEqual(self.open_store().secret("one"), first, "one value for every process")
+
     def test_snapshots_round_trip_with_events(self):
         def handler(ctx, payload):
             ctx.emit("chunk", {"t": "a"}, snapshot={"done": 1})
@@ -2689,7 +2721,7 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
         # Stale: the planner last counted the tasks while all were queued,
         # as autovacuum may have, and they finished since.
         self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
-                 "processes, taskstore_schema")
+                 "processes, secrets, taskstore_schema")
         store = self.registered(self.open_store())
         self.fill_history(store, created=(lambda: self.sql("ANALYZE")) if stale else
                           lambda: None)
@@ -3138,8 +3170,8 @@ def owned_history(test, store):
 def downgrade(migrations, version):
     """The statements that take a database at today's schema back to *version*.
 
-    Each index a later version created is dropped, and each it dropped is
-    created again as the version that made it wrote it.
+    Each index or table a later version created is dropped, and each index
+    it dropped is created again as the version that made it wrote it.
     """
     created = {}
     for step in sorted(migrations):
@@ -3150,6 +3182,9 @@ def downgrade(migrations, version):
     for step in range(max(migrations), version, -1):
         for ddl in reversed(migrations[step]):
             verb, kind, name = ddl.split()[:3]
+            if kind == "TABLE" and verb == "CREATE":
+                statements.append(f"DROP TABLE {name}")
+                continue
             if kind != "INDEX":
                 raise AssertionError(f"no way back from {ddl!r}")
             statements.append(f"DROP INDEX {name}" if verb == "CREATE" else created[name])
@@ -5264,7 +5299,7 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         for version in range(1, taskstore.SCHEMA_VERSION):
             with self.subTest(version=version):
                 self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
-                         "processes, taskstore_schema")
+                         "processes, secrets, taskstore_schema")
                 store = self.open_store()
                 owner, cancelled, orphan = owned_history(self, store)
                 store.close()
@@ -11867,12 +11902,18 @@ class Era2ProtocolTests(Era2TestBase):
         got = self.wait_done(client, store, task_id)
         self.assertTrue(got["result"]["isError"])
         self.assertIn("elicitation", era2_text(got["result"]))
-        # Inline there is no way to ask in this era (no server-to-client requests).
-        result = self.mresult(client, "tools/call", {"name": "ask_user",
-                                                     "arguments": {"question": "?"}},
-                              capabilities={"elicitation": {}})
-        self.assertTrue(result["isError"])
-        self.assertIn("needs a task", era2_text(result))
+        # Inline the question comes back as an InputRequiredResult (no server-to-client
+        # requests in this era), and the retry with its answer completes.
+        call = {"name": "ask_user", "arguments": {"question": "?"}}
+        asked = self.mresult(client, "tools/call", call, capabilities={"elicitation": {}})
+        self.assertEqual(asked["resultType"], "input_required")
+        (key, question), = asked["inputRequests"].items()
+        self.assertEqual(question["method"], "elicitation/create")
+        result = self.mresult(client, "tools/call", {
+            **call, "requestState": asked["requestState"],
+            "inputResponses": {key: {"action": "accept", "content": {"answer": "yes"}}}},
+            capabilities={"elicitation": {}})
+        self.assertEqual((result["resultType"], era2_text(result)), ("complete", "yes"))
         self.assertNoServerRequests(client)
 
     def test_cancel_is_a_plain_ack_and_never_an_error_on_terminal_tasks(self):
@@ -11984,6 +12025,281 @@ class Era2ProtocolCommandTests(Era2ProtocolTests):
     """The same tests over real pipes to ``taskstore.py mcp``."""
 
     COMMAND = True
+
+
+NAME_SCHEMA = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
+
+
+def _mrtr_greet(ctx, args):
+    return f"Hello, {ctx.elicit('Your name?', NAME_SCHEMA, key='name')['content']['name']}!"
+
+
+def _mrtr_two_rounds(ctx, args):
+    name = ctx.elicit("Step 1: name?", NAME_SCHEMA, key="step1")["content"]["name"]
+    colour = ctx.elicit("Step 2: colour?", {"type": "object", "properties": {
+        "colour": {"type": "string"}}}, key="step2")["content"]["colour"]
+    return f"{name} likes {colour}"
+
+
+def _mrtr_three(ctx, args):
+    answers = ctx.ask({
+        "who": {"method": "elicitation/create", "params": {"message": "Name?",
+                                                           "requestedSchema": NAME_SCHEMA}},
+        "model": {"method": "sampling/createMessage", "params": {
+            "messages": [{"role": "user", "content": {"type": "text", "text": "Hi?"}}],
+            "maxTokens": 10}},
+        "roots": {"method": "roots/list", "params": {}}})
+    return (f"{answers['who']['content']['name']}/{answers['model']['content']['text']}/"
+            f"{answers['roots']['roots'][0]['uri']}")
+
+
+def _mrtr_pair(ctx, args):
+    answers = ctx.ask({key: {"method": "elicitation/create", "params": {
+        "message": f"{key} name?", "requestedSchema": NAME_SCHEMA}} for key in ("a", "b")})
+    return "+".join(answers[key]["content"]["name"] for key in ("a", "b"))
+
+
+def _mrtr_chatty(ctx, args):
+    sent = [ctx.log(level, f"a {level} message", logger="chatty")
+            for level in ("debug", "info", "warning")]
+    return f"sent {sum(sent)}"
+
+
+def _mrtr_sample_and_roots(ctx, args):
+    reply = ctx.sample(args["prompt"], 20, systemPrompt="Be brief.")
+    roots = ctx.list_roots()
+    return f"{reply['content']['text']} in {roots[0]['uri']}"
+
+
+MRTR_TOOLS = [
+    ("greet_me", _mrtr_greet, {}),
+    ("two_rounds", _mrtr_two_rounds, {}),
+    ("three_at_once", _mrtr_three, {}),
+    ("pair", _mrtr_pair, {"task_support": "optional"}),
+    ("chatty", _mrtr_chatty, {"task_support": "optional"}),
+    ("sample_and_roots", _mrtr_sample_and_roots, {"input_schema": {
+        "type": "object", "properties": {"prompt": {"type": "string"}}}}),
+    ("greet_later", lambda ctx, args: f"Hello, {ctx.prepared}!", {
+        "task_support": "optional",
+        "prepare": lambda ctx, args: ctx.elicit("Your name?", NAME_SCHEMA,
+                                                key="name")["content"]["name"]}),
+]
+ALL_INPUT = {"elicitation": {}, "sampling": {}, "roots": {}}
+ACCEPT_ANN = {"action": "accept", "content": {"name": "Ann"}}
+SAMPLED = {"role": "assistant", "content": {"type": "text", "text": "hi"}, "model": "m",
+           "stopReason": "endTurn"}
+
+
+class McpInputRoundsTests(Era2TestBase):
+    """2026-07-28 MRTR: an inline tools/call asks with an InputRequiredResult, the retry answers."""
+
+    def start(self, **kwargs):
+        client, dispatcher, store = self.start_modern(tools=MRTR_TOOLS, **kwargs)
+        return client, store
+
+    def call(self, client, name, capabilities=ALL_INPUT, arguments=None, **params):
+        return self.mcall(client, "tools/call", {"name": name, "arguments": arguments or {},
+                                                 **params}, capabilities)
+
+    def rounds(self, client, name, capabilities=ALL_INPUT, **params):
+        response = self.call(client, name, capabilities, **params)
+        self.assertIn("result", response, response)
+        return response["result"]
+
+    def test_a_question_is_an_input_required_result_and_the_retry_completes(self):
+        client, store = self.start()
+        asked = self.rounds(client, "greet_me")
+        self.assertEqual(set(asked), {"resultType", "inputRequests", "requestState", "_meta"})
+        self.assertEqual(asked["resultType"], "input_required")
+        self.assertEqual(asked["inputRequests"], {"name": {
+            "method": "elicitation/create", "params": {
+                "message": "Your name?", "requestedSchema": NAME_SCHEMA, "mode": "form"}}})
+        self.assertIsInstance(asked["requestState"], str)
+        done = self.rounds(client, "greet_me", inputResponses={"name": ACCEPT_ANN},
+                           requestState=asked["requestState"])
+        self.assertEqual((done["resultType"], era2_text(done)), ("complete", "Hello, Ann!"))
+        self.assertEqual(store.list()[0], [], "no task: the rounds keep nothing")
+        self.assertNoServerRequests(client)
+
+    def test_each_round_carries_the_answers_before_it_in_a_new_signed_state(self):
+        client, _ = self.start()
+        first = self.rounds(client, "two_rounds")
+        self.assertEqual(list(first["inputRequests"]), ["step1"])
+        second = self.rounds(client, "two_rounds", inputResponses={"step1": ACCEPT_ANN},
+                             requestState=first["requestState"])
+        self.assertEqual(list(second["inputRequests"]), ["step2"])
+        self.assertNotEqual(second["requestState"], first["requestState"])
+        teal = {"step2": {"action": "accept", "content": {"colour": "teal"}}}
+        done = self.rounds(client, "two_rounds", inputResponses=teal,
+                           requestState=second["requestState"])
+        self.assertEqual(era2_text(done), "Ann likes teal")
+        # Without the state the first answer is missing: asked again, never an error.
+        again = self.rounds(client, "two_rounds", inputResponses=teal)
+        self.assertEqual(list(again["inputRequests"]), ["step1"])
+
+    def test_missing_answers_are_asked_again_and_extra_ones_ignored(self):
+        client, _ = self.start()
+        wrong = self.rounds(client, "greet_me", inputResponses={"other": ACCEPT_ANN})
+        self.assertEqual(list(wrong["inputRequests"]), ["name"])
+        done = self.rounds(client, "greet_me", inputResponses={
+            "name": ACCEPT_ANN, "extra": {"action": "accept", "content": {"x": 1}}})
+        self.assertEqual(era2_text(done), "Hello, Ann!")
+
+    def test_answers_of_the_wrong_shape_are_32602(self):
+        client, store = self.start()
+        for responses, text in ((None, "inputResponses must be an object"),
+                                ({"name": 12345}, "inputResponses must be an object"),
+                                ({"name": {"action": "maybe"}}, "not an ElicitResult")):
+            with self.subTest(responses=responses):
+                self.assertError(self.call(client, "greet_me", inputResponses=responses),
+                                 -32602, text)
+        self.assertError(self.call(client, "three_at_once", inputResponses={
+            "who": ACCEPT_ANN, "model": {"role": "assistant"}, "roots": {"roots": []}}),
+            -32602, "not a CreateMessageResult")
+
+    def test_a_state_that_fails_its_check_is_refused(self):
+        clock = FakeClock()
+        client, _ = self.start(clock=clock)
+        state = self.rounds(client, "two_rounds")["requestState"]
+        body, mac = state.split(".")
+        forged = base64.urlsafe_b64encode(json.dumps({"call": "x", "exp": 10**15, "answers": {
+            "step1": ACCEPT_ANN}}).encode()).decode().rstrip("=") + "." + mac
+        for bad, text in ((state + "-TAMPERED", "integrity"), (forged, "integrity"),
+                          ("not a state", "integrity"), (7, "must be a string")):
+            with self.subTest(bad=bad):
+                self.assertError(self.call(client, "two_rounds", requestState=bad), -32602, text)
+        self.assertError(self.call(client, "two_rounds", arguments={"other": 1},
+                                   requestState=state), -32602, "another call")
+        self.assertError(self.call(client, "greet_me", requestState=state),
+                         -32602, "another call")
+        clock.advance(taskstore.MCP_REQUEST_STATE_TTL_MS / 1000 + 1)
+        self.assertError(self.call(client, "two_rounds", requestState=state),
+                         -32602, "expired")
+
+    def test_another_server_on_the_same_store_verifies_the_state(self):
+        client, _ = self.start()
+        state = self.rounds(client, "greet_me")["requestState"]
+        other, _, _ = self.start_fresh(tools=MRTR_TOOLS)
+        done = self.rounds(other, "greet_me", inputResponses={"name": ACCEPT_ANN},
+                           requestState=state)
+        self.assertEqual(era2_text(done), "Hello, Ann!")
+        elsewhere, _, _ = self.start_fresh(tools=MRTR_TOOLS, db=os.path.join(self.dir, "b.db"))
+        self.assertError(self.call(elsewhere, "greet_me", inputResponses={"name": ACCEPT_ANN},
+                                   requestState=state), -32602, "integrity")
+
+    def test_several_questions_at_once_and_only_those_the_client_declared(self):
+        client, _ = self.start()
+        asked = self.rounds(client, "three_at_once")
+        self.assertEqual({key: q["method"] for key, q in asked["inputRequests"].items()},
+                         {"who": "elicitation/create", "model": "sampling/createMessage",
+                          "roots": "roots/list"})
+        done = self.rounds(client, "three_at_once", requestState=asked["requestState"],
+                           inputResponses={"who": ACCEPT_ANN, "model": SAMPLED, "roots": {
+                               "roots": [{"uri": "file:///r", "name": "r"}]}})
+        self.assertEqual(era2_text(done), "Ann/hi/file:///r")
+        refused = self.call(client, "three_at_once", capabilities={"sampling": {}})
+        self.assertError(refused, -32021)
+        self.assertEqual(refused["error"]["data"]["requiredCapabilities"], {"elicitation": {}})
+
+    def test_input_before_a_task_then_the_task_runs_with_it(self):
+        client, store = self.start()
+        tasks = dict(ALL_INPUT, **ERA2_TASKS)
+        asked = self.rounds(client, "greet_later", tasks)
+        self.assertEqual(asked["resultType"], "input_required")
+        self.assertNotIn("taskId", asked)
+        created = self.rounds(client, "greet_later", tasks, inputResponses={"name": ACCEPT_ANN},
+                              requestState=asked["requestState"])
+        self.assertEqual(created["resultType"], "task")
+        self.assertFalse({"requestState", "inputRequests"} & set(created))
+        got = self.wait_done(client, store, created["taskId"])
+        self.assertEqual(era2_text(got["result"]), "Hello, Ann!")
+        inline = self.rounds(client, "greet_later", inputResponses={"name": ACCEPT_ANN})
+        self.assertEqual(era2_text(inline), "Hello, Ann!")
+
+    def test_several_questions_in_a_task_are_answered_one_at_a_time(self):
+        client, store = self.start()
+        task_id = self.rounds(client, "pair", dict(ALL_INPUT, **ERA2_TASKS))["taskId"]
+        self.wait_store(store, task_id, lambda t: t.status == INPUT_REQUIRED)
+        first, second = self.mget(client, task_id, ERA2_ELICIT)["inputRequests"]
+        self.mresult(client, "tasks/update", {"taskId": task_id, "inputResponses": {
+            first: ACCEPT_ANN}})
+        got = self.mget(client, task_id, ERA2_ELICIT)
+        self.assertEqual((got["status"], list(got["inputRequests"])),
+                         ("input_required", [second]))
+        self.mresult(client, "tasks/update", {"taskId": task_id, "inputResponses": {
+            first: {"action": "accept", "content": {"name": "late"}},
+            second: {"action": "accept", "content": {"name": "Bo"}}}})
+        self.assertEqual(era2_text(self.wait_done(client, store, task_id)["result"]), "Ann+Bo")
+
+    def test_log_messages_go_only_at_the_level_the_request_asked(self):
+        client, store = self.start()
+        quiet = self.rounds(client, "chatty")
+        self.assertEqual(era2_text(quiet), "sent 0", "no logLevel: no log messages")
+        loud = self.mcall(client, "tools/call", {"name": "chatty", "arguments": {}},
+                          ALL_INPUT, **{"io.modelcontextprotocol/logLevel": "info"})
+        self.assertEqual(era2_text(loud["result"]), "sent 2")
+        logs = [m["params"] for m in client.unread() if m.get("method") == "notifications/message"]
+        self.assertEqual(logs, [{"level": "info", "data": "a info message", "logger": "chatty"},
+                                {"level": "warning", "data": "a warning message",
+                                 "logger": "chatty"}])
+        created = self.mcreate(client, "chatty", {}, **{"_meta": era2_meta(
+            None, **{"io.modelcontextprotocol/logLevel": "debug"})})
+        self.assertEqual(era2_text(self.wait_done(client, store, created["taskId"])["result"]),
+                         "sent 0", "a task sends none")
+        self.assertError(self.mcall(client, "tools/call", {"name": "chatty", "arguments": {}},
+                                    ALL_INPUT, **{"io.modelcontextprotocol/logLevel": "loud"}),
+                         -32602, "logLevel")
+        self.assertEqual(self.discover(client)["capabilities"]["logging"], {})
+
+
+class McpClientInputTests(McpTestBase):
+    """2025-11-25: sampling, roots and several questions go to the client as requests; logging."""
+
+    def answer(self, client, method, result):
+        ask = client.wait_for(lambda m: m.get("method") == method and "id" in m)
+        client.send({"jsonrpc": "2.0", "id": ask["id"], "result": result})
+        return ask
+
+    def test_sampling_and_roots_are_requests_to_the_client(self):
+        client, _, _ = self.start_server(MRTR_TOOLS, capabilities=ALL_INPUT)
+        waiting = client.request("tools/call", {"name": "sample_and_roots",
+                                                "arguments": {"prompt": "Say hi"}})
+        ask = self.answer(client, "sampling/createMessage", SAMPLED)
+        self.assertEqual(ask["params"], {"messages": [{"role": "user", "content": {
+            "type": "text", "text": "Say hi"}}], "maxTokens": 20, "systemPrompt": "Be brief."})
+        self.answer(client, "roots/list", {"roots": [{"uri": "file:///w"}]})
+        self.assertEqual(_text(client.response(waiting)["result"]), "hi in file:///w")
+        # A client that declared neither is not asked: the McpError is the answer.
+        bare, _, _ = self.start_server(MRTR_TOOLS, capabilities={})
+        self.assertError(bare.call("tools/call", {"name": "sample_and_roots",
+                                                  "arguments": {"prompt": "?"}}),
+                         -32601, "does not support sampling")
+
+    def test_a_task_asks_several_questions_at_once(self):
+        client, _, _ = self.start_server(MRTR_TOOLS, capabilities=ALL_INPUT)
+        task = self.create_task(client, "pair", {})
+        asks = [client.wait_for(lambda m: m.get("method") == "elicitation/create")
+                for _ in range(2)]
+        self.assertEqual(sorted(a["params"]["message"] for a in asks), ["a name?", "b name?"])
+        for ask, name in zip(asks, ("Ann", "Bo")):
+            client.send({"jsonrpc": "2.0", "id": ask["id"], "result": {
+                "action": "accept", "content": {"name": name}}})
+        result = client.result("tasks/result", {"taskId": task["taskId"]})
+        self.assertIn(_text(result), ("Ann+Bo", "Bo+Ann"))
+
+    def test_logging_set_level_filters_what_the_tools_send(self):
+        client, _, _ = self.start_fresh(MRTR_TOOLS)
+        answer = client.result("initialize", {"protocolVersion": "2025-11-25",
+                                              "capabilities": {}})
+        self.assertEqual(answer["capabilities"]["logging"], {})
+        self.assertEqual(_text(client.result("tools/call", {"name": "chatty"})), "sent 3",
+                         "every level until the client sets one")
+        self.assertEqual(client.result("logging/setLevel", {"level": "warning"}), {})
+        self.assertEqual(_text(client.result("tools/call", {"name": "chatty"})), "sent 1")
+        logs = [m["params"]["level"] for m in client.log
+                if m.get("method") == "notifications/message"]
+        self.assertEqual(logs, ["debug", "info", "warning", "warning"])
+        self.assertError(client.call("logging/setLevel", {"level": "loud"}), -32602)
 
 
 class Era2CommandTests(Era2TestBase):
@@ -12536,6 +12852,32 @@ class McpHttpModernTests(McpHttpTestCase):
         self.assertTrue(all(m["method"] == "notifications/progress" for m in messages[:-1]))
         self.assertEqual((messages[-1]["id"], era2_text(messages[-1]["result"])), (7, "done"))
 
+    def test_log_messages_and_input_rounds_over_http(self):
+        tools = {}
+        mcp = self.start_mcp(tools=tools)
+        for name, handler, options in MRTR_TOOLS:
+            self.mcp.add_tool(name, handler, **options)
+        message = {"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": {
+            "name": "chatty", "arguments": {},
+            "_meta": era2_meta({}, **{"io.modelcontextprotocol/logLevel": "warning"})}}
+        status, resp, frames = mcp.post(message, mcp_headers(message))
+        self.assertEqual((status, resp.getheader("Content-Type")), (200, "text/event-stream"))
+        messages = [f["data"] for f in frames if "data" in f]
+        self.assertEqual([(m["method"], m["params"]["level"]) for m in messages[:-1]],
+                         [("notifications/message", "warning")])
+        self.assertEqual(era2_text(messages[-1]["result"]), "sent 1")
+        # Each round is a request of its own: the state carries what the next one needs.
+        status, asked = mcp.modern("tools/call", {"name": "greet_me", "arguments": {}},
+                                   ALL_INPUT)
+        self.assertEqual((status, asked["result"]["resultType"]), (200, "input_required"))
+        status, done = mcp.modern("tools/call", {
+            "name": "greet_me", "arguments": {}, "inputResponses": {"name": ACCEPT_ANN},
+            "requestState": asked["result"]["requestState"]}, ALL_INPUT)
+        self.assertEqual((status, era2_text(done["result"])), (200, "Hello, Ann!"))
+        self.assertRpcError(mcp.modern("tools/call", {
+            "name": "greet_me", "arguments": {}, "inputResponses": {"name": ACCEPT_ANN},
+            "requestState": asked["result"]["requestState"] + "x"}, ALL_INPUT), 400, -32602)
+
     def test_closing_the_stream_cancels_the_inline_call(self):
         tools = {}
         mcp = self.start_mcp(tools=tools)
@@ -12997,8 +13339,103 @@ def add_conformance_tools(mcp):
     tool("confirm_delete", "Ask whether to delete, then answer.", ask(
         {"type": "object", "properties": {"confirm": {"type": "boolean"}}}, "Delete the file?"),
          task_support="optional")
-    tool("multi_input", "Ask two questions.", ask(
-        {"type": "object", "properties": {"name": {"type": "string"}}}), task_support="optional")
+    name_schema = {"type": "object", "properties": {"name": {"type": "string"}},
+                   "required": ["name"]}
+
+    def multi_input(ctx, args):
+        answers = ctx.ask({key: {"method": "elicitation/create", "params": {
+            "message": f"Your {key} name?", "requestedSchema": {
+                "type": "object", "properties": {"name": {"type": "string"}}}}}
+            for key in ("first", "second")})
+        return "names: " + ", ".join(a.get("content", {}).get("name", "?")
+                                     for a in answers.values())
+
+    def sampled_text(result):
+        content = result.get("content")
+        return content.get("text", "") if isinstance(content, dict) else str(content)
+
+    def mrtr_elicitation(ctx, args):
+        answer = ctx.elicit("What is your name?", name_schema, key="user_name")
+        return f"Hello, {answer.get('content', {}).get('name')}!"
+
+    def mrtr_request_state(ctx, args):
+        answer = ctx.elicit("Please confirm", {"type": "object", "required": ["ok"],
+                                               "properties": {"ok": {"type": "boolean"}}},
+                            key="confirm")
+        return f"state-ok: ok={answer.get('content', {}).get('ok')}"
+
+    def mrtr_multiple(ctx, args):
+        answers = ctx.ask({
+            "user_name": {"method": "elicitation/create", "params": {
+                "message": "What is your name?", "requestedSchema": name_schema}},
+            "greeting": {"method": "sampling/createMessage", "params": {
+                "messages": [{"role": "user", "content": {"type": "text",
+                                                          "text": "Generate a greeting"}}],
+                "maxTokens": 50}},
+            "client_roots": {"method": "roots/list", "params": {}}})
+        return (f"{sampled_text(answers['greeting'])} {answers['user_name']['content']['name']}"
+                f" ({len(answers['client_roots']['roots'])} roots)")
+
+    def mrtr_multi_round(ctx, args):
+        name = ctx.elicit("Step 1: What is your name?", name_schema, key="step1")
+        color = ctx.elicit("Step 2: What is your favorite color?", {
+            "type": "object", "properties": {"color": {"type": "string"}},
+            "required": ["color"]}, key="step2")
+        return f"{name['content']['name']} likes {color['content']['color']}"
+
+    def mrtr_capabilities(ctx, args):
+        wanted = {"elicitation": ("elicitation/create", {
+                      "message": "What is your name?", "requestedSchema": name_schema}),
+                  "sampling": ("sampling/createMessage", {"messages": [{
+                      "role": "user", "content": {"type": "text", "text": "Hi?"}}],
+                      "maxTokens": 20}),
+                  "roots": ("roots/list", {})}
+        answers = ctx.ask({kind: {"method": method, "params": params}
+                           for kind, (method, params) in wanted.items()
+                           if kind in ctx.client_capabilities})
+        return f"answered: {', '.join(sorted(answers))}"
+
+    def logs(delay):
+        def handler(ctx, args):
+            for text in ("Tool execution started", "Tool processing data",
+                         "Tool execution completed"):
+                ctx.log("info", text, logger="fixture")
+                ctx.cancelled.wait(delay)       # the scenario wants them spread out a little
+            return "logged three messages"
+        return handler
+
+    def test_sampling(ctx, args):
+        return "LLM response: " + sampled_text(ctx.sample(args["prompt"], 100))
+
+    def ask_name_first(ctx, args):
+        return ctx.elicit("What is your name?", name_schema, key="user_name")["content"]["name"]
+
+    tool("multi_input", "Ask two questions at once.", multi_input, task_support="optional")
+    tool("test_input_required_result_elicitation", "MRTR: one elicitation.", mrtr_elicitation)
+    tool("test_input_required_result_sampling", "MRTR: one sampling request.",
+         lambda ctx, args: sampled_text(ctx.sample("What is the capital of France?", 100,
+                                                   key="capital_question")))
+    tool("test_input_required_result_list_roots", "MRTR: the client's roots.",
+         lambda ctx, args: "roots: " + ", ".join(
+             root.get("uri", "?") for root in ctx.list_roots(key="client_roots")))
+    tool("test_input_required_result_request_state", "MRTR with requestState.",
+         mrtr_request_state)
+    tool("test_input_required_result_tampered_state", "MRTR: a tampered state is refused.",
+         mrtr_request_state)
+    tool("test_input_required_result_multiple_inputs", "MRTR: three questions at once.",
+         mrtr_multiple)
+    tool("test_input_required_result_multi_round", "MRTR: two rounds.", mrtr_multi_round)
+    tool("test_input_required_result_capabilities", "MRTR: asks only what the client declared.",
+         mrtr_capabilities)
+    tool("test_streaming_elicitation", "Asks the user (an InputRequiredResult in 2026-07-28).",
+         mrtr_elicitation)
+    tool("test_logging_tool", "Logs three info messages.", logs(0))
+    tool("test_tool_with_logging", "Logs three info messages, 50 ms apart.", logs(0.05))
+    tool("test_sampling", "Asks the client's model `prompt`.", test_sampling,
+         {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}})
+    mcp.add_tool("test_tool_with_task", lambda ctx, args: f"Hello, {ctx.prepared}!",
+                 description="Asks user_name first (MRTR), then runs as a task.",
+                 input_schema=obj, task_support="required", prepare=ask_name_first)
     tool("test_simple_text", "Simple text.",
          lambda ctx, args: "This is a simple text response for testing.")
     tool("test_image_content", "An image.", lambda ctx, args: {"content": [
