@@ -3101,6 +3101,9 @@ def downgrade(migrations, version):
     for step in range(max(migrations), version, -1):
         for ddl in reversed(migrations[step]):
             verb, kind, name = ddl.split()[:3]
+            if kind == "TABLE" and verb == "CREATE":      # a new table (and its indexes) goes
+                statements.append(f"DROP TABLE {name}")
+                continue
             if kind != "INDEX":
                 raise AssertionError(f"no way back from {ddl!r}")
             statements.append(f"DROP INDEX {name}" if verb == "CREATE" else created[name])
