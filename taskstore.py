@@ -11188,7 +11188,81 @@ def _add_tasks_parser(commands):
     sub.add_argument("--interval", type=_positive(float), default=WATCH_INTERVAL_S,
                      metavar="S", help="seconds between re-reads of progress and messages, "
                      "which are not events (status changes show at once) (default: %(default)s)")
+    _add_schedules_parser(verbs)
     return tasks
+
+
+def _add_schedules_parser(verbs):
+    """Add ``tasks schedules`` and its verbs (periodic tasks) to ``tasks``'s *verbs*."""
+    schedules = verbs.add_parser(
+        "schedules", help="list, add, pause, resume and remove periodic tasks",
+        description="Periodic tasks: a runner sharing the store creates one task per period "
+                    "(cron expressions and every=N periods are UTC).")
+    actions = schedules.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+
+    def action(name, help_text, writes=True):
+        sub = actions.add_parser(name, help=help_text, description=help_text)
+        _add_db_option(sub)
+        sub.add_argument("--json", action="store_true",
+                         help="print JSON for scripts instead of a table (default: table)")
+        sub.set_defaults(func=_tasks_schedules, writes=writes)
+        return sub
+
+    action("list", "List the schedules, by name.", writes=False)
+    sub = action("add", "Add a schedule, or redefine the one of that name.")
+    sub.add_argument("name", help="the schedule's name")
+    sub.add_argument("kind", help="the kind of the tasks it creates")
+    period = sub.add_mutually_exclusive_group(required=True)
+    period.add_argument("--every", type=_positive(float), metavar="S",
+                        help="one task every S seconds (periods start at multiples of S "
+                             "since the epoch)")
+    period.add_argument("--cron", metavar="EXPR",
+                        help='one task per match of a 5-field cron expression, in UTC '
+                             '(say "*/5 * * * *")')
+    sub.add_argument("--payload", default="null", metavar="JSON",
+                     help="the tasks' payload, a JSON value (default: null)")
+    sub.add_argument("--policy", choices=POLICIES, default="fail",
+                     help="the tasks' restart policy (default: %(default)s)")
+    for name, help_text in (("pause", "Stop firing a schedule (its periods pass unfired)."),
+                            ("resume", "Fire a paused schedule again, from its next period."),
+                            ("remove", "Delete a schedule (its tasks stay).")):
+        action(name, help_text).add_argument("name", help="the schedule's name")
+
+
+def _schedule_view(schedule):
+    view = schedule._asdict()
+    view["period"] = (f"every {schedule.every_ms / 1000:g} s" if schedule.every_ms is not None
+                      else f"cron {schedule.cron}")
+    return view
+
+
+def _tasks_schedules(args):
+    """``tasks schedules ACTION``: change the schedules if asked, then print them."""
+    with _admin_store(args, writes=args.writes) as store:
+        if args.action == "add":
+            try:
+                payload = json.loads(args.payload)
+            except ValueError:
+                raise InvalidParams("--payload must be a JSON value", param="payload") from None
+            store.schedule(args.name, args.kind, payload, policy=args.policy,
+                           every=args.every, cron=args.cron)
+        elif args.action != "list":
+            getattr(store, f"{args.action}_schedule")(args.name)
+        schedules = store.schedules()
+    if args.action not in ("list", "remove"):
+        schedules = [s for s in schedules if s.name == args.name]
+    if args.json:
+        print(dumps({"schedules": [_schedule_view(s) for s in schedules]}))
+    elif args.action == "remove":
+        print(f"removed schedule {args.name}")
+    else:
+        _print_table([(s.name, s.kind, _schedule_view(s)["period"],
+                       "paused" if s.paused else "active", iso_time(s.next_at),
+                       iso_time(s.last_fired_at) or "-", s.last_task or "-")
+                      for s in schedules],
+                     ("NAME", "KIND", "PERIOD", "STATE", "NEXT", "LAST FIRED", "LAST TASK"))
+    return 0
 
 
 def _status_words():
