@@ -82,6 +82,8 @@ __all__ = [
     "fingerprint", "new_id", "is_task_id", "iso_time",
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
     "FAILED", "CANCELLED",
+    # Periodic tasks and metrics
+    "Schedule", "Cron", "Metrics", "METRICS_PATH",
     # MCP server (section 9)
     "McpServer", "McpDispatcher", "McpWork", "McpTool", "ToolContext", "McpError",
     "ParseError", "InvalidRequest", "MethodNotFound", "ServerBusy", "add_demo_tools",
@@ -3964,6 +3966,16 @@ class TaskStore:
         with contextlib.suppress(ValueError):
             self._schedule_watchers.remove(callback)
 
+    def unfinished(self):
+        """``[(kind, status, count, oldest created_at)]`` of the tasks not finished yet.
+
+        For monitoring (``/metrics``): read through the indexes of queued
+        tasks and of the work in flight, so it costs what is waiting and
+        running, never the finished tasks kept.
+        """
+        with self._engine.reading() as engine:
+            return engine.unfinished_counts()
+
     def next_schedule_at(self):
         """The start (epoch ms) of the soonest period of an unpaused schedule, or None."""
         with self._engine.reading() as engine:
@@ -7370,6 +7382,17 @@ def response_object(task, status=None):
     return base
 
 
+def schedule_object(schedule):
+    """A schedule as ``GET /lmsp/v1/schedules`` shows it (times RFC 3339, periods in seconds)."""
+    return {"object": "schedule", "name": schedule.name, "kind": schedule.kind,
+            "payload": schedule.payload,
+            "every_seconds": None if schedule.every_ms is None else schedule.every_ms / 1000,
+            "cron": schedule.cron, "paused": schedule.paused,
+            "next_at": iso_time(schedule.next_at), "last_due": iso_time(schedule.last_due),
+            "last_fired_at": iso_time(schedule.last_fired_at),
+            "last_task_id": schedule.last_task, "fired": schedule.fired}
+
+
 def task_object(task):
     """Return the LMSP task object of *task*: what create, get, list and cancel answer with."""
     status = lmsp_status(task)
@@ -7814,6 +7837,163 @@ class Reply:
         self.content_type = content_type
 
 
+# -- /metrics: the Prometheus text format -------------------------------------
+# GET /metrics answers in the Prometheus text exposition format 0.0.4.  Two
+# sources, each said in its HELP line: gauges read from the database at each
+# scrape (the unfinished tasks by kind and status, the oldest queued task's
+# age, the schedules' lag), which every process sharing the store sees alike
+# and which are read through the partial indexes of queued tasks and of the
+# work in flight (a scrape costs what is waiting and running, never the
+# finished tasks kept: no count of a million finished tasks is read); and
+# counters this process keeps as its own writes commit (tasks finished,
+# attempts started, requeues, run times), from a store listener: O(1) per
+# change, nothing read.  As with any Prometheus client, each process exposes
+# its own counters and a query sums the processes.
+
+METRICS_PATH = "/metrics"
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Run-time histogram buckets, seconds (Prometheus's defaults, stretched to an hour).
+METRICS_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                     60.0, 300.0, 900.0, 3600.0)
+_METRICS_TRACKED = 100_000     # tasks whose start time is kept, at most (the oldest go first)
+
+
+def _metric_label(value):
+    """A label value in the exposition format: backslash, quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _metric_number(value):
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if value == math.inf:
+        return "+Inf"
+    return repr(float(value))
+
+
+def _metric_family(out, name, kind, help_text, samples):
+    """Append one family: its HELP and TYPE lines, then ``(suffix, labels, value)`` samples."""
+    out.append(f"# HELP {name} " + help_text.replace("\\", "\\\\").replace("\n", "\\n"))
+    out.append(f"# TYPE {name} {kind}")
+    for suffix, labels, value in samples:
+        label_text = ",".join(f'{key}="{_metric_label(v)}"' for key, v in labels)
+        out.append(f"{name}{suffix}{'{' + label_text + '}' if labels else ''} "
+                   f"{_metric_number(value)}")
+
+
+class Metrics:
+    """What ``GET /metrics`` shows for one store: its gauges and this process's counters.
+
+    Made with the store, it listens to the store's commits (``close``
+    stops that).  ``render()`` is the exposition text.  The attempts and
+    retries of tasks are counted from the moves this process sees: an
+    attempt starts when a task enters ``loading`` or ``running`` from
+    ``queued`` (``task_attempts_total``), and a requeue is a move back to
+    ``queued`` (``task_requeues_total``: recovery's restarts today).
+    """
+
+    def __init__(self, store):
+        self.store = store
+        self._lock = threading.Lock()
+        self._started = {}       # task id -> ms its attempt started here (for run times)
+        self._finished = {}      # (kind, status) -> tasks finished here
+        self._attempts = {}      # kind -> attempts started here
+        self._requeues = {}      # kind -> tasks moved back to queued here
+        self._runs = {}          # kind -> [bucket counts..., +Inf count, sum seconds]
+        store.add_listener(self._observe)
+
+    def close(self):
+        """Stop counting."""
+        self.store.remove_listener(self._observe)
+
+    def _observe(self, task, change):
+        if change != "status":
+            return
+        status, kind = task.status, task.kind
+        with self._lock:
+            if status in (LOADING, RUNNING) and task.id not in self._started:
+                self._started[task.id] = task.updated_at
+                self._attempts[kind] = self._attempts.get(kind, 0) + 1
+                if len(self._started) > _METRICS_TRACKED:       # finished elsewhere, say
+                    del self._started[next(iter(self._started))]
+            elif status == QUEUED:
+                self._started.pop(task.id, None)
+                self._requeues[kind] = self._requeues.get(kind, 0) + 1
+            elif status in TERMINAL_STATES:
+                key = (kind, status)
+                self._finished[key] = self._finished.get(key, 0) + 1
+                began = self._started.pop(task.id, None)
+                if began is not None:
+                    seconds = max(0, task.updated_at - began) / 1000
+                    run = self._runs.setdefault(kind, [0] * (len(METRICS_BUCKETS_S) + 2))
+                    for i, bound in enumerate(METRICS_BUCKETS_S):
+                        if seconds <= bound:
+                            run[i] += 1
+                    run[-2] += 1
+                    run[-1] += seconds
+
+    def render(self):
+        """The exposition text (format 0.0.4), one family after another, ending in a newline."""
+        now = int(self.store.clock() * 1000)
+        unfinished = sorted(self.store.unfinished())
+        schedules = self.store.schedules()
+        with self._lock:
+            finished, attempts = sorted(self._finished.items()), sorted(self._attempts.items())
+            requeues = sorted(self._requeues.items())
+            runs = sorted((kind, list(run)) for kind, run in self._runs.items())
+        oldest = {}
+        for kind, status, _, created_at in unfinished:
+            if status == QUEUED:
+                oldest[kind] = min(created_at, oldest.get(kind, created_at))
+        out = []
+        _metric_family(out, "taskstore_tasks", "gauge",
+                       "Unfinished tasks by kind and status, in the database "
+                       "(finished ones: taskstore_tasks_finished_total).",
+                       [("", (("kind", kind), ("status", status)), count)
+                        for kind, status, count, _ in unfinished])
+        _metric_family(out, "taskstore_oldest_queued_age_seconds", "gauge",
+                       "Age of the oldest queued task by kind, in the database.",
+                       [("", (("kind", kind),), max(0, now - at) / 1000)
+                        for kind, at in sorted(oldest.items())])
+        _metric_family(out, "taskstore_tasks_finished_total", "counter",
+                       "Tasks this process saw finish, by kind and final status.",
+                       [("", (("kind", kind), ("status", status)), n)
+                        for (kind, status), n in finished])
+        _metric_family(out, "taskstore_task_attempts_total", "counter",
+                       "Attempts this process saw start (a task entering loading or "
+                       "running), by kind.", [("", (("kind", kind),), n) for kind, n in attempts])
+        _metric_family(out, "taskstore_task_requeues_total", "counter",
+                       "Tasks this process moved back to queued (restarts), by kind.",
+                       [("", (("kind", kind),), n) for kind, n in requeues])
+        samples = []
+        for kind, run in runs:
+            for bound, count in zip((*METRICS_BUCKETS_S, math.inf), run):
+                samples.append(("_bucket", (("kind", kind), ("le", _metric_number(bound))),
+                                count))
+            samples += [("_sum", (("kind", kind),), run[-1]),
+                        ("_count", (("kind", kind),), run[-2])]
+        _metric_family(out, "taskstore_task_run_seconds", "histogram",
+                       "Run time of the attempts this process saw start and end "
+                       "(from loading or running to the final status), by kind.", samples)
+        active = [s for s in schedules if not s.paused]
+        _metric_family(out, "taskstore_schedule_lag_seconds", "gauge",
+                       "How long the due period of each active schedule has waited "
+                       "to fire (0: none is due).",
+                       [("", (("schedule", s.name),), max(0, now - s.next_at) / 1000)
+                        for s in active])
+        _metric_family(out, "taskstore_schedule_last_lag_seconds", "gauge",
+                       "How late each schedule's last period fired.",
+                       [("", (("schedule", s.name),), (s.last_fired_at - s.last_due) / 1000)
+                        for s in schedules if s.last_due is not None])
+        _metric_family(out, "taskstore_schedule_fired_total", "counter",
+                       "Periods each schedule has fired, by every process.",
+                       [("", (("schedule", s.name),), s.fired) for s in schedules])
+        _metric_family(out, "taskstore_schedule_paused", "gauge",
+                       "1 if the schedule is paused, else 0.",
+                       [("", (("schedule", s.name),), int(s.paused)) for s in schedules])
+        return "\n".join(out) + "\n"
+
+
 class LMSPApp:
     """The LMSP routes over one TaskStore, independent of sockets.
 
@@ -7829,8 +8009,10 @@ class LMSPApp:
                  task_retention=DEFAULT_RETENTION_S, event_retention=DEFAULT_RETENTION_S,
                  idempotency_retention=DEFAULT_RETENTION_S,
                  request_timeout=DEFAULT_REQUEST_TIMEOUT_S, max_streams=DEFAULT_MAX_STREAMS,
-                 keepalive_interval=DEFAULT_KEEPALIVE_S, allow_origins=(), mcp=None):
+                 keepalive_interval=DEFAULT_KEEPALIVE_S, allow_origins=(), mcp=None,
+                 metrics=None):
         self.store, self.backend = store, backend
+        self.metrics = metrics          # a Metrics served at /metrics, or None
         self.mcp = mcp                  # an McpHttp served at /mcp, or None
         if mcp is not None:
             mcp.app = self
@@ -7856,7 +8038,13 @@ class LMSPApp:
             (re.compile(r"/lmsp/v1/capabilities"),
              {"GET": self._capabilities, "HEAD": self._capabilities}),
             (re.compile(r"/healthz"), {"GET": self._health, "HEAD": self._health}),
+            # Our extension: the schedules, read-only (tasks schedules changes them).
+            (re.compile(r"/lmsp/v1/schedules"),
+             {"GET": self._schedules, "HEAD": self._schedules}),
         ]
+        if metrics is not None:
+            self.routes.append((re.compile(METRICS_PATH),
+                                {"GET": self._metrics, "HEAD": self._metrics}))
         if mcp is not None:     # its errors are JSON-RPC errors (handle), not problems
             self.routes.append((re.compile(MCP_PATH),
                                 {"POST": mcp.post, "GET": mcp.get, "DELETE": mcp.delete}))
@@ -8020,6 +8208,15 @@ class LMSPApp:
 
     def _health(self, request):
         return Reply(200, {"status": "ok"})
+
+    def _metrics(self, request):
+        reply = Reply(200, content_type=METRICS_CONTENT_TYPE)
+        reply.body = self.metrics.render().encode()
+        return reply
+
+    def _schedules(self, request):
+        return Reply(200, {"object": "list", "data": [schedule_object(s) for s in
+                                                      self.store.schedules()]})
 
     def _capabilities(self, request):
         snapshots = bool(getattr(self.backend, "snapshots", False))
@@ -11013,6 +11210,9 @@ def add_http_parser(subparsers):
                    help="allow a non-loopback address without --token (default: refused)")
     p.add_argument("--no-mcp", action="store_true",
                    help="do not serve MCP at /mcp (default: served, with the demo tools)")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="do not serve GET /metrics, the Prometheus text format (default: "
+                        "served, behind the same Host checks and tokens as every route)")
     p.set_defaults(func=cmd_http)
     return p
 
@@ -11053,7 +11253,7 @@ def cmd_http(args):
                   idempotency_retention=args.idempotency_retention,
                   request_timeout=args.request_timeout, max_streams=args.max_streams,
                   keepalive_interval=args.keepalive_interval, allow_origins=args.allow_origin,
-                  mcp=mcp)
+                  mcp=mcp, metrics=None if args.no_metrics else Metrics(store))
     try:
         server = LMSPServer(app, args.host, args.port, args.max_connections)
     except OSError as exc:
