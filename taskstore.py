@@ -8002,7 +8002,8 @@ class LMSPApp:
     token -> principal name; with none, there is no authentication.
     ``allow_origins`` are the browser origins (``--allow-origin`` patterns)
     whose pages may call the routes, besides the server's own.  *mcp*, an
-    McpHttp, is served at ``/mcp`` behind the same guards.
+    McpHttp, is served at ``/mcp`` behind the same guards; *metrics* True
+    serves ``GET /metrics`` (``Metrics``) behind them too.
     """
 
     def __init__(self, store, backend, *, tokens=None, max_body=DEFAULT_MAX_BODY,
@@ -8010,9 +8011,10 @@ class LMSPApp:
                  idempotency_retention=DEFAULT_RETENTION_S,
                  request_timeout=DEFAULT_REQUEST_TIMEOUT_S, max_streams=DEFAULT_MAX_STREAMS,
                  keepalive_interval=DEFAULT_KEEPALIVE_S, allow_origins=(), mcp=None,
-                 metrics=None):
+                 metrics=False):
         self.store, self.backend = store, backend
-        self.metrics = metrics          # a Metrics served at /metrics, or None
+        # GET /metrics (a Metrics of the store, counting from now), or None.
+        self.metrics = Metrics(store) if metrics else None
         self.mcp = mcp                  # an McpHttp served at /mcp, or None
         if mcp is not None:
             mcp.app = self
@@ -8042,7 +8044,7 @@ class LMSPApp:
             (re.compile(r"/lmsp/v1/schedules"),
              {"GET": self._schedules, "HEAD": self._schedules}),
         ]
-        if metrics is not None:
+        if self.metrics is not None:
             self.routes.append((re.compile(METRICS_PATH),
                                 {"GET": self._metrics, "HEAD": self._metrics}))
         if mcp is not None:     # its errors are JSON-RPC errors (handle), not problems
@@ -8052,6 +8054,8 @@ class LMSPApp:
     def close(self):
         """Refuse new requests and end every open event stream (within _STREAM_WAKE_S)."""
         self.stopping.set()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def handle(self, method, target, headers, read_body, client_gone=None):
         """Route one request; every exception becomes a problem reply here.
@@ -11253,7 +11257,7 @@ def cmd_http(args):
                   idempotency_retention=args.idempotency_retention,
                   request_timeout=args.request_timeout, max_streams=args.max_streams,
                   keepalive_interval=args.keepalive_interval, allow_origins=args.allow_origin,
-                  mcp=mcp, metrics=None if args.no_metrics else Metrics(store))
+                  mcp=mcp, metrics=not args.no_metrics)
     try:
         server = LMSPServer(app, args.host, args.port, args.max_connections)
     except OSError as exc:
