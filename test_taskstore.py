@@ -5220,7 +5220,7 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         for version in range(1, taskstore.SCHEMA_VERSION):
             with self.subTest(version=version):
                 self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
-                         "processes, taskstore_schema")
+                         "processes, schedules, taskstore_schema")
                 store = self.open_store()
                 owner, cancelled, orphan = owned_history(self, store)
                 store.close()
