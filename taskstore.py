@@ -11420,10 +11420,10 @@ def _add_schedules_parser(verbs):
     period = sub.add_mutually_exclusive_group(required=True)
     period.add_argument("--every", type=_positive(float), metavar="S",
                         help="one task every S seconds (periods start at multiples of S "
-                             "since the epoch)")
+                             "since the epoch, UTC) (default: none; give --every or --cron)")
     period.add_argument("--cron", metavar="EXPR",
                         help='one task per match of a 5-field cron expression, in UTC '
-                             '(say "*/5 * * * *")')
+                             '(say "*/5 * * * *") (default: none; give --every or --cron)')
     sub.add_argument("--payload", default="null", metavar="JSON",
                      help="the tasks' payload, a JSON value (default: null)")
     sub.add_argument("--policy", choices=POLICIES, default="fail",
