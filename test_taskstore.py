@@ -15914,6 +15914,50 @@ class MetricsTests(ServerTestCase):
         self.assertEqual(client.request("POST", "/lmsp/v1/schedules", {})[0], 405)
 
 
+class MetricsStoreTests(StoreTestCase):
+    """``Metrics`` on a store with the fake clock: the database gauges and this process's counters."""
+
+    sample = MetricsTests.sample
+
+    def test_gauges_and_counters_follow_the_tasks(self):
+        metrics = taskstore.Metrics(self.store)
+        self.addCleanup(metrics.close)
+        owner = self.store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        self.store.create("a")
+        self.clock.advance(10)
+        self.store.create("a")
+        retried = self.store.create("b", policy="retry")
+        self.clock.advance(5)
+        task = self.store.claim(("a",), owner=owner)
+        self.clock.advance(0.3)
+        self.store.succeed(task.id, {})
+        self.store.claim(("b",), owner=owner)
+        families = parse_exposition(self, metrics.render())
+        self.assertEqual(self.sample(families, "taskstore_tasks", kind="a", status="queued"), 1)
+        self.assertEqual(self.sample(families, "taskstore_tasks", kind="b", status="running"), 1)
+        self.assertEqual(self.sample(families, "taskstore_oldest_queued_age_seconds", kind="a"),
+                         5.3)
+        self.assertEqual(self.sample(families, "taskstore_tasks_finished_total", kind="a",
+                                     status="succeeded"), 1)
+        run = [(labels["le"], value) for name, labels, value in
+               families["taskstore_task_run_seconds"][1] if name.endswith("_bucket")]
+        self.assertEqual(dict(run)["0.25"], 0)
+        self.assertEqual(dict(run)["0.5"], 1)
+        self.assertEqual(self.sample(families, "taskstore_task_run_seconds",
+                                     "taskstore_task_run_seconds_sum", kind="a"), 0.3)
+        self.store.release(owner)                   # a restart: policy retry requeues it
+        families = parse_exposition(self, metrics.render())
+        self.assertEqual(self.sample(families, "taskstore_task_requeues_total", kind="b"), 1)
+        self.assertEqual(self.sample(families, "taskstore_tasks", kind="b", status="queued"), 1)
+        self.assertEqual(self.sample(families, "taskstore_task_attempts_total", kind="b"), 1)
+        self.assertEqual(self.store.get(retried.id).attempt, 2)
+
+
+class PgMetricsStoreTests(PostgresStoreMixin, MetricsStoreTests):
+    __doc__ = MetricsStoreTests.__doc__
+
+
 class ScheduleCommandTests(StoreTestCase):
     """``tasks schedules``: list, add, pause, resume, remove."""
 
