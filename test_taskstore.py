@@ -15749,7 +15749,7 @@ class CrossProcessScheduleTests(MultiProcessTestCase):
         store = self.open_store(clock=clock)
         store.schedule("tick", "k", every=60)
         store.schedule("often", "k", cron="* * * * *")
-        children = [self.spawn(FIRE_SCRIPT) for _ in range(4)]
+        children = [self.spawn(FIRE_SCRIPT) for _ in range(3)]
         for child in children:
             child.expect("ready")
         periods = volume(10, 100)
@@ -15766,6 +15766,45 @@ class CrossProcessScheduleTests(MultiProcessTestCase):
         self.assertEqual(len(tasks), 2 * periods)
         self.assertEqual(len({(t.meta["schedule"], t.meta["due_at"]) for t in tasks}),
                          2 * periods)
+
+
+    @unittest.skipUnless(FULL, f"runner processes on the real clock: {FULL_ONLY}")
+    def test_runner_processes_fire_each_period_once_by_themselves(self):
+        store = self.open_store()
+        owner = store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        store.schedule("tick", "tick", every=0.05)
+        children = [self.spawn(RUNNER_FIRE_SCRIPT) for _ in range(3)]
+        for child in children:
+            child.expect("ready")
+        # Nobody here has a handler for tick: this loop claims the tasks.
+        claimed, seen, deadline = [], None, time.monotonic() + 3 * TIMEOUT
+        while len(claimed) < volume(6, 40) and time.monotonic() < deadline:
+            task = store.claim(("tick",), owner=owner)
+            if task is None:        # as a runner waits: other processes' work is polled
+                seen = store.wait_for_work(seen, store.poll_interval)
+            else:
+                claimed.append(task)
+        for child in children:
+            child.send("end")
+            child.finish(self)
+        tasks = store.list(kind="tick", limit=1000)[0]
+        self.assertGreaterEqual(len(claimed), volume(6, 40))
+        due = sorted(task.meta["due_at"] for task in tasks)
+        self.assertEqual(len(due), len(set(due)), "a period fired twice")
+        self.assertTrue(all(at % 50 == 0 for at in due), due)
+        self.assertEqual(store.schedules()[0].fired, len(tasks))
+
+
+# A runner that fires the store's schedules (and has nothing to run) until ``end``.
+RUNNER_FIRE_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, recover_on_open=False, poll_interval=0.02)
+runner = taskstore.Runner(store, {"other": lambda ctx, payload: None}, workers=1).start()
+say("ready")
+sys.stdin.readline()
+runner.stop()
+store.close()
+"""
 
 
 class PgCrossProcessScheduleTests(PostgresStoreMixin, CrossProcessScheduleTests):
