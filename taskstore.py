@@ -11433,6 +11433,9 @@ def _add_schedules_parser(verbs):
                      help="the tasks' payload, a JSON value (default: null)")
     sub.add_argument("--policy", choices=POLICIES, default="fail",
                      help="the tasks' restart policy (default: %(default)s)")
+    sub.add_argument("--retention", type=_non_negative, metavar="S",
+                     help="keep each finished task S seconds (default: none, kept until "
+                          "deleted, as create's)")
     for name, help_text in (("pause", "Stop firing a schedule (its periods pass unfired)."),
                             ("resume", "Fire a paused schedule again, from its next period."),
                             ("remove", "Delete a schedule (its tasks stay).")):
@@ -11455,7 +11458,8 @@ def _tasks_schedules(args):
             except ValueError:
                 raise InvalidParams("--payload must be a JSON value", param="payload") from None
             store.schedule(args.name, args.kind, payload, policy=args.policy,
-                           every=args.every, cron=args.cron)
+                           every=args.every, cron=args.cron, retention_ms=None if (
+                               args.retention is None) else int(args.retention * 1000))
         elif args.action != "list":
             getattr(store, f"{args.action}_schedule")(args.name)
         schedules = store.schedules()

@@ -15954,7 +15954,7 @@ class MetricsTests(ServerTestCase):
 
 
 class MetricsStoreTests(StoreTestCase):
-    """``Metrics`` on a store with the fake clock: the database gauges and this process's counters."""
+    """``Metrics`` on a store with the fake clock: database gauges, this process's counters."""
 
     sample = MetricsTests.sample
 
@@ -16009,8 +16009,9 @@ class ScheduleCommandTests(StoreTestCase):
         self.assertEqual(code, 0, err)
         self.assertIn("cron 0 3 * * *", out)
         code, out, err = self.run_main("tasks", "schedules", "add", "tick", "k", "--every", "30",
-                                       "--db", self.path)
+                                       "--retention", "3600", "--db", self.path)
         self.assertEqual((code, err), (0, ""))
+        self.assertEqual(self.store.schedules()[1].options, {"retention_ms": 3_600_000})
         self.assertEqual(self.run_main("tasks", "schedules", "pause", "tick", "--db",
                                        self.path)[0], 0)
         code, out, _ = self.run_main("tasks", "schedules", "list", "--db", self.path, "--json")
