@@ -15588,7 +15588,7 @@ class CronTests(unittest.TestCase):
                 ("a * * * *", "not a number"), ("* * * FOO *", "not a number or a name"),
                 ("1,,2 * * * *", "not a number"), ("-1 * * * *", "not a number"),
                 ("0 0 30 2 *", "no month has that day"), ("", "got 0"),
-                ("\u0661 * * * *", "not a number")):
+                ("\u0661 * * * *", "not a number"), ("* " * 600, "at most 1,000")):
             with self.subTest(expression=expression), \
                     self.assertRaises(taskstore.InvalidParams) as cm:
                 taskstore.Cron.parse(expression)
