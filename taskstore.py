@@ -4989,7 +4989,7 @@ class Runner:
                     wait = min(wait, (next_at - self._now_ms()) / 1000)
             except StoreClosed:
                 return
-            except TaskStoreError as exc:
+            except StoreUnavailable as exc:       # an outage: tried again after a wait
                 self._complain(exc)
             except Exception:
                 logger.exception("firing schedules failed")
@@ -7895,7 +7895,10 @@ class Metrics:
     retries of tasks are counted from the moves this process sees: an
     attempt starts when a task enters ``loading`` or ``running`` from
     ``queued`` (``task_attempts_total``), and a requeue is a move back to
-    ``queued`` (``task_requeues_total``: recovery's restarts today).
+    ``queued`` (``task_requeues_total``: recovery's restarts today).  The
+    retries of a failed attempt (issue 32's retry policy) are requeues too;
+    a counter of their own, ``taskstore_task_retries_total{kind}``, belongs
+    beside that one, counted where ``_observe`` sees the retry's move.
     """
 
     def __init__(self, store):
