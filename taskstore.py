@@ -7896,7 +7896,7 @@ class Metrics:
     attempt starts when a task enters ``loading`` or ``running`` from
     ``queued`` (``task_attempts_total``), and a requeue is a move back to
     ``queued`` (``task_requeues_total``: recovery's restarts today).  The
-    retries of a failed attempt (issue 32's retry policy) are requeues too;
+    retries of a failed attempt (a retry policy's) are requeues too;
     a counter of their own, ``taskstore_task_retries_total{kind}``, belongs
     beside that one, counted where ``_observe`` sees the retry's move.
     """
