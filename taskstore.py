@@ -1094,8 +1094,9 @@ class Engine:
     def on_remote(self, callback):
         """Call ``callback(kind, ids)`` for other processes' commits, from now on.
 
-        Kinds: ``changed``, ``queued``, ``cancelling``, and ``lost`` (news
-        may have been missed: re-read everything).  An engine with no such
+        Kinds: ``changed``, ``queued``, ``cancelling``, ``schedules`` (a
+        schedule changed; no ids), and ``lost`` (news may have been missed:
+        re-read everything).  An engine with no such
         news (SQLite) never calls it: its waiters poll.  Called once, at open.
         """
         raise NotImplementedError
@@ -3241,7 +3242,7 @@ class TaskStore:
         self._ids = _IdSequence()
         self._recovery = _Recovery(self)
         self._schedule_watchers = []    # watch_schedules: runners' scheduler threads
-        engine.on_remote(self._waiters.told)
+        engine.on_remote(self._told)
         if recover_on_open and not self.readonly:
             self.recover()
 
@@ -3957,6 +3958,17 @@ class TaskStore:
         for callback in list(self._schedule_watchers):
             callback()
         return result
+
+    def _told(self, kind, ids):
+        """Another process committed (the engine's ``on_remote``): tell who waits here.
+
+        A schedule's change wakes the runners' schedulers; the rest is the
+        waiters' (``_Waiters.told``); ``lost`` news may have been either.
+        """
+        if kind in ("schedules", "lost"):
+            self._schedules_written(None)
+        if kind != "schedules":
+            self._waiters.told(kind, ids)
 
     def watch_schedules(self, callback):
         """Call ``callback()`` after each change of a schedule made through this store.
@@ -4740,8 +4752,8 @@ class Runner:
             when its process dies.  Each wake costs one indexed read, a due
             period one short write per runner (all but the first write
             nothing).  A schedule changed through this store wakes it at
-            once; one changed by another process is seen within
-            ``SCHEDULE_CHECK_S``.
+            once, and on PostgreSQL one changed by another process too (a
+            notification); on SQLite that is seen within ``SCHEDULE_CHECK_S``.
     """
 
     def __init__(self, store, handlers=None, *, workers=4, heartbeat_s=DEFAULT_HEARTBEAT_S,
@@ -9871,8 +9883,9 @@ class PostgresEngine(_SqlEngine):
         """Call ``callback(kind, ids)`` for other processes' commits; starts the listener.
 
         *kind* is ``changed`` (ids changed), ``queued`` (ids became queued),
-        ``cancelling`` (ids became cancelling) or ``lost`` (notifications
-        may have been missed: re-read everything).
+        ``cancelling`` (ids became cancelling), ``schedules`` (a schedule
+        changed, no ids) or ``lost`` (notifications may have been missed:
+        re-read everything).
         """
         self._listener = _PgListener(self, callback)
         try:
@@ -10123,6 +10136,24 @@ class PostgresEngine(_SqlEngine):
     def delete_expired(self, table, now, limit):
         """Drop up to *limit* expired rows of ``idempotency`` or ``tombstones`` by row address."""
         return self.conn.execute(self._delete_expired[table], (now, limit)).rowcount
+
+    # -- schedules: other processes' runners hear of a change at once ----------
+
+    def schedule_put(self, row):
+        super().schedule_put(row)
+        self._note("schedules", ())
+
+    def schedule_update(self, name, values, next_at):
+        changed = super().schedule_update(name, values, next_at)
+        if changed:
+            self._note("schedules", ())
+        return changed
+
+    def schedule_delete(self, name):
+        deleted = super().schedule_delete(name)
+        if deleted:
+            self._note("schedules", ())
+        return deleted
 
 
 # =============================================================================

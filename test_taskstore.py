@@ -15725,6 +15725,21 @@ class ScheduleTests(StoreTestCase):
 class PgScheduleTests(PostgresStoreMixin, ScheduleTests):
     __doc__ = ScheduleTests.__doc__
 
+    def test_a_schedule_added_by_another_process_wakes_the_runners_at_once(self):
+        # The scheduler would sleep an hour between reads: only the
+        # notification can wake it in time.
+        patch = unittest.mock.patch.object(taskstore, "SCHEDULE_CHECK_S", 3600.0)
+        patch.start()
+        self.addCleanup(patch.stop)
+        runner_store, other = self.open_store(clock=time.time), self.open_store(clock=time.time)
+        ran = queue.Queue()
+        self.start_runner({"tick": lambda ctx, payload: ran.put(ctx.task_id)},
+                          store=runner_store)
+        self.assertIsNone(runner_store.next_schedule_at())    # it has read: nothing scheduled
+        other.schedule("tick", "tick", every=0.05)
+        self.assertEqual(runner_store.get(ran.get(timeout=TIMEOUT)).meta["schedule"], "tick")
+        other.remove_schedule("tick")
+
 
 # Fires the schedules at the clock (epoch ms) read from each stdin line, and
 # prints ``fired [ids]``; ``end`` ends it.
