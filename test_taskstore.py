@@ -12,6 +12,7 @@ import atexit
 import base64
 import collections
 import contextlib
+import datetime
 import email.utils
 import functools
 import glob
@@ -23,6 +24,7 @@ import io
 import itertools
 import json
 import logging
+import math
 import os
 import pty
 import queue
@@ -2658,6 +2660,10 @@ class HistoryCostTests(StoreTestCase):
         steps("fail", lambda: store.fail(started.id, {"code": "x", "message": "x"}))
         cancelled = store.create("k")
         steps("cancel", lambda: store.cancel(cancelled.id))
+        store.schedule("tick", "k", every=60)
+        steps("next schedule", store.next_schedule_at)
+        steps("fire schedules", lambda: store.fire_schedules(self.clock.ms + 60_000))
+        steps("metrics", store.unfinished)      # /metrics's database gauges
         counted["open"] = self.opening_steps()
         return counted
 
@@ -2691,6 +2697,8 @@ class HistoryCostTests(StoreTestCase):
         os.remove(self.path)
         full_store = self.registered(self.open_store())
         full = self.probe(full_store, backlog=self.HISTORY)
+        # A scrape counts the queued tasks of every kind: it reads the queue, by design.
+        del empty["metrics"], full["metrics"]
         self.assertFlat(empty, full, f"{self.HISTORY} queued tasks")
 
     def assertFlat(self, empty, full, kept):
@@ -2721,7 +2729,7 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
         # Stale: the planner last counted the tasks while all were queued,
         # as autovacuum may have, and they finished since.
         self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
-                 "processes, secrets, taskstore_schema")
+                 "processes, secrets, schedules, taskstore_schema")
         store = self.registered(self.open_store())
         self.fill_history(store, created=(lambda: self.sql("ANALYZE")) if stale else
                           lambda: None)
@@ -2749,6 +2757,14 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
             engine = store._engine       # an idle runner's poll, as if it had found none
             self.assertTrue(engine.may_have_queued(("k",), engine._empty_gen))
             self.assertEqual(store.claim(("k",), owner=self.runner_id).id, queued)
+            store.next_schedule_at()
+            store.fire_schedules()
+            # /metrics counts the queued tasks: with statistics that still
+            # say every task is queued, reading the table is the planner's
+            # honest choice (it believes the queue is the table) until the
+            # next ANALYZE; with current ones it reads the queue's index.
+            if not stale:
+                self.assertEqual(len(store.unfinished()), 2)      # cancelling, running
         self.assertGreaterEqual(len(statements), 6)
         for sql, params in statements:
             plan = "\n".join(row[0] for row in self.sql("EXPLAIN " + sql.replace("%s", "?"),
@@ -3182,7 +3198,7 @@ def downgrade(migrations, version):
     for step in range(max(migrations), version, -1):
         for ddl in reversed(migrations[step]):
             verb, kind, name = ddl.split()[:3]
-            if kind == "TABLE" and verb == "CREATE":
+            if kind == "TABLE" and verb == "CREATE":      # a new table (and its indexes) goes
                 statements.append(f"DROP TABLE {name}")
                 continue
             if kind != "INDEX":
@@ -5299,7 +5315,7 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         for version in range(1, taskstore.SCHEMA_VERSION):
             with self.subTest(version=version):
                 self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
-                         "processes, secrets, taskstore_schema")
+                         "processes, secrets, schedules, taskstore_schema")
                 store = self.open_store()
                 owner, cancelled, orphan = owned_history(self, store)
                 store.close()
@@ -16536,6 +16552,531 @@ class PgMcpReplicaTests(PgFaultCase):
         pgfault_figures("mcp across replicas", tasks=3, told={
             name: heard[task_id] for name, task_id in created.items()},
             wall_s=round(time.monotonic() - self.started, 1))
+
+# -- periodic tasks (schedules) and /metrics -----------------------------------
+
+
+def utc_ms(text):
+    """Epoch ms of an ISO 8601 UTC time without zone (``2026-01-01T00:05``)."""
+    return int(datetime.datetime.fromisoformat(text).replace(
+        tzinfo=datetime.timezone.utc).timestamp() * 1000)
+
+
+class CronTests(unittest.TestCase):
+    """The 5-field cron parser and its next fire time, in UTC."""
+
+    # (expression, after, next): strictly after, in UTC.
+    TABLE = (
+        ("*/5 * * * *", "2026-01-01T00:00", "2026-01-01T00:05"),
+        ("*/5 * * * *", "2026-01-01T00:03:30", "2026-01-01T00:05"),
+        ("15,45 * * * *", "2026-01-01T00:15", "2026-01-01T00:45"),
+        ("5/15 * * * *", "2026-01-01T00:21", "2026-01-01T00:35"),
+        ("0 * * * *", "2026-01-01T23:59", "2026-01-02T00:00"),
+        ("0 9-17/4 * * *", "2026-01-01T13:00", "2026-01-01T17:00"),
+        ("0 0 1 1 *", "2026-06-15T00:00", "2027-01-01T00:00"),
+        ("0 0 1 JAN,jul *", "2026-02-01T00:00", "2026-07-01T00:00"),
+        ("59 23 31 12 *", "2026-12-31T23:58", "2026-12-31T23:59"),
+        ("0 0 31 DEC *", "2026-12-31T00:00", "2027-12-31T00:00"),
+        # Month ends: a month without the day is skipped.
+        ("0 0 31 * *", "2026-04-01T00:00", "2026-05-31T00:00"),
+        ("0 0 30 * *", "2026-01-30T00:00", "2026-03-30T00:00"),
+        # The leap day: every four years, and not in 2100.
+        ("0 0 29 2 *", "2026-03-01T00:00", "2028-02-29T00:00"),
+        ("0 0 29 2 *", "2096-03-01T00:00", "2104-02-29T00:00"),
+        # Days of the week: names, ranges, 7 and 0 both Sunday.
+        ("30 12 * * MON-FRI", "2026-01-03T00:00", "2026-01-05T12:30"),
+        ("0 0 * * 7", "2026-01-01T00:00", "2026-01-04T00:00"),
+        ("0 0 * * sun", "2026-01-01T00:00", "2026-01-04T00:00"),
+        # Both day fields restricted: either matches (Friday 2nd before the 13th).
+        ("0 12 13 * FRI", "2026-01-01T00:00", "2026-01-02T12:00"),
+        ("0 12 13 * 5", "2026-01-10T00:00", "2026-01-13T12:00"),
+        # A day field starting with * is not a restriction: both must match.
+        ("0 12 */2 * FRI", "2026-01-01T00:00", "2026-01-09T12:00"),
+        ("0 12 13 * *", "2026-01-01T00:00", "2026-01-13T12:00"),
+    )
+
+    def test_next_fire_times(self):
+        for expression, after, expected in self.TABLE:
+            with self.subTest(expression=expression, after=after):
+                got = taskstore.Cron.parse(expression).next_after(utc_ms(after))
+                self.assertEqual(taskstore.iso_time(got), expected + ":00.000Z")
+
+    def test_bad_expressions_name_the_cron_field(self):
+        for expression, words in (
+                ("60 * * * *", "minute: 60 is out of range 0-59"),
+                ("* 24 * * *", "hour: 24 is out of range"), ("* * 0 * *", "day of month: 0"),
+                ("* * 32 * *", "day of month: 32"), ("* * * 13 *", "month: 13"),
+                ("* * * * 8", "day of week: 8"), ("*/0 * * * *", "step"),
+                ("5-1 * * * *", "backwards"), ("* * * *", "expected 5 fields"),
+                ("a * * * *", "not a number"), ("* * * FOO *", "not a number or a name"),
+                ("1,,2 * * * *", "not a number"), ("-1 * * * *", "not a number"),
+                ("0 0 30 2 *", "no month has that day"), ("", "got 0"),
+                ("\u0661 * * * *", "not a number"), ("* " * 600, "at most 1,000")):
+            with self.subTest(expression=expression), \
+                    self.assertRaises(taskstore.InvalidParams) as cm:
+                taskstore.Cron.parse(expression)
+            self.assertEqual(cm.exception.param, "cron")
+            self.assertIn(words, str(cm.exception))
+
+
+class ScheduleTests(StoreTestCase):
+    """Periodic tasks on one store, with the fake clock: one task per period, pause, remove."""
+
+    def fire(self, seconds=0.0):
+        self.clock.advance(seconds)
+        return self.store.fire_schedules()
+
+    def test_every_period_fires_one_task_with_the_period_as_its_key(self):
+        schedule = self.store.schedule("tick", "k", {"n": 1}, every=60)
+        self.assertEqual(schedule.next_at, self.clock.ms + 60_000)
+        self.assertEqual(self.fire(59.9), [])
+        for period in range(1, 4):
+            tasks = self.fire(60 if period > 1 else 0.1)
+            self.assertEqual(len(tasks), 1)
+            self.assertEqual(tasks[0].payload, {"n": 1})
+            self.assertEqual(tasks[0].meta, {"schedule": "tick",
+                                             "due_at": schedule.next_at + (period - 1) * 60_000})
+            self.assertEqual(self.fire(), [])             # the same period again: nothing
+        tasks, _ = self.store.list(kind="k")
+        self.assertEqual(len(tasks), 3)
+        (listed,) = self.store.schedules()
+        self.assertEqual((listed.fired, listed.last_task), (3, tasks[0].id))
+        # The period is create's idempotency key (scope "schedule").
+        key = f"tick@{listed.last_due}"
+        with self.store._engine.reading() as engine:
+            self.assertEqual(engine.idempotency_get("schedule", key)[1], tasks[0].id)
+
+    def test_missed_periods_after_downtime_run_once(self):
+        self.store.schedule("tick", "k", every=60)
+        self.store.schedule("nightly", "n", cron="0 3 * * *")
+        first = self.store.schedules()
+        tasks = self.fire(7 * 24 * 3600)          # a week of downtime
+        self.assertEqual(sorted(task.kind for task in tasks), ["k", "n"])
+        for schedule in self.store.schedules():
+            self.assertGreater(schedule.next_at, self.clock.ms)
+            self.assertEqual(schedule.last_due, {s.name: s.next_at for s in first}[schedule.name])
+        self.assertEqual(self.fire(), [])
+        self.assertEqual(len(self.fire(60)), 1)
+
+    def test_pause_resume_and_remove(self):
+        self.store.schedule("tick", "k", every=60)
+        self.assertTrue(self.store.pause_schedule("tick").paused)
+        self.assertEqual(self.fire(600), [])                     # paused periods pass unfired
+        self.assertIsNone(self.store.next_schedule_at())
+        resumed = self.store.resume_schedule("tick")
+        self.assertFalse(resumed.paused)
+        self.assertEqual(resumed.next_at, (self.clock.ms // 60_000 + 1) * 60_000)
+        self.assertEqual(self.store.resume_schedule("tick"), resumed)    # not paused: as it was
+        self.assertEqual(len(self.fire(60)), 1)
+        self.store.remove_schedule("tick")
+        self.assertEqual((self.store.schedules(), self.fire(600)), ([], []))
+        self.assertEqual(len(self.store.list(kind="k")[0]), 1)          # its task stays
+
+    def test_redefining_keeps_the_next_period_and_the_paused_state(self):
+        first = self.store.schedule("tick", "k", {"v": 1}, every=60)
+        self.store.pause_schedule("tick")
+        self.clock.advance(30)
+        again = self.store.schedule("tick", "k2", {"v": 2}, every=60, policy="retry")
+        self.assertEqual((again.next_at, again.paused, again.kind), (first.next_at, True, "k2"))
+        self.store.resume_schedule("tick")
+        task, = self.fire(60)
+        self.assertEqual((task.kind, task.payload, task.policy), ("k2", {"v": 2}, "retry"))
+        moved = self.store.schedule("tick", "k2", {"v": 2}, cron="0 * * * *")
+        self.assertEqual(moved.next_at % 3_600_000, 0)
+        self.assertEqual(len(self.store.schedules()), 1)
+
+    def test_bad_input_names_the_field_and_creates_nothing(self):
+        for kwargs, param in (({"every": 0}, "every"), ({"every": -5}, "every"),
+                              ({"every": float("nan")}, "every"), ({"every": True}, "every"),
+                              ({"every": "60"}, "every"), ({}, "cron"),
+                              ({"every": 60, "cron": "* * * * *"}, "every"),
+                              ({"cron": "61 * * * *"}, "cron"), ({"cron": "* * *"}, "cron"),
+                              ({"cron": 5}, "cron"),
+                              ({"every": 60, "name": ""}, "name"),
+                              ({"every": 60, "kind": None}, "kind"),
+                              ({"every": 60, "policy": "never"}, "policy"),
+                              ({"every": 60, "payload": float("inf")}, "payload")):
+            args = {"name": "s", "kind": "k", **kwargs}
+            with self.subTest(kwargs=kwargs), self.assertRaises(taskstore.InvalidParams) as cm:
+                self.store.schedule(args.pop("name"), args.pop("kind"), **args)
+            self.assertEqual(cm.exception.param, param)
+        for verb in (self.store.pause_schedule, self.store.resume_schedule,
+                     self.store.remove_schedule):
+            with self.subTest(verb=verb.__name__), \
+                    self.assertRaises(taskstore.InvalidParams) as cm:
+                verb("nobody")
+            self.assertEqual(cm.exception.param, "name")
+        self.assertEqual(self.store.schedules(), [])
+        self.assertEqual(self.store.list()[0], [])
+
+    def test_stores_firing_the_same_period_at_once_make_one_task(self):
+        self.store.schedule("tick", "k", every=60)
+        stores = [self.open_store(recover_on_open=False) for _ in range(6)]
+        for period in range(1, 6):
+            self.clock.advance(60)
+            barrier, results = threading.Barrier(len(stores), timeout=TIMEOUT), queue.Queue()
+
+            def fire(own):
+                barrier.wait()
+                results.put(own.fire_schedules())
+            threads = [threading.Thread(target=fire, args=(own,), daemon=True) for own in stores]
+            for thread in threads:
+                thread.start()
+            fired = [results.get(timeout=TIMEOUT) for _ in stores]
+            for thread in threads:
+                thread.join(TIMEOUT)
+            self.assertEqual(sorted(len(tasks) for tasks in fired), [0] * 5 + [1], period)
+        self.assertEqual(len(self.store.list(kind="k")[0]), 5)
+
+    def test_a_runner_fires_at_the_period_start_by_itself(self):
+        store = self.open_store(clock=time.time)
+        ran = queue.Queue()
+        self.start_runner({"tick": lambda ctx, payload: ran.put(ctx.task_id)}, store=store)
+        store.schedule("tick", "tick", every=0.05)       # wakes the runner's scheduler
+        first, second = ran.get(timeout=TIMEOUT), ran.get(timeout=TIMEOUT)
+        due = [store.get(task_id).meta["due_at"] for task_id in (first, second)]
+        self.assertEqual(due[1] - due[0], 50, due)      # consecutive periods, one task each
+        store.remove_schedule("tick")
+
+    def test_a_runner_with_schedules_off_fires_nothing(self):
+        store = self.open_store(clock=time.time)
+        runner = self.start_runner({}, store=store, schedules=False)
+        self.assertNotIn("taskstore-scheduler", [t.name for t in runner._threads])
+        self.assertEqual(store._schedule_watchers, [])       # nobody to wake, nothing fires
+
+
+class PgScheduleTests(PostgresStoreMixin, ScheduleTests):
+    __doc__ = ScheduleTests.__doc__
+
+    def test_a_schedule_added_by_another_process_wakes_the_runners_at_once(self):
+        # The scheduler would sleep an hour between reads: only the
+        # notification can wake it in time.
+        patch = unittest.mock.patch.object(taskstore, "SCHEDULE_CHECK_S", 3600.0)
+        patch.start()
+        self.addCleanup(patch.stop)
+        runner_store, other = self.open_store(clock=time.time), self.open_store(clock=time.time)
+        ran = queue.Queue()
+        self.start_runner({"tick": lambda ctx, payload: ran.put(ctx.task_id)},
+                          store=runner_store)
+        self.assertIsNone(runner_store.next_schedule_at())    # it has read: nothing scheduled
+        other.schedule("tick", "tick", every=0.05)
+        self.assertEqual(runner_store.get(ran.get(timeout=TIMEOUT)).meta["schedule"], "tick")
+        other.remove_schedule("tick")
+
+
+# Fires the schedules at the clock (epoch ms) read from each stdin line, and
+# prints ``fired [ids]``; ``end`` ends it.
+FIRE_SCRIPT = CHILD_PRELUDE + r"""
+now = [0]
+store = taskstore.TaskStore(DB, recover_on_open=False, clock=lambda: now[0] / 1000)
+say("ready")
+for line in sys.stdin:
+    if line.strip() == "end":
+        break
+    now[0] = int(line)
+    say("fired", json.dumps([task.id for task in store.fire_schedules()]))
+store.close()
+"""
+
+
+class CrossProcessScheduleTests(MultiProcessTestCase):
+    """Several processes firing one store's schedules: one task per period."""
+
+    def test_processes_firing_every_period_at_once_make_one_task_per_period(self):
+        clock = FakeClock()
+        store = self.open_store(clock=clock)
+        store.schedule("tick", "k", every=60)
+        store.schedule("often", "k", cron="* * * * *")
+        children = [self.spawn(FIRE_SCRIPT) for _ in range(3)]
+        for child in children:
+            child.expect("ready")
+        periods = volume(10, 100)
+        for _ in range(periods):
+            clock.advance(60)
+            for child in children:
+                child.send(str(clock.ms))
+            fired = [child.expect("fired") for child in children]
+            self.assertEqual(sum(len(ids) for ids in fired), 2, fired)
+        for child in children:
+            child.send("end")
+            child.finish(self)
+        tasks, _ = store.list(kind="k", limit=3 * periods)
+        self.assertEqual(len(tasks), 2 * periods)
+        self.assertEqual(len({(t.meta["schedule"], t.meta["due_at"]) for t in tasks}),
+                         2 * periods)
+
+
+    @unittest.skipUnless(FULL, f"runner processes on the real clock: {FULL_ONLY}")
+    def test_runner_processes_fire_each_period_once_by_themselves(self):
+        store = self.open_store()
+        owner = store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        store.schedule("tick", "tick", every=0.05)
+        children = [self.spawn(RUNNER_FIRE_SCRIPT) for _ in range(3)]
+        for child in children:
+            child.expect("ready")
+        # Nobody here has a handler for tick: this loop claims the tasks.
+        claimed, seen, deadline = [], None, time.monotonic() + 3 * TIMEOUT
+        while len(claimed) < volume(6, 40) and time.monotonic() < deadline:
+            task = store.claim(("tick",), owner=owner)
+            if task is None:        # as a runner waits: other processes' work is polled
+                seen = store.wait_for_work(seen, store.poll_interval)
+            else:
+                claimed.append(task)
+        for child in children:
+            child.send("end")
+            child.finish(self)
+        tasks = store.list(kind="tick", limit=1000)[0]
+        self.assertGreaterEqual(len(claimed), volume(6, 40))
+        due = sorted(task.meta["due_at"] for task in tasks)
+        self.assertEqual(len(due), len(set(due)), "a period fired twice")
+        self.assertTrue(all(at % 50 == 0 for at in due), due)
+        self.assertEqual(store.schedules()[0].fired, len(tasks))
+
+
+# A runner that fires the store's schedules (and has nothing to run) until ``end``.
+RUNNER_FIRE_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB, recover_on_open=False, poll_interval=0.02)
+runner = taskstore.Runner(store, {"other": lambda ctx, payload: None}, workers=1).start()
+say("ready")
+sys.stdin.readline()
+runner.stop()
+store.close()
+"""
+
+
+class PgCrossProcessScheduleTests(PostgresStoreMixin, CrossProcessScheduleTests):
+    __doc__ = CrossProcessScheduleTests.__doc__
+
+
+# The exposition format 0.0.4, strictly: every line is a HELP, a TYPE or a
+# sample of the family its TYPE opened.
+_METRIC_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_LABEL_VALUE = r'"(?:[^"\\\n]|\\[\\"n])*"'
+_SAMPLE = re.compile(rf"({_METRIC_NAME})(?:\{{((?:[a-zA-Z_][a-zA-Z0-9_]*={_LABEL_VALUE}"
+                     rf"(?:,[a-zA-Z_][a-zA-Z0-9_]*={_LABEL_VALUE})*)?)\}})? "
+                     r"([-+]?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|Inf|NaN))(?: -?[0-9]+)?")
+
+
+def parse_exposition(test, text):
+    """Parse *text* strictly; ``{family: (type, [(name, {label: value}, float)])}``."""
+    test.assertTrue(text.endswith("\n"))
+    families, current = {}, None
+    for line in text[:-1].split("\n"):
+        if line.startswith("# HELP "):
+            name, _, help_text = line[7:].partition(" ")
+            test.assertRegex(name, rf"\A{_METRIC_NAME}\Z")
+            test.assertNotIn(name, families, "a family appears once")
+            test.assertNotRegex(help_text, r"\\[^\\n]")
+            current = name
+            families[name] = [None, []]
+        elif line.startswith("# TYPE "):
+            name, _, kind = line[7:].partition(" ")
+            test.assertEqual(name, current, "TYPE follows its HELP")
+            test.assertIn(kind, ("counter", "gauge", "histogram", "summary", "untyped"))
+            test.assertIsNone(families[name][0])
+            families[name][0] = kind
+        else:
+            match = _SAMPLE.fullmatch(line)
+            test.assertIsNotNone(match, f"not a sample line: {line!r}")
+            name, labels, value = match.groups()
+            kind = families[current][0]
+            suffixes = ("_bucket", "_sum", "_count") if kind == "histogram" else ("",)
+            test.assertIn(name, [current + suffix for suffix in suffixes], line)
+            parsed = {}
+            for key, raw in re.findall(rf"([a-zA-Z_][a-zA-Z0-9_]*)=({_LABEL_VALUE})",
+                                       labels or ""):
+                test.assertNotIn(key, parsed)
+                parsed[key] = re.sub(r"\\(.)", lambda m: {"n": "\n"}.get(m[1], m[1]), raw[1:-1])
+            families[current][1].append((name, parsed, float(value)))
+    for name, (kind, samples) in families.items():
+        if kind == "histogram":
+            by_labels = {}
+            for sample, labels, value in samples:
+                key = tuple(sorted((k, v) for k, v in labels.items() if k != "le"))
+                by_labels.setdefault(key, []).append((sample, labels.get("le"), value))
+            for key, rows in by_labels.items():
+                buckets = [(float(le), v) for s, le, v in rows if s.endswith("_bucket")]
+                test.assertEqual(buckets, sorted(buckets), "buckets ascend")
+                test.assertEqual(buckets[-1][0], math.inf)
+                test.assertEqual([v for _, v in buckets], sorted(v for _, v in buckets))
+                count = [v for s, _, v in rows if s.endswith("_count")]
+                test.assertEqual(count, [buckets[-1][1]])
+                test.assertEqual(len([s for s, _, _ in rows if s.endswith("_sum")]), 1)
+    return {name: (kind, samples) for name, (kind, samples) in families.items()}
+
+
+class MetricsTests(ServerTestCase):
+    """GET /metrics: the Prometheus text format, behind the Host checks and the tokens."""
+
+    def scrape(self, client, **headers):
+        status, resp, body = client.request("GET", "/metrics", headers=headers)
+        self.assertEqual(status, 200, body)
+        self.assertEqual(resp.getheader("Content-Type"), taskstore.METRICS_CONTENT_TYPE)
+        return parse_exposition(self, body.decode())
+
+    def sample(self, families, family, name=None, **labels):
+        values = [value for sample, got, value in families[family][1]
+                  if got == labels and sample == (name or family)]
+        self.assertEqual(len(values), 1, (family, labels, families[family]))
+        return values[0]
+
+    def test_a_scrape_parses_and_counts_tasks_runs_and_schedules(self):
+        client = self.start_server(metrics=True)
+        status, _, created = client.request("POST", "/lmsp/v1/tasks", create_body())
+        self.assertEqual(status, 202, created)
+        self.wait_terminal(created["id"])
+        self.store.create('odd "kind"\\\n', {})
+        self.store.schedule('tick "1"', "nothing", every=3600)
+        self.store.schedule("paused", "nothing", cron="0 0 * * *")
+        self.store.pause_schedule("paused")
+        families = self.scrape(client)
+        self.assertEqual(self.sample(families, "taskstore_tasks", kind='odd "kind"\\\n',
+                                     status="queued"), 1)
+        self.assertGreaterEqual(self.sample(families, "taskstore_oldest_queued_age_seconds",
+                                            kind='odd "kind"\\\n'), 0)
+        self.assertEqual(self.sample(families, "taskstore_tasks_finished_total",
+                                     kind="response", status="succeeded"), 1)
+        self.assertEqual(self.sample(families, "taskstore_task_attempts_total",
+                                     kind="response"), 1)
+        self.assertEqual(families["taskstore_task_run_seconds"][0], "histogram")
+        self.assertEqual(self.sample(families, "taskstore_task_run_seconds",
+                                     "taskstore_task_run_seconds_count", kind="response"), 1)
+        self.assertEqual(self.sample(families, "taskstore_schedule_lag_seconds",
+                                     schedule='tick "1"'), 0)
+        self.assertEqual(self.sample(families, "taskstore_schedule_paused", schedule="paused"), 1)
+        self.assertEqual(families["taskstore_task_requeues_total"], ("counter", []))
+
+    def test_schedule_lag_grows_while_nobody_fires(self):
+        clock = FakeClock()
+        client = self.start_server(workers=0, store_kwargs={"clock": clock}, metrics=True)
+        self.store.schedule("tick", "k", every=60)
+        clock.advance(90)
+        self.assertEqual(self.sample(self.scrape(client), "taskstore_schedule_lag_seconds",
+                                     schedule="tick"), 30.0)
+        clock.advance(5)
+        self.store.fire_schedules()
+        families = self.scrape(client)
+        self.assertEqual(self.sample(families, "taskstore_schedule_lag_seconds",
+                                     schedule="tick"), 0)
+        self.assertEqual(self.sample(families, "taskstore_schedule_last_lag_seconds",
+                                     schedule="tick"), 35.0)
+        self.assertEqual(self.sample(families, "taskstore_schedule_fired_total",
+                                     schedule="tick"), 1)
+
+    def test_metrics_need_a_token_and_a_loopback_host(self):
+        client = self.start_server(workers=0, tokens={"secret-token": "alice"}, metrics=True)
+        status, _, _ = client.request("GET", "/metrics", exact=True, headers={})
+        self.assertEqual(status, 401)
+        status, _, _ = client.request("GET", "/metrics", headers={"Host": "evil.example"})
+        self.assertEqual(status, 403)
+        self.assertIn("taskstore_tasks", self.scrape(client))
+        status, _, body = client.request("GET", "/lmsp/v1/schedules")
+        self.assertEqual((status, body), (200, {"object": "list", "data": []}))
+
+    def test_without_metrics_the_route_is_not_there(self):
+        client = self.start_server(workers=0)
+        self.assertEqual(client.request("GET", "/metrics")[0], 404)
+
+    def test_the_schedules_route_lists_them_read_only(self):
+        client = self.start_server(workers=0)
+        self.store.schedule("nightly", "report", {"x": 1}, cron="0 3 * * *")
+        status, _, body = client.request("GET", "/lmsp/v1/schedules")
+        self.assertEqual(status, 200)
+        (listed,) = body["data"]
+        self.assertEqual((listed["name"], listed["cron"], listed["every_seconds"],
+                          listed["paused"], listed["payload"]),
+                         ("nightly", "0 3 * * *", None, False, {"x": 1}))
+        self.assertRegex(listed["next_at"], r"T03:00:00\.000Z$")
+        self.assertEqual(client.request("POST", "/lmsp/v1/schedules", {})[0], 405)
+
+
+class MetricsStoreTests(StoreTestCase):
+    """``Metrics`` on a store with the fake clock: database gauges, this process's counters."""
+
+    sample = MetricsTests.sample
+
+    def test_gauges_and_counters_follow_the_tasks(self):
+        metrics = taskstore.Metrics(self.store)
+        self.addCleanup(metrics.close)
+        owner = self.store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        self.store.create("a")
+        self.clock.advance(10)
+        self.store.create("a")
+        retried = self.store.create("b", policy="retry")
+        self.clock.advance(5)
+        task = self.store.claim(("a",), owner=owner)
+        self.clock.advance(0.3)
+        self.store.succeed(task.id, {})
+        self.store.claim(("b",), owner=owner)
+        families = parse_exposition(self, metrics.render())
+        self.assertEqual(self.sample(families, "taskstore_tasks", kind="a", status="queued"), 1)
+        self.assertEqual(self.sample(families, "taskstore_tasks", kind="b", status="running"), 1)
+        self.assertEqual(self.sample(families, "taskstore_oldest_queued_age_seconds", kind="a"),
+                         5.3)
+        self.assertEqual(self.sample(families, "taskstore_tasks_finished_total", kind="a",
+                                     status="succeeded"), 1)
+        run = [(labels["le"], value) for name, labels, value in
+               families["taskstore_task_run_seconds"][1] if name.endswith("_bucket")]
+        self.assertEqual(dict(run)["0.25"], 0)
+        self.assertEqual(dict(run)["0.5"], 1)
+        self.assertEqual(self.sample(families, "taskstore_task_run_seconds",
+                                     "taskstore_task_run_seconds_sum", kind="a"), 0.3)
+        self.store.release(owner)                   # a restart: policy retry requeues it
+        families = parse_exposition(self, metrics.render())
+        self.assertEqual(self.sample(families, "taskstore_task_requeues_total", kind="b"), 1)
+        self.assertEqual(self.sample(families, "taskstore_tasks", kind="b", status="queued"), 1)
+        self.assertEqual(self.sample(families, "taskstore_task_attempts_total", kind="b"), 1)
+        self.assertEqual(self.store.get(retried.id).attempt, 2)
+
+
+class PgMetricsStoreTests(PostgresStoreMixin, MetricsStoreTests):
+    __doc__ = MetricsStoreTests.__doc__
+
+
+class ScheduleCommandTests(StoreTestCase):
+    """``tasks schedules``: list, add, pause, resume, remove."""
+
+    run_main = AdminCommandTests.run_main
+
+    def test_add_list_pause_resume_remove(self):
+        code, out, err = self.run_main("tasks", "schedules", "add", "nightly", "report",
+                                       "--cron", "0 3 * * *", "--payload", '{"x": 1}',
+                                       "--db", self.path)
+        self.assertEqual(code, 0, err)
+        self.assertIn("cron 0 3 * * *", out)
+        code, out, err = self.run_main("tasks", "schedules", "add", "tick", "k", "--every", "30",
+                                       "--retention", "3600", "--db", self.path)
+        self.assertEqual((code, err), (0, ""))
+        self.assertEqual(self.store.schedules()[1].options, {"retention_ms": 3_600_000})
+        self.assertEqual(self.run_main("tasks", "schedules", "pause", "tick", "--db",
+                                       self.path)[0], 0)
+        code, out, _ = self.run_main("tasks", "schedules", "list", "--db", self.path, "--json")
+        listed = {s["name"]: s for s in json.loads(out)["schedules"]}
+        self.assertEqual((listed["tick"]["paused"], listed["tick"]["every_ms"]), (True, 30_000))
+        self.assertEqual(listed["nightly"]["payload"], {"x": 1})
+        code, out, _ = self.run_main("tasks", "schedules", "resume", "tick", "--db", self.path)
+        self.assertIn("active", out)
+        code, out, _ = self.run_main("tasks", "schedules", "remove", "tick", "--db", self.path)
+        self.assertEqual((code, out), (0, "removed schedule tick\n"))
+        self.assertEqual([s.name for s in self.store.schedules()], ["nightly"])
+
+    def test_bad_input_is_an_error_and_changes_nothing(self):
+        for argv in (("add", "x", "k", "--cron", "0 25 * * *"), ("add", "x", "k", "--every",
+                                                                "60", "--payload", "{bad"),
+                     ("pause", "nobody"), ("remove", "nobody")):
+            with self.subTest(argv=argv):
+                code, _, err = self.run_main("tasks", "schedules", *argv, "--db", self.path)
+                self.assertEqual(code, 1)
+                self.assertIn("taskstore: error:", err)
+        for argv in (("add", "x", "k"), ("add", "x", "k", "--every", "0"),
+                     ("add", "x", "k", "--every", "5", "--cron", "* * * * *")):
+            with self.subTest(argv=argv):
+                self.assertEqual(self.run_main("tasks", "schedules", *argv, "--db",
+                                               self.path)[0], 2)
+        self.assertEqual(self.store.schedules(), [])
+
 
 if __name__ == "__main__":
     unittest.main()
