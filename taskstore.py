@@ -75,8 +75,9 @@ __all__ = [
     "TaskStore", "Task", "TaskSummary", "Event", "Runner", "TaskContext", "Reaper",
     "TaskStoreError", "InvalidParams", "InvalidCursor", "TaskNotFound", "TaskExpired",
     "InvalidTransition", "NotCancelable", "IdempotencyMismatch", "EventsExpired",
-    "StoreClosed", "StoreUnavailable", "TaskFailed", "Cancelled",
+    "StoreClosed", "StoreUnavailable", "TaskFailed", "Cancelled", "Retry",
     "TRANSITIONS", "STATES", "TERMINAL_STATES", "CANCELLED_STATES", "POLICIES", "next_state",
+    "FAILURE", "RERUNNABLE",
     "RESTART", "RESTART_KEEPS_SNAPSHOT", "LATE_OUTCOME", "LATE_RESULT_KEPT",
     "mcp_status", "lmsp_status", "to_jsonrpc_error", "to_problem", "problem_object",
     "fingerprint", "new_id", "is_task_id", "iso_time",
@@ -110,6 +111,7 @@ __all__ = [
 import argparse
 import base64
 import contextlib
+import datetime
 import email.utils
 import functools
 import hashlib
@@ -124,6 +126,7 @@ import logging
 import math
 import os
 import queue
+import random
 import re
 import secrets
 import select
@@ -166,13 +169,13 @@ SUCCEED = "succeed"
 FAIL = "fail"
 CANCEL = "cancel"
 CONFIRM_CANCEL = "confirm_cancel"  # the work has stopped after a cancel
-REQUEUE = "requeue"                # restart only: on_restart retry / resume
+REQUEUE = "requeue"                # restart (retry / resume), or a failed attempt with more left
 EVENTS = (CLAIM, START, REQUIRE_INPUT, PROVIDE_INPUT, SUCCEED, FAIL, CANCEL,
           CONFIRM_CANCEL, REQUEUE)
 
 POLICIES = ("fail", "retry", "resume")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 APPLICATION_ID = 0x7A5C5701        # PRAGMA application_id: "this is a taskstore file"
 
 DEFAULT_DB = "taskstore.db"
@@ -189,6 +192,13 @@ REAP_BATCH_ROWS = 500              # tasks one reap transaction may delete, at m
 REAP_FIRST_BATCH = 50              # ... and the first one of a store (then it adapts)
 REAP_BUDGET_MS = 25                # the most a reap batch's statements may take (see _reap)
 RELEASE_BATCH = 2000               # tasks one recovery transaction may move, at most
+PROMOTE_BATCH = 500                # delayed tasks one claim makes ready, at most
+DEFAULT_PRIORITY = 0
+# A retry policy's defaults (``Retry``): seconds, and a fraction of the delay.
+DEFAULT_RETRY_BASE_S = 1.0
+DEFAULT_RETRY_FACTOR = 2.0
+DEFAULT_RETRY_CAP_S = 300.0
+DEFAULT_RETRY_JITTER = 0.1
 
 # =============================================================================
 # 3. Lifecycle tables
@@ -252,6 +262,28 @@ RESTART = {
 # fmt: on
 # Whether a requeued task keeps the snapshot its last run saved, by policy.
 RESTART_KEEPS_SNAPSHOT = {"retry": False, "resume": True}
+
+# A failure: the event fired when a handler raises (or a worker calls
+# ``fail(..., retryable=True)``), by whether the error allows a retry
+# (``TaskFailed(..., retry=False)`` does not) and whether the task has
+# attempts left under its retry policy (``create(retry=...)``, or the
+# runner's default for its kind; none: one attempt).  A requeued task waits
+# out its backoff queued, with a not-before time, and runs again as attempt
+# + 1, from the beginning.  This is not RESTART: a crash and a failure are
+# different events; both count attempts, and only a failure is bounded by
+# ``max_attempts`` (a crash requeues under policy retry / resume as before).
+# fmt: off
+#                   attempts:        left            none left
+FAILURE = {
+    "retryable":    {"left":         REQUEUE,        "none left": FAIL},
+    "no retry":     {"left":         FAIL,           "none left": FAIL},
+}
+# fmt: on
+
+# Dead letters: the statuses a task may be run again from (``rerun``), as a
+# new task that carries the next attempt number; the old one stays as it
+# ended (a terminal status never changes).
+RERUNNABLE = frozenset({FAILED})
 
 # A repeat cancel: a task in one of these statuses was cancelled already, and
 # a cancel changes nothing in the store.  It returns the task unchanged (LMSP:
@@ -340,6 +372,11 @@ def late_outcome_markdown():
         rows[outcome] = {s: row[s] + (kept if row[s] == CONFIRM_CANCEL else "")
                          for s in columns if s in row}
     return _markdown_table("outcome \\ found", columns, rows)
+
+
+def failure_table_markdown():
+    """Render FAILURE as a markdown table (the README's retries section shows it)."""
+    return _markdown_table("error \\ attempts", ("left", "none left"), FAILURE)
 
 
 def lifecycle_tables_markdown():
@@ -518,11 +555,13 @@ class TaskFailed(Exception):
     ``isError`` tool result, for example).
     """
 
-    def __init__(self, error, result=None):
+    def __init__(self, error, result=None, *, retry=True):
         if isinstance(error, str):
             error = {"code": "task_failed", "message": error}
         super().__init__(error.get("message", "task failed"))
         self.error, self.result = error, result
+        # False: fail at once, whatever attempts the retry policy has left.
+        self.retry = bool(retry)
 
 
 class Cancelled(Exception):
@@ -631,7 +670,15 @@ class Task(typing.NamedTuple):
     meta: dict
     input_request: object
     input_answer: object
+    run_at: object           # not before this (epoch ms), or None: as soon as a worker is free
+    priority: int            # higher first; then oldest first
+    retry: object            # the retry policy (``Retry``'s fields as a dict), or None
     replayed: bool = False
+
+    @property
+    def max_attempts(self):
+        """How many attempts a failure may use (1 without a retry policy)."""
+        return 1 if self.retry is None else self.retry["max_attempts"]
 
     @property
     def terminal(self):
@@ -693,7 +740,7 @@ class Event(typing.NamedTuple):
 
 _TASK_COLUMNS = Task._fields[:-1]
 _JSON_INDEXES = tuple(i for i, name in enumerate(_TASK_COLUMNS) if name in (
-    "payload", "result", "error", "meta", "input_request", "input_answer"))
+    "payload", "result", "error", "meta", "input_request", "input_answer", "retry"))
 _SELECT_TASK = "SELECT " + ", ".join(_TASK_COLUMNS) + " FROM tasks"
 _ERROR_INDEX = TaskSummary._fields.index("error")
 
@@ -704,7 +751,8 @@ def _task_from_row(row, replayed=False):
     # JSON columns cost as much as the SELECT.
     (task_id, kind, status, payload, result, error, status_message, progress, progress_total,
      principal, policy, attempt, ttl_ms, retention_ms, created_at, updated_at, finished_at,
-     purge_at, owner, last_seq, first_seq, version, meta, input_request, input_answer) = row
+     purge_at, owner, last_seq, first_seq, version, meta, input_request, input_answer,
+     run_at, priority, retry) = row
     return _new_tuple(Task, (
         task_id, kind, status,
         None if payload is None else _loads(payload),
@@ -716,6 +764,7 @@ def _task_from_row(row, replayed=False):
         {} if meta is None else _loads(meta),
         None if input_request is None else _loads(input_request),
         None if input_answer is None else _loads(input_answer),
+        run_at, priority, None if retry is None else _loads(retry),
         replayed))
 
 
@@ -945,6 +994,92 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
     return None
 
 
+class Retry(typing.NamedTuple):
+    """A retry policy: how often a failing task runs, and how long it waits between runs.
+
+    The wait before attempt n + 1 is ``min(cap, base * factor ** (n - 1))``
+    seconds, less a random part of at most ``jitter`` of it (so that tasks
+    that failed together do not all come back together).  ``create(retry=)``
+    takes one (or a dict of its fields, or just ``max_attempts``); a
+    ``Runner`` takes defaults per kind.
+    """
+
+    max_attempts: int
+    base: float = DEFAULT_RETRY_BASE_S
+    factor: float = DEFAULT_RETRY_FACTOR
+    cap: float = DEFAULT_RETRY_CAP_S
+    jitter: float = DEFAULT_RETRY_JITTER
+
+    def delay_ms(self, attempt, rand=random.random):
+        """The wait, in ms, after attempt *attempt* (from 1) failed."""
+        delay = min(self.cap, self.base * self.factor ** min(attempt - 1, 64))
+        return int(delay * (1.0 - self.jitter * rand()) * 1000)
+
+
+def _number(value, param, minimum, maximum=1e9):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not minimum <= value <= maximum:
+        raise InvalidParams(f"{param} must be a number from {minimum} to {maximum:g}",
+                            param=param)
+    return float(value)
+
+
+def _retry_param(value, param="retry"):
+    """A ``Retry`` from what ``create(retry=)`` takes (Retry, dict, int), or None."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = {"max_attempts": value}
+    elif isinstance(value, Retry):
+        value = value._asdict()
+    if not isinstance(value, dict):
+        raise InvalidParams(f"{param} must be a retry policy (max_attempts, base, factor, cap, "
+                            "jitter) or a number of attempts", param=param)
+    unknown = set(value) - set(Retry._fields)
+    if unknown:
+        raise InvalidParams(f"{param} has no field {_echo(repr(sorted(unknown)[0]))}",
+                            param=f"{param}.{sorted(unknown)[0]}")
+    if "max_attempts" not in value:
+        raise InvalidParams(f"{param}.max_attempts is required", param=f"{param}.max_attempts")
+    _check_int(value["max_attempts"], f"{param}.max_attempts", minimum=1, allow_none=False,
+               maximum=10_000)
+    fields = {name: _number(value[name], f"{param}.{name}", low, high)
+              for name, low, high in (("base", 0, 1e7), ("factor", 1, 100), ("cap", 0, 1e7),
+                                      ("jitter", 0, 1)) if name in value}
+    return Retry(value["max_attempts"], **fields)
+
+
+def _time_param(value, param):
+    """Epoch ms from a ``run_at``: epoch seconds (a number) or an RFC 3339 timestamp."""
+    if isinstance(value, bool):
+        value = None
+    if isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value < 1e11:
+        return int(value * 1000)
+    if isinstance(value, str) and len(value) <= 64:
+        text = value.strip()
+        if text[-1:] in ("Z", "z"):
+            text = text[:-1] + "+00:00"
+        try:
+            moment = datetime.datetime.fromisoformat(text)
+        except ValueError:
+            moment = None
+        if moment is not None and moment.tzinfo is not None:
+            return int(moment.timestamp() * 1000)
+    raise InvalidParams(f"{param} must be epoch seconds or an RFC 3339 time with its offset "
+                        f"(2026-12-03T15:00:00Z), not {_echo(repr(value))}", param=param)
+
+
+def _not_before(now, run_at, delay):
+    """``create``'s not-before time in epoch ms from *run_at* or *delay* (seconds), or None."""
+    if run_at is not None and delay is not None:
+        raise InvalidParams("give run_at or delay, not both", param="delay")
+    if delay is not None:
+        return now + int(_number(delay, "delay", 0, 1e9) * 1000)
+    if run_at is not None:
+        return _time_param(run_at, "run_at")
+    return None
+
+
 # =============================================================================
 # 6. Engines: the interface, and SQLite
 # =============================================================================
@@ -1068,7 +1203,8 @@ class Engine:
     def on_remote(self, callback):
         """Call ``callback(kind, ids)`` for other processes' commits, from now on.
 
-        Kinds: ``changed``, ``queued``, ``cancelling``, and ``lost`` (news
+        Kinds: ``changed``, ``queued``, ``delayed`` (queued with a
+        not-before time), ``cancelling``, and ``lost`` (news
         may have been missed: re-read everything).  An engine with no such
         news (SQLite) never calls it: its waiters poll.  Called once, at open.
         """
@@ -1095,8 +1231,9 @@ class Engine:
         """Insert new tasks and their ``created`` events.
 
         *rows*: ``(id, kind, status, payload, status_message, principal,
-        policy, ttl_ms, retention_ms, created_at, updated_at, meta, owner)``;
-        *events*: ``(task_id, data, created_at)``.
+        policy, ttl_ms, retention_ms, created_at, updated_at, meta, owner)``,
+        each followed by ``(run_at, priority, retry, attempt)`` unless every
+        row is plain; *events*: ``(task_id, data, created_at)``.
         """
         raise NotImplementedError
 
@@ -1128,10 +1265,11 @@ class Engine:
         """Clear the owner of *selector*'s tasks in *statuses*."""
         raise NotImplementedError
 
-    def list_tasks(self, now, statuses, kinds, principal, before, limit):
+    def list_tasks(self, now, statuses, kinds, principal, before, limit, error_code=None):
         """Rows (``Task``'s columns) of unexpired tasks, newest first, ids below *before*.
 
-        *statuses*, *kinds*: None for any; *principal*: None for any.
+        *statuses*, *kinds*: None for any; *principal*, *error_code* (the
+        code in the task's error, compared as text): None for any.
         """
         raise NotImplementedError
 
@@ -1183,7 +1321,37 @@ class Engine:
         raise NotImplementedError
 
     def oldest_queued(self, kinds, gen):
-        """The oldest queued Task of *kinds* this transaction may claim, or None (noting *gen*)."""
+        """``(Task, limit)``: the next ready task of *kinds* this transaction may claim, or None.
+
+        Next: the highest priority, then the oldest.  *limit* is the most
+        tasks of its kind that may run at once (``kind_limits``), or None.
+        When there is none, notes *gen* (unless None).
+        """
+        raise NotImplementedError
+
+    def running_of_kind(self, kind):
+        """``(running, limit)``: the tasks of *kind* claimed and unfinished, and its limit now.
+
+        Called in a claim's transaction; where other processes claim at the
+        same time (PostgreSQL) it locks the kind's limit first, so that two
+        claims of a limited kind count one after the other.
+        """
+        raise NotImplementedError
+
+    def promote_due(self, now, limit):
+        """Make up to *limit* delayed tasks due at *now* ready (``run_at`` NULL); how many."""
+        raise NotImplementedError
+
+    def next_due(self):
+        """The earliest not-before time (epoch ms) of a delayed queued task, or None.  Reads."""
+        raise NotImplementedError
+
+    def set_kind_limit(self, kind, max_running, now):
+        """Store (or with None, remove) the most tasks of *kind* that may run at once."""
+        raise NotImplementedError
+
+    def kind_limits(self):
+        """``{kind: max_running}`` of every limit stored.  Reads."""
         raise NotImplementedError
 
     def idempotency_get(self, scope, key):
@@ -1383,6 +1551,26 @@ SCHEMA = {
         "DROP INDEX tasks_cancelling",
         "CREATE INDEX tasks_active ON tasks (owner, id) WHERE {active}",
         "CREATE INDEX tasks_unsuccessful ON tasks (id) WHERE {unsuccessful}"),
+    # Version 4: delays, priorities, retries and limits per kind.  A queued
+    # task with a not-before time (run_at) waits in tasks_delayed, ordered by
+    # that time, until a claim finds it due and makes it ready (run_at NULL);
+    # the ready ones wait in tasks_ready, which a claim reads in its order:
+    # by kind, higher priority first, then oldest.  A plain task (no delay,
+    # no retry policy, the default priority) costs what it cost in version
+    # 3: one entry in the queue index, the new columns at their defaults.
+    # kind_limits holds the most tasks of a kind that may run at once; a
+    # claim of a limited kind locks its row and counts.
+    4: ("ALTER TABLE tasks ADD COLUMN run_at {integer}",
+        "ALTER TABLE tasks ADD COLUMN priority {integer} NOT NULL DEFAULT 0",
+        "ALTER TABLE tasks ADD COLUMN retry {text}",
+        "DROP INDEX tasks_queue",
+        "CREATE INDEX tasks_ready ON tasks (kind, priority DESC, id) "
+        "WHERE status = 'queued' AND run_at IS NULL",
+        "CREATE INDEX tasks_delayed ON tasks (run_at) "
+        "WHERE status = 'queued' AND run_at IS NOT NULL",
+        """CREATE TABLE kind_limits (
+        kind {text} PRIMARY KEY, max_running {integer} NOT NULL CHECK (max_running >= 0),
+        updated_at {integer} NOT NULL){without_rowid}"""),
 }
 
 
@@ -1391,6 +1579,9 @@ SCHEMA = {
 # (``create(owner=...)``).  A query for an owner's tasks, or for a status in
 # flight, repeats this text, or no index serves it.
 _ACTIVE = f"({_one_of('status', ACTIVE_STATES)} OR status = '{QUEUED}' AND owner IS NOT NULL)"
+# A claim's candidate carries its kind's limit (None: no limit) in the same
+# statement: a probe of kind_limits' key, so a plain claim costs no statement more.
+_LIMIT_COLUMN = "(SELECT max_running FROM kind_limits AS l WHERE l.kind = tasks.kind)"
 # The rows of tasks_unsuccessful.
 _UNSUCCESSFUL = f"({_one_of('status', (FAILED, CANCELLED))})"
 
@@ -1888,6 +2079,8 @@ class _Dialect(typing.NamedTuple):
     # little but its tasks (owner_batch); None: always by the owner index.
     owner_in_range: typing.Optional[str]
     active_tasks: str        # FROM for a list of tasks in flight: tasks_active, then a sort
+    row_lock: str            # ends a SELECT of a row the transaction is about to rely on
+    error_code: str          # the code in a task's error (JSON text), as text
     move: str                # move_task's compare-and-set; {sets} is the columns' "name = ?" list
 
 
@@ -1923,6 +2116,11 @@ class _Statements:
             "INSERT INTO tasks (id, kind, status, payload, status_message, principal, policy, "
             "ttl_ms, retention_ms, created_at, updated_at, meta, owner) "
             f"VALUES ({', '.join([p] * 13)})")
+        # A task with a delay, a priority, a retry policy or a later attempt.
+        self.insert_tasks_full = (
+            "INSERT INTO tasks (id, kind, status, payload, status_message, principal, policy, "
+            "ttl_ms, retention_ms, created_at, updated_at, meta, owner, run_at, priority, retry, "
+            f"attempt) VALUES ({', '.join([p] * 17)})")
         self.insert_created = ("INSERT INTO events (task_id, seq, type, data, created_at) "
                                f"VALUES ({p}, 0, 'created', {p}, {p})")
         self.insert_event = ("INSERT INTO events (task_id, seq, type, data, created_at) "
@@ -1975,6 +2173,28 @@ class _Statements:
             table: (f"DELETE FROM {table} WHERE ({key}) IN (SELECT {key} FROM {table} "
                     f"WHERE expires_at <= {p} LIMIT {p}{d.batch_lock})")
             for table, key in (("idempotency", "scope, key"), ("tombstones", "id"))}
+        # Delays and limits (schema 4).  The delayed tasks are found through
+        # tasks_delayed, whose condition each of these repeats.
+        delayed = f"status = '{QUEUED}' AND run_at IS NOT NULL"
+        self.next_due = f"SELECT min(run_at) FROM tasks WHERE {delayed}"
+        self.promote_due = (
+            "UPDATE tasks SET run_at = NULL, version = version + 1 WHERE id IN ("
+            f"SELECT id FROM tasks WHERE {delayed} AND run_at <= {p} ORDER BY run_at "
+            f"LIMIT {p}{d.batch_lock})")
+        # The limit row locked (PostgreSQL) before the count: claims of one
+        # limited kind count one after the other, in every process.
+        self.kind_limit = (f"SELECT max_running FROM kind_limits WHERE kind = {p}"
+                           + d.row_lock)
+        # The work in flight of a kind, through tasks_active (its condition repeated).
+        self.running_of_kind = (f"SELECT count(*) FROM {d.active_tasks} WHERE kind = {p} "
+                                f"AND {_ACTIVE} AND ({_one_of('status', ACTIVE_STATES)})")
+        self.limit_column = _LIMIT_COLUMN
+        self.delete_kind_limit = f"DELETE FROM kind_limits WHERE kind = {p}"
+        limit_row = f"kind_limits (kind, max_running, updated_at) VALUES ({p}, {p}, {p})"
+        self.put_kind_limit = (
+            f"INSERT OR REPLACE INTO {limit_row}" if d.upsert_replaces else
+            f"INSERT INTO {limit_row} ON CONFLICT (kind) DO UPDATE SET "
+            "max_running = EXCLUDED.max_running, updated_at = EXCLUDED.updated_at")
 
 
 class _SqlEngine(Engine):
@@ -2019,7 +2239,8 @@ class _SqlEngine(Engine):
         In a group commit of several creates, each statement is also a moment
         the leader hands the GIL to the threads waiting for it, so fewer is faster.
         """
-        self.conn.executemany(self._sql.insert_tasks, rows)
+        self.conn.executemany(
+            self._sql.insert_tasks if len(rows[0]) == 13 else self._sql.insert_tasks_full, rows)
         self.conn.executemany(self._sql.insert_created, events)
 
     def _move_statement(self, values):
@@ -2083,7 +2304,7 @@ class _SqlEngine(Engine):
         self.conn.execute(f"UPDATE tasks SET owner = NULL WHERE ({where}) AND status IN "
                           f"({self._marks(statuses)})", (*args, *statuses))
 
-    def list_tasks(self, now, statuses, kinds, principal, before, limit):
+    def list_tasks(self, now, statuses, kinds, principal, before, limit, error_code=None):
         p = self._dialect.param
         where, args, source = [f"NOT ({self._sql.expired})"], [now], "tasks"
         if statuses is not None:
@@ -2102,6 +2323,9 @@ class _SqlEngine(Engine):
         if principal is not None:
             where.append(f"principal = {p}")
             args.append(principal)
+        if error_code is not None:
+            where.append(f"{self._dialect.error_code} = {p}")
+            args.append(str(error_code))
         if before is not None:
             where.append(f"id < {p}")
             args.append(before)
@@ -2166,9 +2390,30 @@ class _SqlEngine(Engine):
         return self.conn.execute(sql, args).rowcount == 1
 
     # The status is a literal, not a parameter: only then can SQLite use the
-    # partial index (WHERE status = 'queued') instead of a table scan.
+    # partial index (tasks_ready's condition, repeated) instead of a table scan.
     def _queued(self, kinds):
-        return f"WHERE status = '{QUEUED}' AND kind IN ({self._marks(kinds)})"
+        return (f"WHERE status = '{QUEUED}' AND run_at IS NULL "
+                f"AND kind IN ({self._marks(kinds)})")
+
+    def running_of_kind(self, kind):
+        limit = self.conn.execute(self._sql.kind_limit, (kind,)).fetchone()
+        running = self.conn.execute(self._sql.running_of_kind, (kind,)).fetchone()[0]
+        return running, None if limit is None else limit[0]
+
+    def promote_due(self, now, limit):
+        return self.conn.execute(self._sql.promote_due, (now, limit)).rowcount
+
+    def next_due(self):
+        return self.conn.execute(self._sql.next_due).fetchone()[0]
+
+    def set_kind_limit(self, kind, max_running, now):
+        if max_running is None:
+            self.conn.execute(self._sql.delete_kind_limit, (kind,))
+        else:
+            self.conn.execute(self._sql.put_kind_limit, (kind, max_running, now))
+
+    def kind_limits(self):
+        return dict(self.conn.execute("SELECT kind, max_running FROM kind_limits ORDER BY kind"))
 
     def may_have_queued(self, kinds, gen):
         """Whether a queued task of *kinds* may exist, without the write lock.
@@ -2314,6 +2559,8 @@ class SQLiteEngine(_SqlEngine):
         # Without statistics SQLite would rather walk every task newest first
         # than sort the few in flight.
         active_tasks="tasks INDEXED BY tasks_active",
+        row_lock="",                    # the write lock is the file's
+        error_code="CAST(json_extract(error, '$.code') AS TEXT)",
         move="UPDATE tasks SET {sets}, version = version + 1 WHERE id = ? AND status = ?")
     _sql = _Statements(_dialect)
 
@@ -2569,16 +2816,18 @@ class SQLiteEngine(_SqlEngine):
         return True
 
     def oldest_queued(self, kinds, gen):
-        """The oldest queued Task of *kinds*, or None (then noting *gen*: see ``may_have_queued``)."""
+        """``(Task, limit)`` of the next ready task of *kinds*, or None (then noting *gen*)."""
         sql = self._oldest_sql.get(len(kinds))
         if sql is None:
-            sql = self._oldest_sql[len(kinds)] = (f"{_SELECT_TASK} {self._queued(kinds)} "
-                                                  "ORDER BY id LIMIT 1")
+            sql = self._oldest_sql[len(kinds)] = (
+                f"SELECT {', '.join(_TASK_COLUMNS)}, {self._sql.limit_column} FROM tasks "
+                f"{self._queued(kinds)} ORDER BY priority DESC, id LIMIT 1")
         row = self._run(sql, kinds).fetchone()
         if row is None:
-            self._empty_gen = gen
+            if gen is not None:
+                self._empty_gen = gen
             return None
-        return _task_from_row(row)
+        return _task_from_row(row[:-1]), row[-1]
 
     # -- processes -------------------------------------------------------------
 
@@ -2744,6 +2993,11 @@ class _NewTask(typing.NamedTuple):
     prefix: str
     status_message: object
     owner: object
+    run_at: object = None
+    priority: int = DEFAULT_PRIORITY
+    retry: object = None          # a Retry, or None
+    retry_json: object = None
+    rerun_of: object = None       # dead letters: the failed task this one runs again
 
 
 def _payload(payload, param):
@@ -2758,8 +3012,18 @@ def _payload(payload, param):
 
 
 def _new_task(max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal, meta, prefix,
-              status_message, owner, param="payload"):
-    """Validate create's arguments; return the ``_NewTask`` to insert."""
+              status_message, owner, param="payload", *, now=None, run_at=None, delay=None,
+              priority=DEFAULT_PRIORITY, retry=None):
+    """Validate create's arguments; return the ``_NewTask`` to insert.
+
+    *run_at* / *delay* become a not-before time in epoch ms (None when it
+    is not after *now*: the task is ready at once, as a plain one).
+    """
+    not_before = _not_before(now, run_at, delay)
+    if not_before is not None and not_before <= now:
+        not_before = None
+    _check_int(priority, "priority", minimum=-2**31, allow_none=False, maximum=2**31 - 1)
+    retry = _retry_param(retry)
     _check_str(kind, "kind", allow_none=False, max_len=200)
     payload_json, payload = _payload(payload, param)
     _check_str(owner, "owner", max_len=200)
@@ -2780,13 +3044,28 @@ def _new_task(max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal
                              or not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix)):
         raise InvalidParams("prefix must be 1-16 lowercase letters and digits", param="prefix")
     return _NewTask(kind, payload, payload_json, ttl_ms, retention_ms, policy, principal,
-                    meta, meta_json, prefix, status_message, owner)
+                    meta, meta_json, prefix, status_message, owner, not_before, priority,
+                    retry, None if retry is None else dumps(retry._asdict()))
 
 
 @functools.lru_cache(maxsize=256)
 def _created_data(kind):
     """The data of a ``created`` event, as stored: a few kinds, each serialised once."""
     return dumps({"kind": kind})
+
+
+def _created_data_of(spec):
+    """A ``created`` event's data: the kind, and what is not plain (delay, priority, rerun)."""
+    if spec.run_at is None and spec.priority == DEFAULT_PRIORITY and spec.rerun_of is None:
+        return _created_data(spec.kind)
+    data = {"kind": spec.kind}
+    if spec.run_at is not None:
+        data["run_at"] = spec.run_at
+    if spec.priority != DEFAULT_PRIORITY:
+        data["priority"] = spec.priority
+    if spec.rerun_of is not None:
+        data["rerun_of"] = spec.rerun_of
+    return dumps(data)
 
 
 def _create_once(store, spec, idempotency):
@@ -2831,27 +3110,36 @@ def _replayed(store, task_id):
     return task._replace(replayed=True)
 
 
-def _insert_tasks_locked(store, specs, now=None):
+def _insert_tasks_locked(store, specs, now=None, attempt=1):
     """Insert new queued tasks (``_NewTask``s) with their first events; return their Tasks.
 
     The engine writes the lot at once (``insert_tasks``).
     """
     now = int(store.clock() * 1000) if now is None else now
     tasks, rows, events = [], [], []
+    # A plain task (no delay, retry policy or priority, a first attempt)
+    # writes the columns it wrote before version 4; the others write theirs.
+    plain = all(spec[12:] == _PLAIN_TAIL for spec in specs) and attempt == 1
     for spec in specs:
         (kind, payload, payload_json, ttl_ms, retention_ms, policy, principal, meta,
-         meta_json, prefix, status_message, owner) = spec
+         meta_json, prefix, status_message, owner, run_at, priority, retry, retry_json,
+         _) = spec
         task_id = store._ids.next(prefix, now)
-        rows.append((task_id, kind, QUEUED, payload_json, status_message, principal, policy,
-                     ttl_ms, retention_ms, now, now, meta_json, owner))
-        events.append((task_id, _created_data(kind), now))
+        row = (task_id, kind, QUEUED, payload_json, status_message, principal, policy,
+               ttl_ms, retention_ms, now, now, meta_json, owner)
+        rows.append(row if plain else (*row, run_at, priority, retry_json, attempt))
+        events.append((task_id, _created_data_of(spec), now))
         # Built here rather than read back: the row is exactly this.
         tasks.append(_new_tuple(Task, (
             task_id, kind, QUEUED, payload, None, None, status_message, None, None,
-            principal, policy, 1, ttl_ms, retention_ms, now, now, None, None, owner, 0, 0, 0,
-            {} if meta is None else _loads(meta_json), None, None, False)))
+            principal, policy, attempt, ttl_ms, retention_ms, now, now, None, None, owner, 0,
+            0, 0, {} if meta is None else _loads(meta_json), None, None, run_at, priority,
+            None if retry is None else retry._asdict(), False)))
     store._engine.insert_tasks(rows, events)
     return tasks
+
+
+_PLAIN_TAIL = (None, DEFAULT_PRIORITY, None, None, None)
 
 
 class _IdSequence:
@@ -2927,6 +3215,9 @@ class _Waiters:
         self.work_waiting = 0     # idle workers asleep: a notify nobody waits for is skipped
         self.closed = False
         self.listeners = []
+        # Another process queued a delayed task: the store's hint of when the
+        # next one is due (TaskStore._due) must be read again.
+        self.delays_changed = False
         # Plain dict operations, atomic without the lock: ``cancel_event``
         # must never wait for a group-commit leader (see TaskStore.cancel_event).
         self.cancel_events = {}
@@ -2960,7 +3251,9 @@ class _Waiters:
         """
         with self.lock:
             self.commits += 1
-            if kind in (QUEUED, "lost"):
+            if kind in ("delayed", "lost"):
+                self.delays_changed = True
+            if kind in (QUEUED, "delayed", "lost"):
                 self.work_gen += 1
                 self.work.notify_all()
             self.changed.notify_all()
@@ -3100,6 +3393,11 @@ class TaskStore:
         self._reap_batches = {}     # kind of reap step: the batch size it last reached (_reap)
         self._ids = _IdSequence()
         self._recovery = _Recovery(self)
+        # When a delayed task may next be due (epoch ms): a hint, never the
+        # rule (the claim reads run_at itself).  It is lowered by this
+        # process's own delayed creates and retries, and re-read from the
+        # database at most every poll_interval (other processes' delays).
+        self._due_at = 0
         engine.on_remote(self._waiters.told)
         if recover_on_open and not self.readonly:
             self.recover()
@@ -3161,8 +3459,9 @@ class TaskStore:
         if fields:
             values.update(fields)
             for name, value in fields.items():
-                row[_TASK_INDEX[name]] = value if value is None or name not in _JSON_COLUMNS \
-                    else _loads(value)
+                if name in _TASK_INDEX:      # not the snapshot: no Task field shows it
+                    row[_TASK_INDEX[name]] = value if value is None or name not in _JSON_COLUMNS \
+                        else _loads(value)
         terminal = new in TERMINAL_STATES
         if terminal:
             values["finished_at"] = row[_FINISHED_AT_INDEX] = now
@@ -3189,9 +3488,24 @@ class TaskStore:
 
     # -- creating and reading --------------------------------------------------
 
+    def _delayed(self, run_at):
+        """A task of this process waits until *run_at*: the next due check comes no later."""
+        if run_at is not None and run_at < self._due_at:
+            self._due_at = run_at
+
+    def _due(self, now):
+        """Whether a delayed task may be due at *now*; the hint re-read when it is stale."""
+        if now < self._due_at and not self._waiters.delays_changed:
+            return False
+        self._waiters.delays_changed = False
+        with self._engine.reading() as engine:
+            due = engine.next_due()
+        self._due_at = min(math.inf if due is None else due, now + int(self.poll_interval * 1000))
+        return due is not None and due <= now
+
     def create(self, kind, payload=None, *, ttl_ms=None, retention_ms=None, policy="fail",
                principal=None, meta=None, idempotency=None, prefix="task", status_message=None,
-               owner=None):
+               owner=None, run_at=None, delay=None, priority=DEFAULT_PRIORITY, retry=None):
         """Create a queued task, persisted with its first event before this returns.
 
         Args:
@@ -3211,6 +3525,13 @@ class TaskStore:
                 first, recovery applies the policy (``fail``: failed with
                 ``CRASH_RECOVERY``) instead of leaving the task for anyone.
                 MCP uses it; by default a queued task belongs to no one.
+            run_at, delay: not before then: epoch seconds or an RFC 3339
+                time, or a delay in seconds.  The task is queued at once,
+                and no claim takes it earlier (``Task.run_at``).
+            priority: an integer; higher is claimed first, then oldest first.
+            retry: a retry policy (``Retry``, a dict of its fields, or a
+                number of attempts): a failing handler's task runs again
+                after a backoff, up to ``max_attempts`` in all.
 
         Raises:
             InvalidParams: a bad argument (``param`` names it).
@@ -3218,18 +3539,21 @@ class TaskStore:
             TaskExpired: the key's task was already purged.
         """
         spec = _new_task(self.max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal,
-                         meta, prefix, status_message, owner)
+                         meta, prefix, status_message, owner, now=int(self.clock() * 1000),
+                         run_at=run_at, delay=delay, priority=priority, retry=retry)
         if idempotency is None:
             task = self._engine.write(lambda: _insert_tasks_locked(self, (spec,))[0])
         else:
             task = self._engine.write(_create_once(self, spec, idempotency))
             if isinstance(task, str):
                 return _replayed(self, task)        # nothing written
+        self._delayed(task.run_at)
         self._waiters.committed((_Change(task, "created"),), queued=True)
         return task
 
     def create_many(self, kind, payloads, *, ttl_ms=None, retention_ms=None, policy="fail",
-                    principal=None, meta=None, prefix="task", status_message=None, owner=None):
+                    principal=None, meta=None, prefix="task", status_message=None, owner=None,
+                    run_at=None, delay=None, priority=DEFAULT_PRIORITY, retry=None):
         """Create one queued task per item of *payloads*, all in one transaction.
 
         The batch API: the tasks share *kind* and the options (as in
@@ -3249,12 +3573,15 @@ class TaskStore:
         if not payloads:
             return []
         first = _new_task(self.max_ttl_ms, kind, payloads[0], ttl_ms, retention_ms, policy,
-                          principal, meta, prefix, status_message, owner, param="payloads[0]")
+                          principal, meta, prefix, status_message, owner, param="payloads[0]",
+                          now=int(self.clock() * 1000), run_at=run_at, delay=delay,
+                          priority=priority, retry=retry)
         specs = [first]
         for i, payload in enumerate(payloads[1:], 1):
             payload_json, payload = _payload(payload, f"payloads[{i}]")
             specs.append(first._replace(payload=payload, payload_json=payload_json))
         tasks = self._engine.write(lambda: _insert_tasks_locked(self, specs))
+        self._delayed(first.run_at)
         self._waiters.committed((_Change(task, "created") for task in tasks), queued=True)
         return tasks
 
@@ -3280,10 +3607,12 @@ class TaskStore:
             row = self._get_locked(task_id, principal, decode=False, summary=True)
         return _summary_from_row(row)
 
-    def list(self, *, status=None, kind=None, principal=None, limit=50, cursor=None):
+    def list(self, *, status=None, kind=None, principal=None, limit=50, cursor=None,
+             error_code=None):
         """Return ``(tasks, next_cursor)``, newest first; filters combine with AND.
 
-        *status* and *kind* take one value or several.  ``next_cursor`` is
+        *status* and *kind* take one value or several.  *error_code* lists
+        failed tasks whose error has that code (dead letters).  ``next_cursor`` is
         None on the last page.  Expired tasks are never listed, reaped or not.
 
         Raises:
@@ -3295,9 +3624,18 @@ class TaskStore:
         _check_str(principal, "principal")
         limit = _check_int(limit, "limit", minimum=1, allow_none=False)
         before = None if cursor is None else _decode_cursor(cursor)
+        if error_code is not None:
+            if isinstance(error_code, bool) or not isinstance(error_code, (str, int)) \
+                    or len(str(error_code)) > 200:
+                raise InvalidParams("error_code must be a string or an integer",
+                                    param="error_code")
+            # Only a failed task has an error code; the list walks the failed ones.
+            statuses = tuple(s for s in statuses or (FAILED,) if s == FAILED)
+            if not statuses:
+                return [], None
         with self._engine.reading() as engine:
             rows = engine.list_tasks(int(self.clock() * 1000), statuses, kinds, principal,
-                                     before, limit + 1)
+                                     before, limit + 1, error_code=error_code)
         tasks = [_task_from_row(r) for r in rows[:limit]]
         return tasks, (_encode_cursor(tasks[-1].id) if len(rows) > limit else None)
 
@@ -3421,14 +3759,112 @@ class TaskStore:
         return self._move(task_id, SUCCEED, attempt=attempt,
                           fields={"result": _json_param(result, "result")})
 
-    def fail(self, task_id, error, *, result=None, attempt=None):
-        """Fail a task with *error* ``{"code", "message", ...}`` and an optional result."""
+    def fail(self, task_id, error, *, result=None, attempt=None, retryable=False, retry=None):
+        """Fail a task with *error* ``{"code", "message", ...}`` and an optional result.
+
+        With *retryable* (the runner passes it for a handler that raised),
+        ``FAILURE`` decides: a task with attempts left under its retry policy
+        (its own, else *retry*, the runner's default for its kind) goes back
+        to ``queued`` with a not-before time (the backoff) and the next
+        attempt number, *error* in its event; otherwise it fails, with the
+        number of attempts in its error when it had a policy.  Returns the task.
+        """
         if not isinstance(error, dict) or not isinstance(error.get("message"), str) \
                 or not isinstance(error.get("code"), (str, int)):
             raise InvalidParams("error must be an object with a code and a message", param="error")
-        return self._move(task_id, FAIL, attempt=attempt, error=error, fields={
-            "error": _json_param(error, "error"), "status_message": error["message"],
-            "result": None if result is None else _json_param(result, "result")})
+        fields = {"error": _json_param(error, "error"), "status_message": error["message"],
+                  "result": None if result is None else _json_param(result, "result")}
+        if not retryable and retry is None:
+            return self._move(task_id, FAIL, attempt=attempt, error=error, fields=fields)
+        default = _retry_param(retry)
+        now = int(self.clock() * 1000)
+
+        def body():
+            task = self._engine.read_task(task_id)
+            if task is None:
+                raise TaskNotFound(task_id)
+            policy = default if task.retry is None else Retry(**task.retry)
+            left = policy is not None and task.attempt < policy.max_attempts
+            event = FAILURE["retryable" if retryable else "no retry"][
+                "left" if left else "none left"]
+            if event == REQUEUE:
+                run_at = now + policy.delay_ms(task.attempt)
+                message = (f"attempt {task.attempt} of {policy.max_attempts} failed; "
+                           f"attempt {task.attempt + 1} not before {iso_time(run_at)}")
+                again = {"owner": None, "run_at": run_at, "attempt": task.attempt + 1,
+                         "input_request": None, "input_answer": None, "progress": None,
+                         "progress_total": None, "status_message": message}
+                if not RESTART_KEEPS_SNAPSHOT.get(task.policy, False):
+                    again["snapshot"] = None        # the next attempt starts from the beginning
+                return self._transition_locked(task, REQUEUE, now, attempt=attempt,
+                                               fields=again, message=message, error=error)
+            failed, shown = fields, error
+            if policy is not None and retryable:      # the last attempt: say how many there were
+                shown = dict(error, attempts=task.attempt)
+                failed = dict(fields, error=_json_param(shown, "error"))
+            return self._transition_locked(task, FAIL, now, attempt=attempt, fields=failed,
+                                           error=shown)
+        task = self._engine.write(body)
+        requeued = task.status == QUEUED
+        if requeued:
+            self._waiters.cancel_events.pop(task_id, None)    # not the next attempt's
+            self._delayed(task.run_at)
+        self._waiters.committed((_Change(task, "status"),), requeued)
+        return task
+
+    def rerun(self, task_id, *, principal=None, run_at=None, delay=None):
+        """Dead letters: run a failed task again, as a new queued task; return it.
+
+        The new task has the old one's kind, payload, options and retry
+        policy, the next attempt number (``attempt + 1``), and its
+        ``created`` event names the old one (``rerun_of``).  The old task
+        keeps its status and history: a terminal status never changes, so
+        no client that saw it fail sees it run again.  ``RERUNNABLE`` says
+        which statuses may be run again.
+
+        Raises:
+            InvalidTransition: the task did not fail.
+            TaskNotFound, TaskExpired: as ``get``.
+        """
+        now = int(self.clock() * 1000)
+        not_before = _not_before(now, run_at, delay)
+
+        def body():
+            old = self._get_locked(task_id, principal)
+            if old.status not in RERUNNABLE:
+                raise InvalidTransition(task_id, old.status, "rerun")
+            retry = None if old.retry is None else Retry(**old.retry)
+            spec = _NewTask(
+                old.kind, old.payload, dumps(old.payload), old.ttl_ms, old.retention_ms,
+                old.policy, old.principal, old.meta or None,
+                dumps(old.meta) if old.meta else None, old.id.rpartition("_")[0], None, None,
+                None if not_before is None or not_before <= now else not_before, old.priority,
+                retry, None if retry is None else dumps(retry._asdict()), old.id)
+            return _insert_tasks_locked(self, (spec,), now, attempt=old.attempt + 1)[0]
+        task = self._engine.write(body)
+        self._delayed(task.run_at)
+        self._waiters.committed((_Change(task, "created"),), queued=True)
+        return task
+
+    # -- limits per kind --------------------------------------------------------
+
+    def set_kind_limit(self, kind, max_running):
+        """At most *max_running* tasks of *kind* run at once, in every process (None: no limit).
+
+        Stored in the database, so every process sharing it agrees; each
+        claim of a limited kind counts the kind's running tasks in its own
+        transaction.  Tasks already running above a lowered limit run on.
+        """
+        _check_str(kind, "kind", allow_none=False, max_len=200)
+        _check_int(max_running, "max_running", maximum=2**31 - 1)
+        now = int(self.clock() * 1000)
+        self._engine.write(lambda: self._engine.set_kind_limit(kind, max_running, now))
+        self._waiters.committed(queued=True)        # a raised limit: idle workers look again
+
+    def kind_limits(self):
+        """``{kind: max_running}``: every limit per kind stored."""
+        with self._engine.reading() as engine:
+            return engine.kind_limits()
 
     def start(self, task_id, *, attempt=None):
         """Move a queued or loading task to ``running`` (used by the runner)."""
@@ -3571,17 +4007,35 @@ class TaskStore:
             StoreClosed, StoreUnavailable: the store cannot be used.
         """
         engine, waiters = self._engine, self._waiters
-        if not kinds or not engine.may_have_queued(kinds, waiters.work_gen):
+        if not kinds:
             return None
         now = int(self.clock() * 1000)
+        due = self._due(now)
+        if not due and not engine.may_have_queued(kinds, waiters.work_gen):
+            return None
 
         def body():
-            task = engine.oldest_queued(kinds, waiters.work_gen)
-            if task is None:
-                return None
-            return self._transition_locked(task, CLAIM if task.kind in loading_kinds else START,
-                                           now, fields={"owner": owner})
+            if due:
+                engine.promote_due(now, PROMOTE_BATCH)
+            wanted, gen = kinds, waiters.work_gen
+            while wanted:
+                found = engine.oldest_queued(wanted, gen)
+                if found is None:
+                    return None
+                task, limit = found
+                # A limited kind: its running tasks counted in this very
+                # transaction (on PostgreSQL, its limit row locked first).
+                if limit is not None:
+                    running, limit = engine.running_of_kind(task.kind)
+                if limit is None or running < limit:
+                    return self._transition_locked(
+                        task, CLAIM if task.kind in loading_kinds else START, now,
+                        fields={"owner": owner})
+                wanted, gen = tuple(k for k in wanted if k != task.kind), None
+            return None
         task = engine.write(body)
+        if due:
+            self._due_at = now        # more may be due: the next claim reads again
         waiters.committed(() if task is None else (_Change(task, "status"),))
         return task
 
@@ -3593,9 +4047,11 @@ class TaskStore:
         *timeout* seconds.  A create in this process wakes it at once; work
         queued by another process is only seen by the next ``claim``, so
         keep *timeout* short (the runner uses ``poll_interval``).  Returns
-        at once once the store is closed (the next ``claim`` raises).
+        at once once the store is closed (the next ``claim`` raises).  A
+        delayed task this store knows of cuts the wait short at its time.
         """
-        return self._waiters.wait_for_work(seen, timeout)
+        due_in = (self._due_at - self.clock() * 1000) / 1000
+        return self._waiters.wait_for_work(seen, max(0.0, min(timeout, due_in)))
 
     def wake_workers(self):
         """End every ``wait_for_work`` now (a runner stopping): each returns a new generation.
@@ -4228,18 +4684,30 @@ class Runner:
     keep fails the task, a task cancelled or recovered meanwhile keeps what
     happened to it (``LATE_OUTCOME``), and ``StoreClosed`` ends the runner.
 
+    A handler that raises fails its task, unless the task has attempts
+    left under its retry policy (``create(retry=...)``, else this runner's
+    default for its kind): then it is queued again, to run after its
+    backoff (``FAILURE``).  ``TaskFailed(..., retry=False)`` fails at once.
+
     Args:
         handlers: ``{kind: handler(ctx, payload) -> result}``.
         workers: how many tasks run at once.
         heartbeat_s: how often the lease is renewed and other processes'
             cancels are noticed.
         progress_interval_s: at most one progress write per task per interval.
+        retry: ``{kind: retry policy}`` (a ``Retry``, a dict of its fields,
+            or a number of attempts): the policy of a task of that kind
+            created without one.
     """
 
     def __init__(self, store, handlers=None, *, workers=4, heartbeat_s=DEFAULT_HEARTBEAT_S,
-                 progress_interval_s=DEFAULT_PROGRESS_INTERVAL_S):
+                 progress_interval_s=DEFAULT_PROGRESS_INTERVAL_S, retry=None):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise InvalidParams("workers must be an integer >= 1", param="workers")
+        if retry is not None and not isinstance(retry, dict):
+            raise InvalidParams("retry must map kinds to retry policies", param="retry")
+        self.retry = {kind: _retry_param(policy, f"retry[{kind!r}]")
+                      for kind, policy in (retry or {}).items()}
         self.store = store
         self.handlers = dict(handlers or {})
         self.workers = workers
@@ -4473,14 +4941,15 @@ class Runner:
             try:
                 outcome = ("succeed", handler(ctx, task.payload))
             except TaskFailed as exc:
-                outcome = ("fail", exc.error, exc.result)
+                outcome = ("fail", exc.error, exc.result, exc.retry)
             except Cancelled:
                 outcome = ("cancelled",)
             except Exception:
                 logger.error("handler for %s task %s raised:\n%s", task.kind, task.id,
                              traceback.format_exc())
                 outcome = ("fail", {"code": "internal_error",
-                                    "message": "the task's handler raised an exception"}, None)
+                                    "message": "the task's handler raised an exception"},
+                           None, True)
             self._finish(ctx, outcome)
         except (StoreClosed, Cancelled):
             pass                            # stopping, or the lease is gone: nothing to write
@@ -4522,13 +4991,15 @@ class Runner:
                     outcome = ("fail", {"code": "internal_error",
                                         "message": "the task's handler returned a value "
                                                    "the store cannot keep"},
-                               None)
+                               None, False)
             if outcome[0] == "succeed":
                 ctx.running()
                 hold(store.succeed, task_id, outcome[1], attempt=attempt)
                 return
             if outcome[0] == "fail":
-                hold(store.fail, task_id, outcome[1], result=outcome[2], attempt=attempt)
+                # FAILURE decides: queued again after a backoff, or failed.
+                hold(store.fail, task_id, outcome[1], result=outcome[2], attempt=attempt,
+                     retryable=outcome[3], retry=self.retry.get(ctx.kind))
             else:
                 hold(store.confirm_cancel, task_id, attempt=attempt)
         except InvalidTransition:
@@ -8984,6 +9455,8 @@ class PostgresEngine(_SqlEngine):
         upsert_replaces=False,
         owner_in_range=None,         # a planner with statistics picks the path itself
         active_tasks="tasks",
+        row_lock=" FOR UPDATE",
+        error_code="(error::jsonb ->> 'code')",
         # The compare-and-set and its event row in one statement (see move_task).
         move=("WITH moved AS (UPDATE tasks SET {sets}, version = version + 1 "
               "WHERE id = %s AND status = %s RETURNING last_seq) "
@@ -9222,7 +9695,13 @@ class PostgresEngine(_SqlEngine):
 
     def insert_tasks(self, rows, events):
         super().insert_tasks(rows, events)
-        self._note("queued", [row[0] for row in rows])
+        # A delayed task (run_at, after a plain row's columns) is news of a
+        # time to wake at: other processes' runners read their next due time.
+        delayed = [row[0] for row in rows if len(row) > 13 and row[13] is not None]
+        if delayed:
+            self._note("delayed", delayed)
+        if len(delayed) < len(rows):
+            self._note("queued", [row[0] for row in rows if len(row) == 13 or row[13] is None])
 
     def move_task(self, task_id, status, values, event_json, now):
         """The compare-and-set and its event row in one statement: one round trip.
@@ -9235,7 +9714,8 @@ class PostgresEngine(_SqlEngine):
             *values.values(), task_id, status, task_id, event_json, now)).rowcount == 1
         if moved:
             new = values["status"]
-            self._note("queued" if new == QUEUED else "changed", (task_id,))
+            self._note("changed" if new != QUEUED else "delayed" if values.get("run_at")
+                       else "queued", (task_id,))
             if new == CANCELLING:
                 self._note("cancelling", (task_id,))
         return moved
@@ -9276,10 +9756,11 @@ class PostgresEngine(_SqlEngine):
     # and others skip it and take the next.
     # The oldest queued row of each kind ({} the columns, {} a locking clause).
     _each_kind = ("FROM unnest(%s::text[]) AS k(kind) CROSS JOIN LATERAL ({} FROM tasks "
-                  f"WHERE status = '{QUEUED}' AND kind >= k.kind AND kind <= k.kind "
-                  "ORDER BY kind, id LIMIT 1{}) AS t")
+                  f"WHERE status = '{QUEUED}' AND run_at IS NULL AND kind >= k.kind "
+                  "AND kind <= k.kind ORDER BY kind, priority DESC, id LIMIT 1{}) AS t")
     _oldest_queued = ("SELECT t.* " + _each_kind.format(
-        "SELECT " + ", ".join(_TASK_COLUMNS), " FOR UPDATE SKIP LOCKED") + " ORDER BY t.id LIMIT 1")
+        "SELECT " + ", ".join(_TASK_COLUMNS) + ", " + _LIMIT_COLUMN,
+        " FOR UPDATE OF tasks SKIP LOCKED") + " ORDER BY t.priority DESC, t.id LIMIT 1")
 
     def _any_queued(self, kinds):
         # As _oldest_queued, for the same reason: a plain "LIMIT 1" read the
@@ -9288,12 +9769,23 @@ class PostgresEngine(_SqlEngine):
         return f"SELECT 1 {self._each_kind.format('SELECT id', '')} LIMIT 1", (list(kinds),)
 
     def oldest_queued(self, kinds, gen):
-        """The oldest queued Task of *kinds* no other process is claiming, or None (locked)."""
+        """``(Task, limit)``: the next ready task of *kinds* nobody else is claiming (locked), or None."""
         row = self.conn.execute(self._oldest_queued, (list(kinds),)).fetchone()
         if row is None:
-            self._empty_gen = gen
+            if gen is not None:
+                self._empty_gen = gen
             return None
-        return _task_from_row(row)
+        return _task_from_row(row[:-1]), row[-1]
+
+    def promote_due(self, now, limit):
+        ids = [r[0] for r in self.conn.execute(self._sql.promote_due + " RETURNING id",
+                                               (now, limit))]
+        self._note("queued", ids)
+        return len(ids)
+
+    def set_kind_limit(self, kind, max_running, now):
+        super().set_kind_limit(kind, max_running, now)
+        self._note("queued", ())       # a raised limit may let idle workers claim
 
     def idempotency_get(self, scope, key):
         # Two processes creating with one key: the second waits here for the

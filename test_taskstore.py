@@ -1407,6 +1407,246 @@ class ClaimTests(StoreTestCase):
         self.assertTrue([sql for sql in statements if sql.startswith("SELECT 1 ")])
 
 
+class QueueTests(StoreTestCase):
+    """Delays, priorities, retries with backoff, limits per kind and dead letters (issue 32).
+
+    Time is the fake clock's: a delay or a backoff passes when the test
+    advances it, never by sleeping.
+    """
+
+    def claim(self, kinds=("k",), owner="proc_x"):
+        return self.store.claim(kinds, owner=owner)
+
+    def test_a_delayed_task_is_queued_and_not_claimed_before_its_time(self):
+        task = self.store.create("k", {"n": 1}, delay=60)
+        self.assertEqual((task.status, task.run_at), (QUEUED, self.clock.ms + 60_000))
+        self.assertEqual(self.store.get(task.id).run_at, task.run_at)
+        self.assertIsNone(self.claim())
+        self.clock.advance(59.999)
+        self.assertIsNone(self.claim())
+        self.clock.advance(0.001)
+        claimed = self.claim()
+        self.assertEqual((claimed.id, claimed.status, claimed.run_at), (task.id, RUNNING, None))
+        self.assertEqual(self.store.events(task.id)[0].data["run_at"], task.run_at)
+
+    def test_run_at_takes_epoch_seconds_or_an_rfc3339_time(self):
+        at = self.clock.now + 30
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(at)))
+        self.assertEqual(self.store.create("k", run_at=at).run_at, int(at * 1000))
+        self.assertEqual(self.store.create("k", run_at=stamp).run_at, int(at) * 1000)
+        self.assertEqual(self.store.create("k", run_at=stamp.replace("Z", "-02:00")).run_at,
+                         int(at) * 1000 + 7_200_000)
+        past = self.store.create("k", run_at=self.clock.now - 5)
+        self.assertIsNone(past.run_at)                 # due already: a plain task
+        self.assertEqual(self.claim().id, past.id)
+
+    def test_a_delay_set_by_another_store_on_the_file_is_kept(self):
+        self.assertIsNone(self.claim())
+        other = self.open_store()
+        task = other.create("k", delay=10)
+        self.assertIsNone(self.claim())
+        self.clock.advance(10)
+        self.assertEqual(self.claim().id, task.id)
+
+    def test_many_due_tasks_become_ready_in_batches(self):
+        tasks = self.store.create_many("k", list(range(taskstore.PROMOTE_BATCH + 5)), delay=1)
+        self.clock.advance(1)
+        claimed = [self.claim().id for _ in tasks]
+        self.assertEqual(sorted(claimed), sorted(t.id for t in tasks))
+        self.assertIsNone(self.claim())
+
+    def test_higher_priority_first_then_oldest(self):
+        low = self.store.create("k", priority=-1)
+        a = self.store.create("k")
+        b = self.store.create("k", priority=5)
+        c = self.store.create("j", priority=5)
+        d = self.store.create("k", priority=5)
+        self.assertEqual([self.claim(("k", "j")).id for _ in range(5)],
+                         [b.id, c.id, d.id, a.id, low.id])
+
+    def test_a_due_task_takes_its_place_by_priority(self):
+        ready = self.store.create("k")
+        urgent = self.store.create("k", priority=9, delay=5)
+        self.clock.advance(5)
+        self.assertEqual([self.claim().id, self.claim().id], [urgent.id, ready.id])
+
+    def test_bad_input_is_refused_naming_the_field_and_creates_nothing(self):
+        cases = [(dict(delay=-1), "delay"), (dict(delay="soon"), "delay"),
+                 (dict(run_at="tomorrow"), "run_at"), (dict(run_at="2026-12-03T10:00:00"),
+                                                       "run_at"),
+                 (dict(run_at=1, delay=1), "delay"), (dict(retry=0), "retry.max_attempts"),
+                 (dict(retry={"max_attempts": 0}), "retry.max_attempts"),
+                 (dict(retry={"base": 1}), "retry.max_attempts"),
+                 (dict(retry={"max_attempts": 2, "factor": 0.5}), "retry.factor"),
+                 (dict(retry={"max_attempts": 2, "jitter": 2}), "retry.jitter"),
+                 (dict(retry={"max_attempts": 2, "tries": 2}), "retry.tries"),
+                 (dict(retry="often"), "retry"), (dict(priority=1.5), "priority"),
+                 (dict(priority=True), "priority")]
+        for kwargs, param in cases:
+            with self.subTest(**{k: repr(v) for k, v in kwargs.items()}):
+                with self.assertRaises(taskstore.InvalidParams) as caught:
+                    self.store.create("k", **kwargs)
+                self.assertEqual(caught.exception.param, param)
+                with self.assertRaises(taskstore.InvalidParams):
+                    self.store.create_many("k", [1, 2], **kwargs)
+        for kind, limit, param in (("", 1, "kind"), (None, 1, "kind"), ("k", -1, "max_running"),
+                                   ("k", 1.5, "max_running")):
+            with self.assertRaises(taskstore.InvalidParams) as caught:
+                self.store.set_kind_limit(kind, limit)
+            self.assertEqual(caught.exception.param, param)
+        self.assertEqual(self.store.list()[0], [])
+        self.assertEqual(self.store.kind_limits(), {})
+
+    def failing(self, task, **kwargs):
+        claimed = self.claim()
+        self.assertEqual(claimed.id, task.id)
+        return self.store.fail(task.id, {"code": "boom", "message": "it broke"},
+                               attempt=claimed.attempt, retryable=True, **kwargs)
+
+    def test_a_failed_attempt_waits_its_backoff_then_runs_again_until_the_last(self):
+        policy = taskstore.Retry(3, base=10, factor=2, cap=15, jitter=0)
+        task = self.store.create("k", retry=policy)
+        self.assertEqual((task.max_attempts, task.retry["base"]), (3, 10.0))
+        again = self.failing(task)
+        self.assertEqual((again.status, again.attempt, again.run_at, again.owner, again.error),
+                         (QUEUED, 2, self.clock.ms + 10_000, None, None))
+        event = self.store.events(task.id)[-1].data
+        self.assertEqual((event["from"], event["status"], event["error"]["code"]),
+                         (RUNNING, QUEUED, "boom"))
+        self.clock.advance(9.999)
+        self.assertIsNone(self.claim())
+        self.clock.advance(0.001)
+        third = self.failing(task)
+        self.assertEqual((third.attempt, third.run_at), (3, self.clock.ms + 15_000))  # capped
+        self.clock.advance(15)
+        failed = self.failing(task)
+        self.assertEqual((failed.status, failed.attempt), (FAILED, 3))
+        self.assertEqual(failed.error, {"code": "boom", "message": "it broke", "attempts": 3})
+        statuses = [e.data.get("status") for e in self.store.events(task.id)]
+        self.assertEqual(statuses, [None, RUNNING, QUEUED, RUNNING, QUEUED, RUNNING, FAILED])
+
+    def test_a_task_without_a_policy_fails_at_once_unless_the_runner_gives_one(self):
+        plain = self.store.create("k")
+        self.assertEqual(self.failing(plain).status, FAILED)
+        task = self.store.create("k")
+        again = self.failing(task, retry={"max_attempts": 2, "base": 1, "jitter": 0})
+        self.assertEqual((again.status, again.run_at), (QUEUED, self.clock.ms + 1000))
+        own = self.store.create("k", retry=1)           # its own policy wins: one attempt
+        self.clock.advance(1)
+        self.claim()                                    # the requeued task first
+        self.assertEqual(self.failing(own, retry=5).status, FAILED)
+
+    def test_an_error_that_refuses_a_retry_fails_at_once(self):
+        task = self.store.create("k", retry=5)
+        claimed = self.claim()
+        failed = self.store.fail(task.id, {"code": "bad", "message": "no"},
+                                 attempt=claimed.attempt)
+        self.assertEqual((failed.status, failed.attempt, failed.error["code"]), (FAILED, 1, "bad"))
+
+    def test_a_cancel_during_the_backoff_cancels(self):
+        task = self.store.create("k", retry=taskstore.Retry(2, base=30, jitter=0))
+        self.failing(task)
+        self.assertEqual(self.store.cancel(task.id).status, CANCELLED)
+        self.clock.advance(30)
+        self.assertIsNone(self.claim())
+
+    def test_jitter_takes_at_most_its_fraction_off_the_delay(self):
+        policy = taskstore.Retry(5, base=10, factor=3, cap=1000, jitter=0.5)
+        self.assertEqual(policy.delay_ms(2, rand=lambda: 0.0), 30_000)
+        self.assertEqual(policy.delay_ms(2, rand=lambda: 1.0), 15_000)
+        self.assertEqual(policy.delay_ms(9, rand=lambda: 0.0), 1_000_000)
+
+    def test_a_kind_limit_holds_in_the_claim(self):
+        self.store.set_kind_limit("k", 1)
+        self.assertEqual(self.store.kind_limits(), {"k": 1})
+        first, second = self.store.create("k"), self.store.create("k")
+        other = self.store.create("j")
+        self.assertEqual(self.claim(("k", "j")).id, first.id)
+        self.assertEqual(self.claim(("k", "j")).id, other.id)      # k is at its limit
+        self.assertIsNone(self.claim(("k", "j")))
+        self.store.succeed(first.id, {})
+        self.assertEqual(self.claim(("k", "j")).id, second.id)
+        self.store.set_kind_limit("k", 0)
+        third = self.store.create("k")
+        self.store.succeed(second.id, {})
+        self.assertIsNone(self.claim())
+        self.store.set_kind_limit("k", None)
+        self.assertEqual(self.store.kind_limits(), {})
+        self.assertEqual(self.claim().id, third.id)
+
+    def test_a_failed_task_runs_again_as_a_new_task_keeping_its_history(self):
+        task = self.store.create("k", {"n": 1}, priority=3, retry=taskstore.Retry(1),
+                                 principal="alice", retention_ms=60_000)
+        failed = self.failing(task)
+        self.assertEqual(failed.status, FAILED)
+        again = self.store.rerun(task.id, principal="alice")
+        self.assertEqual((again.status, again.kind, again.payload, again.priority, again.attempt,
+                          again.principal, again.retry, again.retention_ms),
+                         (QUEUED, "k", {"n": 1}, 3, 2, "alice", failed.retry, 60_000))
+        self.assertEqual(self.store.events(again.id)[0].data["rerun_of"], task.id)
+        self.assertEqual(self.store.get(task.id).status, FAILED)      # unchanged, its log too
+        self.assertEqual(self.claim().id, again.id)
+        with self.assertRaises(taskstore.InvalidTransition):
+            self.store.rerun(again.id)
+        with self.assertRaises(taskstore.TaskNotFound):
+            self.store.rerun(task.id, principal="bob")
+        later = self.store.rerun(task.id, delay=5)
+        self.assertEqual(later.run_at, self.clock.ms + 5000)
+
+    def test_list_finds_failed_tasks_by_error_code(self):
+        codes = {}
+        for code in ("boom", "boom", "bust", 7):
+            task = self.store.create("k")
+            self.claim()
+            self.store.fail(task.id, {"code": code, "message": "x"})
+            codes.setdefault(str(code), []).insert(0, task.id)
+        self.store.create("k")
+        self.assertEqual([t.id for t in self.store.list(error_code="boom")[0]], codes["boom"])
+        self.assertEqual([t.id for t in self.store.list(error_code=7)[0]], codes["7"])
+        self.assertEqual(self.store.list(error_code="boom", status=SUCCEEDED)[0], [])
+        with self.assertRaises(taskstore.InvalidParams):
+            self.store.list(error_code=["boom"])
+
+
+class RetryRunnerTests(StoreTestCase):
+    """The runner's side of retries: a raising handler's task runs again, up to its attempts."""
+
+    def test_a_raising_handler_runs_again_and_then_succeeds(self):
+        calls = []
+
+        def flaky(ctx, payload):
+            calls.append(ctx.attempt)
+            if ctx.attempt < 3:
+                raise ValueError("not yet")
+            return {"attempt": ctx.attempt}
+        self.start_runner({"k": flaky})
+        task = self.store.create("k", retry=taskstore.Retry(3, base=0, jitter=0))
+        with self.assertLogs(taskstore.logger, "ERROR"):      # each raise is logged
+            done = self.finished(task.id)
+        self.assertEqual((done.status, done.result, done.attempt, calls),
+                         (SUCCEEDED, {"attempt": 3}, 3, [1, 2, 3]))
+
+    def test_the_runners_default_per_kind_and_task_failed_without_retry(self):
+        def broken(ctx, payload):
+            raise RuntimeError("broken")
+
+        def refused(ctx, payload):
+            raise taskstore.TaskFailed({"code": "refused", "message": "no"}, retry=False)
+        self.start_runner({"k": broken, "j": refused}, retry={"k": {"max_attempts": 2, "base": 0}})
+        with self.assertLogs(taskstore.logger, "ERROR"):
+            failed = self.finished(self.store.create("k").id)
+        self.assertEqual((failed.status, failed.attempt, failed.error["attempts"]), (FAILED, 2, 2))
+        refused_task = self.finished(self.store.create("j", retry=4).id)
+        self.assertEqual((refused_task.attempt, refused_task.error),
+                         (1, {"code": "refused", "message": "no"}))
+
+    def test_a_runner_wakes_at_a_delayed_tasks_time_not_its_poll(self):
+        store = self.open_store(clock=time.time, poll_interval=30)
+        self.start_runner({"k": lambda ctx, payload: "ok"}, store=store)
+        task = store.create("k", delay=0.2)
+        self.assertEqual(store.wait(task.id, timeout=10, terminal=True).status, SUCCEEDED)
+
+
 class GroupCommitTests(StoreTestCase):
     """One transaction for many callers' writes: each gets its own result or its own error."""
 
@@ -2451,6 +2691,22 @@ class PgClaimTests(PostgresStoreMixin, ClaimTests):
     }
 
 
+class PgQueueTests(PostgresStoreMixin, QueueTests):
+    __doc__ = QueueTests.__doc__
+
+    def test_another_processs_delayed_task_wakes_a_runner_at_its_time(self):
+        store = self.open_store(clock=time.time, poll_interval=30)
+        self.start_runner({"k": lambda ctx, payload: "ok"}, store=store)
+        self.assertIsNone(store.claim(("k",), owner="proc_x"))   # its due hint is fresh now
+        other = self.open_store(clock=time.time)
+        task = other.create("k", delay=0.3)
+        self.assertEqual(other.wait(task.id, timeout=10, terminal=True).status, SUCCEEDED)
+
+
+class PgRetryRunnerTests(PostgresStoreMixin, RetryRunnerTests):
+    __doc__ = RetryRunnerTests.__doc__
+
+
 class PgGroupCommitTests(PostgresStoreMixin, GroupCommitTests):
     __doc__ = GroupCommitTests.__doc__
     sqlite_only = {
@@ -2659,7 +2915,7 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
     def check_plans(self, stale):
         # Stale: the planner last counted the tasks while all were queued,
         # as autovacuum may have, and they finished since.
-        self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
+        self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, kind_limits, "
                  "processes, taskstore_schema")
         store = self.registered(self.open_store())
         self.fill_history(store, created=(lambda: self.sql("ANALYZE")) if stale else
@@ -3101,9 +3357,14 @@ def downgrade(migrations, version):
     for step in range(max(migrations), version, -1):
         for ddl in reversed(migrations[step]):
             verb, kind, name = ddl.split()[:3]
-            if kind != "INDEX":
+            if verb == "ALTER" and ddl.split()[3:5] == ["ADD", "COLUMN"]:
+                statements.append(f"ALTER TABLE {name} DROP COLUMN {ddl.split()[5]}")
+            elif verb == "CREATE" and kind == "TABLE":
+                statements.append(f"DROP TABLE {name}")
+            elif kind != "INDEX":
                 raise AssertionError(f"no way back from {ddl!r}")
-            statements.append(f"DROP INDEX {name}" if verb == "CREATE" else created[name])
+            else:
+                statements.append(f"DROP INDEX {name}" if verb == "CREATE" else created[name])
     return statements
 
 
@@ -3155,7 +3416,12 @@ class SchemaTests(StoreTestCase):
         self.assertEqual(sorted(indexes), sorted(set(re.findall(r"CREATE INDEX (\w+)", text))
                                                  - set(re.findall(r"DROP INDEX (\w+)", text))))
         self.assertEqual(tables["events"][1], ["task_id", "seq"])
-        self.assertEqual(indexes["tasks_queue"], ("tasks", ["kind", "id"], "status = 'queued'"))
+        self.assertEqual(indexes["tasks_ready"], ("tasks", ["kind", "priority", "id"],
+                                                  "status = 'queued' AND run_at IS NULL"))
+        self.assertEqual(indexes["tasks_delayed"], ("tasks", ["run_at"],
+                                                    "status = 'queued' AND run_at IS NOT NULL"))
+        self.assertEqual(tables["kind_limits"][1], ["kind"])
+        self.assertIn(("priority", "integer", True, "0"), tables["tasks"][0])
         self.assertIn(("progress", "real", False, None), tables["tasks"][0])
         self.assertIn(("attempt", "integer", True, "1"), tables["tasks"][0])
 
@@ -3169,8 +3435,16 @@ class SchemaTests(StoreTestCase):
         ddl = [ddl for version in range(1, taskstore.SCHEMA_VERSION + 1)
                for ddl in taskstore.MIGRATIONS[version]]
         dropped = {ddl.split()[-1] for ddl in ddl if ddl.startswith("DROP")}
-        self.assertEqual(stored, [ddl for ddl in ddl if ddl.startswith("CREATE")
-                                  and ddl.split()[2] not in dropped])
+        created = [ddl for ddl in ddl if ddl.startswith("CREATE") and ddl.split()[2] not in dropped]
+        # A column added later (ALTER TABLE ... ADD COLUMN) is written into
+        # its table's CREATE text, at the end of the column list.
+        for alter in (ddl for ddl in ddl if ddl.startswith("ALTER TABLE")):
+            table, column = alter.split()[2], alter.partition(" ADD COLUMN ")[2]
+            at = next(i for i, text in enumerate(created)
+                      if text.startswith(f"CREATE TABLE {table} "))
+            head, _, tail = created[at].rpartition(")")
+            created[at] = f"{head}, {column}){tail}"
+        self.assertEqual(stored, created)
         released = {1: "d9ac50f3337d4940", 2: "3ab486c5339efed3", 3: "ef57b885e944e0e0"}
         for version, digest in released.items():
             text = "\n".join(taskstore.MIGRATIONS[version]).encode()
@@ -5214,7 +5488,7 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
     def test_an_older_database_is_migrated_at_open_and_keeps_its_tasks(self):
         for version in range(1, taskstore.SCHEMA_VERSION):
             with self.subTest(version=version):
-                self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
+                self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, kind_limits, "
                          "processes, taskstore_schema")
                 store = self.open_store()
                 owner, cancelled, orphan = owned_history(self, store)
