@@ -2993,6 +2993,7 @@ class _NewTask(typing.NamedTuple):
     prefix: str
     status_message: object
     owner: object
+    plain: bool = True            # no delay, priority, retry policy or rerun: version 3's row
     run_at: object = None
     priority: int = DEFAULT_PRIORITY
     retry: object = None          # a Retry, or None
@@ -3019,11 +3020,17 @@ def _new_task(max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal
     *run_at* / *delay* become a not-before time in epoch ms (None when it
     is not after *now*: the task is ready at once, as a plain one).
     """
-    not_before = _not_before(now, run_at, delay)
-    if not_before is not None and not_before <= now:
-        not_before = None
-    _check_int(priority, "priority", minimum=-2**31, allow_none=False, maximum=2**31 - 1)
-    retry = _retry_param(retry)
+    not_before = retry_json = None
+    plain = run_at is None and delay is None and retry is None and priority.__class__ is int \
+        and priority == DEFAULT_PRIORITY
+    if not plain:                         # checked only when given: creates are the hot path
+        not_before = _not_before(now, run_at, delay)
+        if not_before is not None and not_before <= now:
+            not_before = None
+        _check_int(priority, "priority", minimum=-2**31, allow_none=False, maximum=2**31 - 1)
+        retry = _retry_param(retry)
+        retry_json = None if retry is None else dumps(retry._asdict())
+        plain = not_before is None and retry is None and priority == DEFAULT_PRIORITY
     _check_str(kind, "kind", allow_none=False, max_len=200)
     payload_json, payload = _payload(payload, param)
     _check_str(owner, "owner", max_len=200)
@@ -3044,8 +3051,8 @@ def _new_task(max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal
                              or not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix)):
         raise InvalidParams("prefix must be 1-16 lowercase letters and digits", param="prefix")
     return _NewTask(kind, payload, payload_json, ttl_ms, retention_ms, policy, principal,
-                    meta, meta_json, prefix, status_message, owner, not_before, priority,
-                    retry, None if retry is None else dumps(retry._asdict()))
+                    meta, meta_json, prefix, status_message, owner, plain, not_before,
+                    priority, retry, retry_json)
 
 
 @functools.lru_cache(maxsize=256)
@@ -3056,8 +3063,6 @@ def _created_data(kind):
 
 def _created_data_of(spec):
     """A ``created`` event's data: the kind, and what is not plain (delay, priority, rerun)."""
-    if spec.run_at is None and spec.priority == DEFAULT_PRIORITY and spec.rerun_of is None:
-        return _created_data(spec.kind)
     data = {"kind": spec.kind}
     if spec.run_at is not None:
         data["run_at"] = spec.run_at
@@ -3119,16 +3124,21 @@ def _insert_tasks_locked(store, specs, now=None, attempt=1):
     tasks, rows, events = [], [], []
     # A plain task (no delay, retry policy or priority, a first attempt)
     # writes the columns it wrote before version 4; the others write theirs.
-    plain = all(spec[12:] == _PLAIN_TAIL for spec in specs) and attempt == 1
+    # (A batch's specs share their options: the first speaks for all.)
+    plain = specs[0].plain and attempt == 1
     for spec in specs:
         (kind, payload, payload_json, ttl_ms, retention_ms, policy, principal, meta,
-         meta_json, prefix, status_message, owner, run_at, priority, retry, retry_json,
+         meta_json, prefix, status_message, owner, _, run_at, priority, retry, retry_json,
          _) = spec
         task_id = store._ids.next(prefix, now)
         row = (task_id, kind, QUEUED, payload_json, status_message, principal, policy,
                ttl_ms, retention_ms, now, now, meta_json, owner)
-        rows.append(row if plain else (*row, run_at, priority, retry_json, attempt))
-        events.append((task_id, _created_data_of(spec), now))
+        if plain:
+            rows.append(row)
+            events.append((task_id, _created_data(kind), now))
+        else:
+            rows.append((*row, run_at, priority, retry_json, attempt))
+            events.append((task_id, _created_data_of(spec), now))
         # Built here rather than read back: the row is exactly this.
         tasks.append(_new_tuple(Task, (
             task_id, kind, QUEUED, payload, None, None, status_message, None, None,
@@ -3138,8 +3148,6 @@ def _insert_tasks_locked(store, specs, now=None, attempt=1):
     store._engine.insert_tasks(rows, events)
     return tasks
 
-
-_PLAIN_TAIL = (None, DEFAULT_PRIORITY, None, None, None)
 
 
 class _IdSequence:
@@ -3539,7 +3547,9 @@ class TaskStore:
             TaskExpired: the key's task was already purged.
         """
         spec = _new_task(self.max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal,
-                         meta, prefix, status_message, owner, now=int(self.clock() * 1000),
+                         meta, prefix, status_message, owner,
+                         now=None if run_at is None and delay is None else
+                         int(self.clock() * 1000),
                          run_at=run_at, delay=delay, priority=priority, retry=retry)
         if idempotency is None:
             task = self._engine.write(lambda: _insert_tasks_locked(self, (spec,))[0])
@@ -3547,7 +3557,8 @@ class TaskStore:
             task = self._engine.write(_create_once(self, spec, idempotency))
             if isinstance(task, str):
                 return _replayed(self, task)        # nothing written
-        self._delayed(task.run_at)
+        if task.run_at is not None:
+            self._delayed(task.run_at)
         self._waiters.committed((_Change(task, "created"),), queued=True)
         return task
 
@@ -3838,7 +3849,8 @@ class TaskStore:
                 old.kind, old.payload, dumps(old.payload), old.ttl_ms, old.retention_ms,
                 old.policy, old.principal, old.meta or None,
                 dumps(old.meta) if old.meta else None, old.id.rpartition("_")[0], None, None,
-                None if not_before is None or not_before <= now else not_before, old.priority,
+                False, None if not_before is None or not_before <= now else not_before,
+                old.priority,
                 retry, None if retry is None else dumps(retry._asdict()), old.id)
             return _insert_tasks_locked(self, (spec,), now, attempt=old.attempt + 1)[0]
         task = self._engine.write(body)
@@ -4010,7 +4022,7 @@ class TaskStore:
         if not kinds:
             return None
         now = int(self.clock() * 1000)
-        due = self._due(now)
+        due = (now >= self._due_at or waiters.delays_changed) and self._due(now)
         if not due and not engine.may_have_queued(kinds, waiters.work_gen):
             return None
 

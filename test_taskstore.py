@@ -4423,6 +4423,49 @@ say("running", json.dumps({"proc": runner.process_id, "task": reached.get(timeou
 sys.stdin.readline()
 """
 
+# A runner whose handler fails a task's first attempt (retry policy: an hour's
+# backoff); prints ``backoff {task}`` once the task waits queued for attempt 2,
+# then blocks until it is killed.
+RETRY_BACKOFF_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB)
+
+def flaky(ctx, payload):
+    raise taskstore.TaskFailed({"code": "flaky", "message": "first attempt"})
+
+runner = taskstore.Runner(store, {"flaky": flaky}, workers=2)
+runner.start()
+task = store.create("flaky", retry=taskstore.Retry(3, base=3600, jitter=0))
+version = None
+while True:
+    seen = store.wait(task.id, timeout=T, since_version=version)
+    version = seen.version
+    if seen.status == "queued" and seen.attempt == 2:
+        break
+say("backoff", task.id)
+sys.stdin.readline()
+"""
+
+# A runner of kind ``lim`` (limited by the parent); each task's result is how
+# many tasks of the kind were running, by the store, while it ran.  Runs
+# until stdin closes.
+LIMITED_RUNNER_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB)
+
+def limited(ctx, payload):
+    seen = []
+    for _ in range(3):
+        seen.append(len(store.list(status="running", kind="lim", limit=100)[0]))
+        ctx.cancelled.wait(0.01)
+    return {"running": max(seen)}
+
+runner = taskstore.Runner(store, {"lim": limited}, workers=3)
+runner.start()
+say("ready")
+sys.stdin.readline()
+runner.stop()
+store.close()
+"""
+
 # Opens (and so initialises) the file, creates one task, and exits.  It first
 # tries without waiting for locks and says ``busy`` when another connection
 # holds one, then opens normally.
@@ -4755,6 +4798,47 @@ class MultiProcessTestCase(unittest.TestCase):
                     self.assertEqual(events[-1].data["status"], store.get(task_id).status)
         self.assertEqual(self.sql("SELECT count(*) FROM processes WHERE id = ?",
                                   (info["proc"],)), [(0,)])
+
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+class RetryAcrossProcessesTests(MultiProcessTestCase):
+    """Retries and kind limits with several processes: kill -9 during a backoff, a shared limit."""
+
+    def test_a_crash_during_the_backoff_loses_nothing_and_doubles_nothing(self):
+        child = self.spawn(RETRY_BACKOFF_SCRIPT)
+        task_id = child.expect("backoff")
+        child.kill9(self)
+        # An hour later, by the clock of the store that takes over.
+        clock = FakeClock(time.time() + 3600)
+        store = self.open_store(clock=clock)
+        self.assertEqual(store.recover(), 0)           # nothing was running: nothing to recover
+        waiting = store.get(task_id)
+        self.assertEqual((waiting.status, waiting.attempt, waiting.owner),
+                         (QUEUED, 2, None))
+        owner = store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        claimed = store.claim(("flaky",), owner=owner)
+        self.assertEqual((claimed.id, claimed.attempt), (task_id, 2))
+        self.assertIsNone(store.claim(("flaky",), owner=owner))
+        statuses = [e.data.get("status") for e in store.events(task_id)]
+        self.assertEqual(statuses, [None, RUNNING, QUEUED, RUNNING])
+
+    def test_a_kind_limit_holds_across_processes(self):
+        store = self.open_store()
+        store.set_kind_limit("lim", 2)
+        children = [self.spawn(LIMITED_RUNNER_SCRIPT) for _ in range(3)]
+        for child in children:
+            child.expect("ready")
+        tasks = store.create_many("lim", [{}] * 15)
+        seen = [store.wait(t.id, timeout=TIMEOUT, terminal=True) for t in tasks]
+        self.assertEqual({t.status for t in seen}, {SUCCEEDED})
+        self.assertLessEqual(max(t.result["running"] for t in seen), 2)
+        for child in children:
+            child.finish(self)
+
+
+class PgRetryAcrossProcessesTests(PostgresStoreMixin, RetryAcrossProcessesTests):
+    __doc__ = RetryAcrossProcessesTests.__doc__
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
