@@ -771,6 +771,23 @@ def _task_from_row(row, replayed=False):
 _new_tuple = tuple.__new__
 
 
+def _queue_fields(task):
+    """What a front shows of a task's place in the queue: ``{}`` for a plain task.
+
+    ``run_at`` (epoch ms) while it waits for its time, ``attempt`` and
+    ``max_attempts`` once it has a retry policy or a second attempt,
+    ``priority`` when not the default.  Each front renames them its way.
+    """
+    fields = {}
+    if task.run_at is not None:
+        fields["run_at"] = task.run_at
+    if task.retry is not None or task.attempt > 1:
+        fields["attempt"], fields["max_attempts"] = task.attempt, task.max_attempts
+    if task.priority != DEFAULT_PRIORITY:
+        fields["priority"] = task.priority
+    return fields
+
+
 def _summary_from_row(row):
     """A TaskSummary from its row (TaskSummary's columns, in order); only ``error`` is JSON."""
     if row[_ERROR_INDEX] is None:
@@ -5277,7 +5294,22 @@ def mcp_task_to_wire(task, poll_interval_ms):
     message = _mcp_status_message(task, wire["status"])
     if message:
         wire["statusMessage"] = message
+    _mcp_queue_meta(task, wire)
     return wire
+
+
+MCP_QUEUE_META = "taskstore/queue"      # the Task's _meta key of its place in the queue
+
+
+def _mcp_queue_meta(task, wire):
+    """Add a delayed, retried or prioritised task's queue fields under ``_meta`` (MCP allows it)."""
+    fields = _queue_fields(task) if isinstance(task, Task) else None
+    if fields:
+        if "run_at" in fields:
+            fields["run_at"] = iso_time(fields["run_at"])
+        wire["_meta"] = {MCP_QUEUE_META: {
+            {"run_at": "runAt", "max_attempts": "maxAttempts"}.get(k, k): v
+            for k, v in fields.items()}}
 
 
 def _mcp_status_message(task, status):
@@ -5312,6 +5344,7 @@ def mcp_task_to_modern_wire(task, poll_interval_ms, *, created=False):
     message = _mcp_status_message(task, status)
     if message:
         wire["statusMessage"] = message
+    _mcp_queue_meta(task, wire)
     if created:
         return wire
     if status == "completed":
@@ -7344,7 +7377,22 @@ def task_object(task):
             "events_url": f"{LMSP_PREFIX}/tasks/{task.id}/events",
             "on_restart": task.policy,
             "response": response_object(task) if status == "succeeded" else None,
-            "error": task_error_problem(task.error or {}) if status == "failed" else None}
+            "error": task_error_problem(task.error or {}) if status == "failed" else None,
+            # This profile's queue fields, only where a task has them (run_at in seconds).
+            **{k: v / 1000 if k == "run_at" else v for k, v in _queue_fields(task).items()}}
+
+
+# What a create body may carry besides A.1's fields: this profile's queue options.
+LMSP_QUEUE_OPTIONS = ("run_at", "delay", "priority", "retry")
+
+
+def create_options(body):
+    """The queue options of a create body (``run_at``, ``delay``, ``priority``, ``retry``).
+
+    Passed to the store as they are: it checks them, and a bad one is a
+    400 naming the field, with nothing created.
+    """
+    return {name: body[name] for name in LMSP_QUEUE_OPTIONS if name in body}
 
 
 # Stored status -> LMSP stream event.  succeeded is decided by the response.
@@ -8015,7 +8063,7 @@ class LMSPApp:
             "response", response_request, policy=policy, principal=principal,
             retention_ms=int(self.task_retention * 1000),
             meta={"response_id": new_id("resp", int(time.time() * 1000))},
-            idempotency=idempotency)
+            idempotency=idempotency, **create_options(body))
         headers = [("Location", f"{LMSP_PREFIX}/tasks/{task.id}")]
         if task.replayed:
             headers.append(("Idempotent-Replayed", "true"))
@@ -11152,6 +11200,8 @@ def _add_tasks_parser(commands):
     sub.add_argument("--principal", help="only this principal's tasks (default: everyone's)")
     sub.add_argument("--limit", type=int, default=50, help="page size (default: %(default)s)")
     sub.add_argument("--cursor", help="the next_cursor a previous page printed (default: first page)")
+    sub.add_argument("--error-code", metavar="CODE", help="only failed tasks whose error has "
+                     "this code: the dead letters of one cause (default: any)")
     sub = verb("show", "Show one task in full.", _tasks_show)
     sub.add_argument("task_id", help="the task id")
     sub = verb("cancel", "Cancel a task.", _tasks_cancel)
@@ -11160,6 +11210,18 @@ def _add_tasks_parser(commands):
     sub.add_argument("task_id", help="the task id")
     sub.add_argument("--after", type=int, help="only events after this sequence number "
                      "(default: from the first)")
+    sub = verb("retry", "Run a failed task again, as a new task with the next attempt number "
+               "(the failed one keeps its status and history).", _tasks_retry)
+    sub.add_argument("task_id", help="the failed task's id")
+    sub.add_argument("--delay", type=_non_negative, metavar="S",
+                     help="not before this many seconds from now (default: at once)")
+    sub = verb("limit", "Set (or with --remove, drop) the most tasks of a kind that may run at "
+               "once, in every process sharing the store.", _tasks_limit)
+    sub.add_argument("kind", help="the task kind")
+    sub.add_argument("max_running", nargs="?", type=int, metavar="N",
+                     help="the most that may run at once (0 holds the kind's tasks queued)")
+    sub.add_argument("--remove", action="store_true", help="drop the kind's limit (default: set N)")
+    verb("limits", "List the limits per kind.", _tasks_limits)
     verb("reap", "Delete what retention says is over, now.", _tasks_reap)
     verb("recover", "Apply the restart policy to tasks whose owner is provably dead.",
          _tasks_recover)
@@ -11228,7 +11290,15 @@ def _admin_view(task, awaiting):
 def _status_cell(task, awaiting):
     if task.id in awaiting:
         return f"{task.status} (owner dead: will be recovered; `tasks recover` does it now)"
-    return task.status
+    queue = _queue_fields(task)
+    notes = []
+    if "run_at" in queue:
+        notes.append(f"not before {iso_time(queue['run_at'])}")
+    if "attempt" in queue:
+        notes.append(f"attempt {queue['attempt']} of {queue['max_attempts']}")
+    if "priority" in queue:
+        notes.append(f"priority {queue['priority']}")
+    return f"{task.status} ({', '.join(notes)})" if notes else task.status
 
 
 def _print_table(rows, headers):
@@ -11256,7 +11326,8 @@ def _tasks_list(args):
         statuses = None if args.status is None else sorted(
             {state for states in args.status for state in states})
         tasks, cursor = store.list(status=statuses, kind=args.kind, principal=args.principal,
-                                   limit=args.limit, cursor=args.cursor)
+                                   limit=args.limit, cursor=args.cursor,
+                                   error_code=args.error_code)
         awaiting = store.awaiting_recovery(tasks)
         if args.json:
             print(dumps({"tasks": [_admin_view(t, awaiting) for t in tasks],
@@ -11283,6 +11354,38 @@ def _tasks_cancel(args):
     with _admin_store(args, writes=True) as store:
         _print_task(store, store.cancel(args.task_id), args.json)
     return 0
+
+
+def _tasks_retry(args):
+    """``tasks retry``: run a failed task again (``TaskStore.rerun``), then show the new task."""
+    with _admin_store(args, writes=True) as store:
+        _print_task(store, store.rerun(args.task_id, delay=args.delay), args.json)
+    return 0
+
+
+def _tasks_limit(args):
+    """``tasks limit``: set or drop a kind's limit, then list the limits."""
+    if args.remove == (args.max_running is not None):
+        raise InvalidParams("give N, or --remove", param="max_running")
+    with _admin_store(args, writes=True) as store:
+        store.set_kind_limit(args.kind, None if args.remove else args.max_running)
+        _print_limits(store, args.json)
+    return 0
+
+
+def _tasks_limits(args):
+    """``tasks limits``: every limit per kind."""
+    with _admin_store(args) as store:
+        _print_limits(store, args.json)
+    return 0
+
+
+def _print_limits(store, as_json):
+    limits = store.kind_limits()
+    if as_json:
+        print(dumps(limits))
+    else:
+        _print_table(sorted(limits.items()), ("KIND", "MAX RUNNING"))
 
 
 def _print_task(store, task, as_json):

@@ -1608,6 +1608,28 @@ class QueueTests(StoreTestCase):
             self.store.list(error_code=["boom"])
 
 
+class QueueWireTests(StoreTestCase):
+    """Each front's task shape carries a task's place in the queue, and a plain task's is unchanged."""
+
+    def test_each_protocols_task_shows_run_at_attempts_and_priority(self):
+        task = self.store.create("k", delay=90, priority=4, retry=3)
+        run_at = taskstore.iso_time(self.clock.ms + 90_000)
+        queue = {"runAt": run_at, "attempt": 1, "maxAttempts": 3, "priority": 4}
+        legacy = taskstore.mcp_task_to_wire(task, 100)
+        self.assertEqual(legacy["_meta"], {taskstore.MCP_QUEUE_META: queue})
+        modern = taskstore.mcp_task_to_modern_wire(task, 100, created=True)
+        self.assertEqual(modern["_meta"], {taskstore.MCP_QUEUE_META: queue})
+        lmsp = taskstore.task_object(task._replace(kind="response"))
+        self.assertEqual((lmsp["run_at"], lmsp["attempt"], lmsp["max_attempts"], lmsp["priority"]),
+                         (self.clock.now + 90, 1, 3, 4))
+
+    def test_a_plain_task_has_no_queue_fields(self):
+        task = self.store.create("k")
+        self.assertNotIn("_meta", taskstore.mcp_task_to_wire(task, 100))
+        self.assertNotIn("_meta", taskstore.mcp_task_to_modern_wire(task, 100))
+        self.assertFalse({"run_at", "attempt", "priority"} & set(taskstore.task_object(task)))
+
+
 class RetryRunnerTests(StoreTestCase):
     """The runner's side of retries: a raising handler's task runs again, up to its attempts."""
 
@@ -3736,6 +3758,38 @@ class AdminCommandTests(OwnedTaskTestCase):
         self.assertEqual((code, json.loads(out)["tasks"]), (0, 0))
         code, out, _ = self.run_main("tasks", "recover", "--db", self.path, "--json")
         self.assertEqual((code, json.loads(out)), (0, {"recovered": 0}))
+
+    def test_retry_limit_limits_and_list_by_error_code(self):
+        self.clock.now = time.time()             # the CLI's store runs on the real clock
+        failed = self.store.create("report", {"x": 1}, retry=2)
+        self.store.claim(("report",), owner="proc_x")
+        self.store.fail(failed.id, {"code": "quota", "message": "over quota"})
+        other = self.store.create("report")
+        self.store.claim(("report",), owner="proc_x")
+        self.store.fail(other.id, {"code": "other", "message": "no"})
+        code, out, _ = self.run_main("tasks", "list", "--db", self.path, "--error-code", "quota",
+                                     "--json")
+        self.assertEqual([t["id"] for t in json.loads(out)["tasks"]], [failed.id])
+        code, out, _ = self.run_main("tasks", "retry", failed.id, "--db", self.path, "--json",
+                                     "--delay", "60")
+        again = json.loads(out)
+        self.assertEqual((code, again["status"], again["attempt"], again["payload"]),
+                         (0, QUEUED, 2, {"x": 1}))
+        code, out, _ = self.run_main("tasks", "list", "--db", self.path)
+        self.assertIn("queued (not before ", out)
+        self.assertIn("attempt 2 of 2", out)
+        code, out, err = self.run_main("tasks", "retry", again["id"], "--db", self.path)
+        self.assertEqual(code, 1, err)
+        code, out, _ = self.run_main("tasks", "limit", "report", "3", "--db", self.path)
+        self.assertEqual((code, out.split()), (0, ["KIND", "MAX", "RUNNING", "report", "3"]))
+        code, out, _ = self.run_main("tasks", "limits", "--db", self.path, "--json")
+        self.assertEqual(json.loads(out), {"report": 3})
+        code, out, _ = self.run_main("tasks", "limit", "report", "--remove", "--db", self.path,
+                                     "--json")
+        self.assertEqual((code, json.loads(out)), (0, {}))
+        for argv in (("limit", "report"), ("limit", "report", "-1"), ("limit", "", "2")):
+            code, _, err = self.run_main("tasks", *argv, "--db", self.path)
+            self.assertNotEqual(code, 0, argv)
 
     def test_tasks_reap_prints_what_it_deleted_and_its_rate(self):
         self.clock.now = time.time() - 3600     # an hour ago, as the CLI's clock sees it
@@ -6126,6 +6180,23 @@ class LmspRouteTests(ServerTestCase):
                          ("task", "response", "fail", None))
         self.assertEqual(task["events_url"], f"/lmsp/v1/tasks/{task['id']}/events")
         self.assertIsInstance(task["created_at"], int)
+
+    def test_create_takes_this_profiles_queue_options_and_refuses_bad_ones(self):
+        client = self.start_server(workers=0)
+        status, _, task = client.request("POST", "/lmsp/v1/tasks",
+                                         dict(create_body(), delay=60, priority=2,
+                                              retry={"max_attempts": 4}))
+        self.assertEqual((status, task["status"], task["priority"], task["max_attempts"]),
+                         (202, "queued", 2, 4))
+        self.assertAlmostEqual(task["run_at"], time.time() + 60, delta=30)
+        for extra, param in (({"delay": -1}, "delay"), ({"run_at": "soon"}, "run_at"),
+                             ({"retry": {"max_attempts": 0}}, "retry.max_attempts"),
+                             ({"priority": "high"}, "priority")):
+            with self.subTest(param=param):
+                self.assertProblem(client.request("POST", "/lmsp/v1/tasks",
+                                                  dict(create_body(), **extra)),
+                                   400, "invalid_request", param)
+        self.assertEqual(len(client.request("GET", "/lmsp/v1/tasks")[2]["data"]), 1)
 
     def test_get_returns_the_finished_task_with_its_response(self):
         client = self.start_server(DemoBackend(delay=0))
