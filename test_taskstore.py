@@ -2875,6 +2875,16 @@ class HistoryCostTests(StoreTestCase):
         steps("fail", lambda: store.fail(started.id, {"code": "x", "message": "x"}))
         cancelled = store.create("k")
         steps("cancel", lambda: store.cancel(cancelled.id))
+        # Issue 32's statements: a limited kind's claim counts the work in
+        # flight, a due task is made ready, dead letters are found by code.
+        store.set_kind_limit("lim", 1)
+        store.create("lim")
+        steps("claim of a limited kind", lambda: store.claim(("lim",), owner=self.runner_id))
+        store.create("soon", delay=1)
+        self.clock.advance(1)
+        steps("claim of a due task", lambda: store.claim(("soon",), owner=self.runner_id))
+        steps("list error_code", lambda: store.list(error_code="boom", limit=20))
+        steps("rerun", lambda: store.rerun(failed.id))
         counted["open"] = self.opening_steps()
         return counted
 
@@ -2950,7 +2960,7 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
         statements, execute = [], store._engine.conn.execute
 
         def recording(sql, params=()):
-            if sql.lstrip().startswith(("SELECT", "WITH")):
+            if sql.lstrip().startswith(("SELECT", "WITH", "UPDATE")):
                 statements.append((sql, params))
             return execute(sql, params)
         with unittest.mock.patch.object(store._engine.conn, "execute", recording):
@@ -2963,7 +2973,17 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
             engine = store._engine       # an idle runner's poll, as if it had found none
             self.assertTrue(engine.may_have_queued(("k",), engine._empty_gen))
             self.assertEqual(store.claim(("k",), owner=self.runner_id).id, queued)
-        self.assertGreaterEqual(len(statements), 6)
+            store.set_kind_limit("k", 5)
+            limited = store.create("k", priority=2).id
+            self.assertEqual(store.claim(("k",), owner=self.runner_id).id, limited)
+            due = store.create("k", delay=1).id
+            self.clock.advance(1)
+            self.assertEqual(store.claim(("k",), owner=self.runner_id).id, due)
+            self.assertEqual(store.list(error_code="boom")[0], [])
+        self.assertGreaterEqual(len(statements), 10)
+        self.assertTrue(any("kind_limits" in sql and "count(*)" not in sql
+                            for sql, _ in statements))
+        self.assertTrue(any("count(*)" in sql for sql, _ in statements))
         for sql, params in statements:
             plan = "\n".join(row[0] for row in self.sql("EXPLAIN " + sql.replace("%s", "?"),
                                                          params))
