@@ -8260,7 +8260,10 @@ def board_item(task):
             "progress_total": task.progress_total, "message": task.status_message,
             "last_seq": task.last_seq,
             "error": None if error is None else {"code": error.get("code"),
-                                                 "detail": error.get("detail")}}
+                                                 "detail": error.get("detail")},
+            # The queue: when a queued task may run (seconds), its attempts, its priority.
+            "run_at": obj.get("run_at"), "max_attempts": obj.get("max_attempts"),
+            "priority": obj.get("priority", DEFAULT_PRIORITY)}
 
 
 def _board_page():
@@ -10139,6 +10142,8 @@ function fillProgress(bar, t) {
 
 function message(t) {
   if (t.message) return t.message;
+  if (t.run_at && t.status === "queued")
+    return "not before " + new Date(t.run_at * 1000).toLocaleTimeString();
   if (t.error) return t.error.detail || t.error.code;
   if (t.status === "running") return t.last_seq + " events";
   return "";
@@ -10184,7 +10189,7 @@ function showDetail(t) {
   badge.textContent = t.status;
   badge.dataset.status = t.status;
   $("d-policy").textContent = POLICY[t.on_restart] || t.on_restart;
-  $("d-attempt").textContent = String(t.attempt);
+  $("d-attempt").textContent = String(t.attempt) + (t.max_attempts ? " of " + t.max_attempts : "");
   $("d-error").textContent = t.error ? (t.error.code + ": " + t.error.detail) : "none";
   $("cancel").disabled = data.terminal.includes(t.state) || t.state === "cancelling";
   drawDiagram(t.state);
@@ -10532,6 +10537,9 @@ def _watch_message(task, printable=True):
         message = task.error.get("message")
     if not printable:
         return message
+    run_at = getattr(task, "run_at", None)     # a delayed task says when it may run
+    if message is None and run_at is not None and task.status == QUEUED:
+        return f"not before {iso_time(run_at)}"
     return "" if message is None else _printable(message)
 
 

@@ -1623,6 +1623,15 @@ class QueueWireTests(StoreTestCase):
         self.assertEqual((lmsp["run_at"], lmsp["attempt"], lmsp["max_attempts"], lmsp["priority"]),
                          (self.clock.now + 90, 1, 3, 4))
 
+    def test_the_board_and_the_watch_show_when_a_task_may_run(self):
+        task = self.store.create("response", delay=90, retry=3)
+        item = taskstore.board_item(task)
+        self.assertEqual((item["run_at"], item["attempt"], item["max_attempts"], item["priority"]),
+                         (self.clock.now + 90, 1, 3, 0))
+        self.assertEqual(taskstore._watch_message(task),
+                         f"not before {taskstore.iso_time(self.clock.ms + 90_000)}")
+        self.assertIsNone(taskstore._watch_message(task, printable=False))
+
     def test_a_plain_task_has_no_queue_fields(self):
         task = self.store.create("k")
         self.assertNotIn("_meta", taskstore.mcp_task_to_wire(task, 100))
