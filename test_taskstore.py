@@ -10456,6 +10456,13 @@ class LmspCrashTortureTests(unittest.TestCase):
             body["input"]["metadata"] = {"demo_fail_after": fail_after}
         expected = "".join(chunks[:fail_after] if fail_after is not None else chunks)
         fails = fail_after is not None and fail_after < len(chunks)
+        # Issue 32's queue in the mix: some tasks wait for a time (a kill may
+        # come during the wait), a failing one may be retried after a backoff
+        # (a kill may come during the backoff) and fails again.
+        if rng.random() < 0.15:
+            body["delay"] = rng.choice((0.01, 0.05, 0.2))
+        if fails and rng.random() < 0.8:
+            body["retry"] = {"max_attempts": 2, "base": rng.choice((0.01, 0.1)), "jitter": 0}
         return body, {"policy": policy, "text": expected, "fails": fails,
                       "incomplete": "max_output_tokens" in extra and not fails
                       and extra["max_output_tokens"] < len(demo_chunks(" ".join(words)))}
@@ -10718,6 +10725,8 @@ class LmspCrashTortureTests(unittest.TestCase):
                 else:
                     self.assertEqual(code, "backend_error")
                     self.assertTrue(info["fails"], task_id)
+                    if "retry" in info["body"] and task_id not in state.killed_active:
+                        self.assertEqual(obj["attempt"], 2, task_id)    # the retry ran, once
                 continue
             self.assertFalse(info["fails"], f"{task_id}: {names[-1]}")
             self.assertEqual(names[-1], "response.incomplete" if info["incomplete"]
@@ -10760,7 +10769,10 @@ class LmspCrashTortureTests(unittest.TestCase):
             print(f"\ntorture: {cycle} cycles, {len(state.tasks)} tasks, "
                   f"{len(state.killed_active)} killed while active, "
                   f"{len(state.expect)} restart checks, {len(state.cancelled)} cancels, "
-                  f"{len(state.events)} events seen", file=sys.stderr)
+                  f"{len(state.events)} events seen, "
+                  f"{sum('delay' in t['body'] for t in state.tasks.values())} delayed, "
+                  f"{sum('retry' in t['body'] for t in state.tasks.values())} with retries",
+                  file=sys.stderr)
 
 
 
