@@ -774,15 +774,17 @@ _new_tuple = tuple.__new__
 def _queue_fields(task):
     """What a front shows of a task's place in the queue: ``{}`` for a plain task.
 
-    ``run_at`` (epoch ms) while it waits for its time, ``attempt`` and
-    ``max_attempts`` once it has a retry policy or a second attempt,
-    ``priority`` when not the default.  Each front renames them its way.
+    ``run_at`` (epoch ms) while it waits for its time, ``attempt`` from
+    its second (or with a retry policy) and ``max_attempts`` with a retry
+    policy, ``priority`` when not the default.  Each front renames them.
     """
     fields = {}
     if task.run_at is not None:
         fields["run_at"] = task.run_at
-    if task.retry is not None or task.attempt > 1:
+    if task.retry is not None:
         fields["attempt"], fields["max_attempts"] = task.attempt, task.max_attempts
+    elif task.attempt > 1:
+        fields["attempt"] = task.attempt
     if task.priority != DEFAULT_PRIORITY:
         fields["priority"] = task.priority
     return fields
@@ -11302,8 +11304,10 @@ def _status_cell(task, awaiting):
     notes = []
     if "run_at" in queue:
         notes.append(f"not before {iso_time(queue['run_at'])}")
-    if "attempt" in queue:
+    if "max_attempts" in queue:
         notes.append(f"attempt {queue['attempt']} of {queue['max_attempts']}")
+    elif "attempt" in queue:
+        notes.append(f"attempt {queue['attempt']}")
     if "priority" in queue:
         notes.append(f"priority {queue['priority']}")
     return f"{task.status} ({', '.join(notes)})" if notes else task.status
