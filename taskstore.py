@@ -9834,7 +9834,7 @@ class PostgresEngine(_SqlEngine):
         return f"SELECT 1 {self._each_kind.format('SELECT id', '')} LIMIT 1", (list(kinds),)
 
     def oldest_queued(self, kinds, gen):
-        """``(Task, limit)``: the next ready task of *kinds* nobody else is claiming (locked), or None."""
+        """``(Task, limit)``: the next ready task of *kinds* nobody else claims (locked), or None."""
         row = self.conn.execute(self._oldest_queued, (list(kinds),)).fetchone()
         if row is None:
             if gen is not None:

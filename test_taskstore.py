@@ -1609,7 +1609,7 @@ class QueueTests(StoreTestCase):
 
 
 class QueueWireTests(StoreTestCase):
-    """Each front's task shape carries a task's place in the queue, and a plain task's is unchanged."""
+    """Each front's task shape shows a task's place in the queue; a plain task's is unchanged."""
 
     def test_each_protocols_task_shows_run_at_attempts_and_priority(self):
         task = self.store.create("k", delay=90, priority=4, retry=3)
@@ -5655,8 +5655,8 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
     def test_an_older_database_is_migrated_at_open_and_keeps_its_tasks(self):
         for version in range(1, taskstore.SCHEMA_VERSION):
             with self.subTest(version=version):
-                self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, kind_limits, "
-                         "processes, taskstore_schema")
+                self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
+                         "kind_limits, processes, taskstore_schema")
                 store = self.open_store()
                 owner, cancelled, orphan = owned_history(self, store)
                 store.close()
