@@ -779,7 +779,7 @@ def _queue_fields(task):
     policy, ``priority`` when not the default.  Each front renames them.
     """
     fields = {}
-    if task.run_at is not None:
+    if task.run_at is not None and task.status == QUEUED:    # a cancelled one will never run
         fields["run_at"] = task.run_at
     if task.retry is not None:
         fields["attempt"], fields["max_attempts"] = task.attempt, task.max_attempts
@@ -3166,7 +3166,6 @@ def _insert_tasks_locked(store, specs, now=None, attempt=1):
             None if retry is None else retry._asdict(), False)))
     store._engine.insert_tasks(rows, events)
     return tasks
-
 
 
 class _IdSequence:
