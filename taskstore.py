@@ -2950,6 +2950,10 @@ def open_engine(path, **options):
 # - Every status change goes through ``_transition_locked`` (or, for
 #   recovery, ``_Recovery``'s set-based moves), which asks the lifecycle
 #   tables (section 3) and appends the event row in the same transaction.
+#   A failure's retry is ``FAILURE``'s decision, a ``requeue`` like a
+#   restart's; a delay is a not-before time in the task's row, which the
+#   claim honours (it makes due tasks ready in its own transaction), so a
+#   delayed task survives a crash and runs once.
 # - What a write tells this process has one shape, ``_Change(task, change)``,
 #   the task as written.  Once ``write`` has returned, the writing thread
 #   hands its changes to ``_Waiters.committed``: waiters wake, idle workers
@@ -4508,7 +4512,10 @@ class Reaper(threading.Thread):
 #   as the runner's lease lives.
 # - A handler's return value is the result; ``TaskFailed`` fails the task
 #   with the handler's error; any other exception fails it with a generic
-#   error (the traceback goes to the log only).
+#   error (the traceback goes to the log only).  Either failure is the
+#   store's ``fail(retryable=True)``, where ``FAILURE`` (section 3) queues the
+#   task again after its backoff while its retry policy has attempts left
+#   (``TaskFailed(..., retry=False)`` never does).
 
 _HOLD_FIRST_S = 0.05    # the wait before a write the store refused is tried again,
 _HOLD_MAX_S = 1.0       # doubling up to this
