@@ -1455,6 +1455,26 @@ class QueueTests(StoreTestCase):
         self.assertEqual(sorted(claimed), sorted(t.id for t in tasks))
         self.assertIsNone(self.claim())
 
+    def test_due_tasks_are_claimed_once_by_stores_claiming_at_the_same_time(self):
+        tasks = self.store.create_many("k", list(range(40)), delay=3)
+        self.clock.advance(3)
+        stores = [self.open_store() for _ in range(3)]
+        claimed, errors = [], []
+
+        def drain(store):
+            try:
+                while (task := store.claim(("k",), owner="proc_x")) is not None:
+                    claimed.append(task.id)
+            except Exception as exc:        # reported below, not lost in the thread
+                errors.append(exc)
+        threads = [threading.Thread(target=drain, args=(store,)) for store in stores]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(TIMEOUT)
+        self.assertEqual(errors, [])
+        self.assertEqual(sorted(claimed), sorted(t.id for t in tasks))
+
     def test_higher_priority_first_then_oldest(self):
         low = self.store.create("k", priority=-1)
         a = self.store.create("k")
