@@ -1574,9 +1574,13 @@ SCHEMA = {
     # task with a not-before time (run_at) waits in tasks_delayed, ordered by
     # that time, until a claim finds it due and makes it ready (run_at NULL);
     # the ready ones wait in tasks_ready, which a claim reads in its order:
-    # by kind, higher priority first, then oldest.  A plain task (no delay,
-    # no retry policy, the default priority) costs what it cost in version
-    # 3: one entry in the queue index, the new columns at their defaults.
+    # by kind, higher priority first, then oldest.  Only a queued task has a
+    # run_at (a task leaving the queue drops it: _transition_locked,
+    # _Recovery), so tasks_delayed's condition needs no status, which every
+    # status change would evaluate: 14 of SQLite's steps per lifecycle task.
+    # A plain task (no delay, no retry policy, the default priority) costs
+    # what it cost in version 3: one entry in the queue index, the new
+    # columns at their defaults.
     # kind_limits holds the most tasks of a kind that may run at once; a
     # claim of a limited kind locks its row and counts.
     4: ("ALTER TABLE tasks ADD COLUMN run_at {integer}",
@@ -1585,8 +1589,7 @@ SCHEMA = {
         "DROP INDEX tasks_queue",
         "CREATE INDEX tasks_ready ON tasks (kind, priority DESC, id) "
         "WHERE status = 'queued' AND run_at IS NULL",
-        "CREATE INDEX tasks_delayed ON tasks (run_at) "
-        "WHERE status = 'queued' AND run_at IS NOT NULL",
+        "CREATE INDEX tasks_delayed ON tasks (run_at) WHERE run_at IS NOT NULL",
         """CREATE TABLE kind_limits (
         kind {text} PRIMARY KEY, max_running {integer} NOT NULL CHECK (max_running >= 0),
         updated_at {integer} NOT NULL){without_rowid}"""),
@@ -2193,8 +2196,9 @@ class _Statements:
                     f"WHERE expires_at <= {p} LIMIT {p}{d.batch_lock})")
             for table, key in (("idempotency", "scope, key"), ("tombstones", "id"))}
         # Delays and limits (schema 4).  The delayed tasks are found through
-        # tasks_delayed, whose condition each of these repeats.
-        delayed = f"status = '{QUEUED}' AND run_at IS NOT NULL"
+        # tasks_delayed, whose condition each of these repeats (only a queued
+        # task has a run_at: see SCHEMA[4]).
+        delayed = "run_at IS NOT NULL"
         self.next_due = f"SELECT min(run_at) FROM tasks WHERE {delayed}"
         self.promote_due = (
             "UPDATE tasks SET run_at = NULL, version = version + 1 WHERE id IN ("
@@ -2971,8 +2975,9 @@ _JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
 _PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
 _TASK_INDEX = {name: i for i, name in enumerate(_TASK_COLUMNS)}   # a Task's field -> position
 (_STATUS_INDEX, _UPDATED_AT_INDEX, _LAST_SEQ_INDEX, _VERSION_INDEX, _FINISHED_AT_INDEX,
- _INPUT_REQUEST_INDEX, _PURGE_AT_INDEX) = (_TASK_INDEX[name] for name in (
-    "status", "updated_at", "last_seq", "version", "finished_at", "input_request", "purge_at"))
+ _INPUT_REQUEST_INDEX, _PURGE_AT_INDEX, _RUN_AT_INDEX) = (_TASK_INDEX[name] for name in (
+    "status", "updated_at", "last_seq", "version", "finished_at", "input_request", "purge_at",
+    "run_at"))
 _SUMMARY_PRINCIPAL_INDEX = TaskSummary._fields.index("principal")
 _RECOVERABLE = (QUEUED, *ACTIVE_STATES)   # an owner's tasks recovery hands to their policy
 
@@ -3492,6 +3497,9 @@ class TaskStore:
                 if name in _TASK_INDEX:      # not the snapshot: no Task field shows it
                     row[_TASK_INDEX[name]] = value if value is None or name not in _JSON_COLUMNS \
                         else _loads(value)
+        if task.run_at is not None and new != QUEUED:
+            # Only a queued task has a not-before time (tasks_delayed holds no other).
+            values["run_at"] = row[_RUN_AT_INDEX] = None
         terminal = new in TERMINAL_STATES
         if terminal:
             values["finished_at"] = row[_FINISHED_AT_INDEX] = now
@@ -4313,6 +4321,8 @@ class _Recovery:
                            f"{'started' if status == QUEUED else 'finished'}")
                 error = {"code": "server_restarted", "message": message}
                 fields.update(error=dumps(error), status_message=message)
+            if status == QUEUED:
+                fields["run_at"] = None     # only a queued task has a not-before time
             done, ids = engine.move_tasks(
                 selector, status, fields, dumps(_status_data(status, new, message, error)), now,
                 ids=bool(store._waiters.listeners or store._waiters.cancel_events), policy=policy,

@@ -1570,6 +1570,20 @@ class QueueTests(StoreTestCase):
         self.clock.advance(30)
         self.assertIsNone(self.claim())
 
+    def test_only_a_queued_task_keeps_a_not_before_time(self):
+        cancelled = self.store.create("k", delay=60)
+        self.assertIsNone(self.store.cancel(cancelled.id).run_at)
+        started = self.store.create("k", delay=60)
+        self.assertIsNone(self.store.start(started.id).run_at)          # started by hand
+        owner = self.store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        vouched = self.store.create("k", delay=60, owner=owner)
+        self.store.release(owner)                                       # policy fail: failed
+        for task_id in (cancelled.id, started.id, vouched.id):
+            self.assertIsNone(self.store.get(task_id).run_at)
+        with self.store._engine.reading() as engine:
+            self.assertIsNone(engine.next_due())                        # none left in the index
+
     def test_jitter_takes_at_most_its_fraction_off_the_delay(self):
         policy = taskstore.Retry(5, base=10, factor=3, cap=1000, jitter=0.5)
         self.assertEqual(policy.delay_ms(2, rand=lambda: 0.0), 30_000)
@@ -3489,8 +3503,7 @@ class SchemaTests(StoreTestCase):
         self.assertEqual(tables["events"][1], ["task_id", "seq"])
         self.assertEqual(indexes["tasks_ready"], ("tasks", ["kind", "priority", "id"],
                                                   "status = 'queued' AND run_at IS NULL"))
-        self.assertEqual(indexes["tasks_delayed"], ("tasks", ["run_at"],
-                                                    "status = 'queued' AND run_at IS NOT NULL"))
+        self.assertEqual(indexes["tasks_delayed"], ("tasks", ["run_at"], "run_at IS NOT NULL"))
         self.assertEqual(tables["kind_limits"][1], ["kind"])
         self.assertIn(("priority", "integer", True, "0"), tables["tasks"][0])
         self.assertIn(("progress", "real", False, None), tables["tasks"][0])
