@@ -75,8 +75,9 @@ __all__ = [
     "TaskStore", "Task", "TaskSummary", "Event", "Runner", "TaskContext", "Reaper",
     "TaskStoreError", "InvalidParams", "InvalidCursor", "TaskNotFound", "TaskExpired",
     "InvalidTransition", "NotCancelable", "IdempotencyMismatch", "EventsExpired",
-    "StoreClosed", "StoreUnavailable", "TaskFailed", "Cancelled",
+    "StoreClosed", "StoreUnavailable", "TaskFailed", "Cancelled", "Retry",
     "TRANSITIONS", "STATES", "TERMINAL_STATES", "CANCELLED_STATES", "POLICIES", "next_state",
+    "FAILURE", "RERUNNABLE",
     "RESTART", "RESTART_KEEPS_SNAPSHOT", "LATE_OUTCOME", "LATE_RESULT_KEPT",
     "mcp_status", "lmsp_status", "to_jsonrpc_error", "to_problem", "problem_object",
     "fingerprint", "new_id", "is_task_id", "iso_time",
@@ -128,6 +129,7 @@ import logging
 import math
 import os
 import queue
+import random
 import re
 import secrets
 import select
@@ -170,7 +172,7 @@ SUCCEED = "succeed"
 FAIL = "fail"
 CANCEL = "cancel"
 CONFIRM_CANCEL = "confirm_cancel"  # the work has stopped after a cancel
-REQUEUE = "requeue"                # restart only: on_restart retry / resume
+REQUEUE = "requeue"                # restart (retry / resume), or a failed attempt with more left
 EVENTS = (CLAIM, START, REQUIRE_INPUT, PROVIDE_INPUT, SUCCEED, FAIL, CANCEL,
           CONFIRM_CANCEL, REQUEUE)
 
@@ -201,6 +203,13 @@ REAP_BATCH_ROWS = 500              # tasks one reap transaction may delete, at m
 REAP_FIRST_BATCH = 50              # ... and the first one of a store (then it adapts)
 REAP_BUDGET_MS = 25                # the most a reap batch's statements may take (see _reap)
 RELEASE_BATCH = 2000               # tasks one recovery transaction may move, at most
+PROMOTE_BATCH = 500                # delayed tasks one claim makes ready, at most
+DEFAULT_PRIORITY = 0
+# A retry policy's defaults (``Retry``): seconds, and a fraction of the delay.
+DEFAULT_RETRY_BASE_S = 1.0
+DEFAULT_RETRY_FACTOR = 2.0
+DEFAULT_RETRY_CAP_S = 300.0
+DEFAULT_RETRY_JITTER = 0.1
 
 # =============================================================================
 # 3. Lifecycle tables
@@ -264,6 +273,28 @@ RESTART = {
 # fmt: on
 # Whether a requeued task keeps the snapshot its last run saved, by policy.
 RESTART_KEEPS_SNAPSHOT = {"retry": False, "resume": True}
+
+# A failure: the event fired when a handler raises (or a worker calls
+# ``fail(..., retryable=True)``), by whether the error allows a retry
+# (``TaskFailed(..., retry=False)`` does not) and whether the task has
+# attempts left under its retry policy (``create(retry=...)``, or the
+# runner's default for its kind; none: one attempt).  A requeued task waits
+# out its backoff queued, with a not-before time, and runs again as attempt
+# + 1, from the beginning.  This is not RESTART: a crash and a failure are
+# different events; both count attempts, and only a failure is bounded by
+# ``max_attempts`` (a crash requeues under policy retry / resume as before).
+# fmt: off
+#                   attempts:        left            none left
+FAILURE = {
+    "retryable":    {"left":         REQUEUE,        "none left": FAIL},
+    "no retry":     {"left":         FAIL,           "none left": FAIL},
+}
+# fmt: on
+
+# Dead letters: the statuses a task may be run again from (``rerun``), as a
+# new task that carries the next attempt number; the old one stays as it
+# ended (a terminal status never changes).
+RERUNNABLE = frozenset({FAILED})
 
 # A repeat cancel: a task in one of these statuses was cancelled already, and
 # a cancel changes nothing in the store.  It returns the task unchanged (LMSP:
@@ -352,6 +383,11 @@ def late_outcome_markdown():
         rows[outcome] = {s: row[s] + (kept if row[s] == CONFIRM_CANCEL else "")
                          for s in columns if s in row}
     return _markdown_table("outcome \\ found", columns, rows)
+
+
+def failure_table_markdown():
+    """Render FAILURE as a markdown table (the README's retries section shows it)."""
+    return _markdown_table("error \\ attempts", ("left", "none left"), FAILURE)
 
 
 def lifecycle_tables_markdown():
@@ -530,11 +566,13 @@ class TaskFailed(Exception):
     ``isError`` tool result, for example).
     """
 
-    def __init__(self, error, result=None):
+    def __init__(self, error, result=None, *, retry=True):
         if isinstance(error, str):
             error = {"code": "task_failed", "message": error}
         super().__init__(error.get("message", "task failed"))
         self.error, self.result = error, result
+        # False: fail at once, whatever attempts the retry policy has left.
+        self.retry = bool(retry)
 
 
 class Cancelled(Exception):
@@ -643,7 +681,15 @@ class Task(typing.NamedTuple):
     meta: dict
     input_request: object
     input_answer: object
+    run_at: object           # not before this (epoch ms), or None: as soon as a worker is free
+    priority: int            # higher first; then oldest first
+    retry: object            # the retry policy (``Retry``'s fields as a dict), or None
     replayed: bool = False
+
+    @property
+    def max_attempts(self):
+        """How many attempts a failure may use (1 without a retry policy)."""
+        return 1 if self.retry is None else self.retry["max_attempts"]
 
     @property
     def terminal(self):
@@ -705,7 +751,7 @@ class Event(typing.NamedTuple):
 
 _TASK_COLUMNS = Task._fields[:-1]
 _JSON_INDEXES = tuple(i for i, name in enumerate(_TASK_COLUMNS) if name in (
-    "payload", "result", "error", "meta", "input_request", "input_answer"))
+    "payload", "result", "error", "meta", "input_request", "input_answer", "retry"))
 _SELECT_TASK = "SELECT " + ", ".join(_TASK_COLUMNS) + " FROM tasks"
 _ERROR_INDEX = TaskSummary._fields.index("error")
 
@@ -716,7 +762,8 @@ def _task_from_row(row, replayed=False):
     # JSON columns cost as much as the SELECT.
     (task_id, kind, status, payload, result, error, status_message, progress, progress_total,
      principal, policy, attempt, ttl_ms, retention_ms, created_at, updated_at, finished_at,
-     purge_at, owner, last_seq, first_seq, version, meta, input_request, input_answer) = row
+     purge_at, owner, last_seq, first_seq, version, meta, input_request, input_answer,
+     run_at, priority, retry) = row
     return _new_tuple(Task, (
         task_id, kind, status,
         None if payload is None else _loads(payload),
@@ -728,10 +775,30 @@ def _task_from_row(row, replayed=False):
         {} if meta is None else _loads(meta),
         None if input_request is None else _loads(input_request),
         None if input_answer is None else _loads(input_answer),
+        run_at, priority, None if retry is None else _loads(retry),
         replayed))
 
 
 _new_tuple = tuple.__new__
+
+
+def _queue_fields(task):
+    """What a front shows of a task's place in the queue: ``{}`` for a plain task.
+
+    ``run_at`` (epoch ms) while it waits for its time, ``attempt`` from
+    its second (or with a retry policy) and ``max_attempts`` with a retry
+    policy, ``priority`` when not the default.  Each front renames them.
+    """
+    fields = {}
+    if task.run_at is not None and task.status == QUEUED:    # a cancelled one will never run
+        fields["run_at"] = task.run_at
+    if task.retry is not None:
+        fields["attempt"], fields["max_attempts"] = task.attempt, task.max_attempts
+    elif task.attempt > 1:
+        fields["attempt"] = task.attempt
+    if task.priority != DEFAULT_PRIORITY:
+        fields["priority"] = task.priority
+    return fields
 
 
 def _summary_from_row(row):
@@ -980,6 +1047,92 @@ class Schedule(typing.NamedTuple):
 _SCHEDULE_COLUMNS = Schedule._fields
 
 
+class Retry(typing.NamedTuple):
+    """A retry policy: how often a failing task runs, and how long it waits between runs.
+
+    The wait before attempt n + 1 is ``min(cap, base * factor ** (n - 1))``
+    seconds, less a random part of at most ``jitter`` of it (so that tasks
+    that failed together do not all come back together).  ``create(retry=)``
+    takes one (or a dict of its fields, or just ``max_attempts``); a
+    ``Runner`` takes defaults per kind.
+    """
+
+    max_attempts: int
+    base: float = DEFAULT_RETRY_BASE_S
+    factor: float = DEFAULT_RETRY_FACTOR
+    cap: float = DEFAULT_RETRY_CAP_S
+    jitter: float = DEFAULT_RETRY_JITTER
+
+    def delay_ms(self, attempt, rand=random.random):
+        """The wait, in ms, after attempt *attempt* (from 1) failed."""
+        delay = min(self.cap, self.base * self.factor ** min(attempt - 1, 64))
+        return int(delay * (1.0 - self.jitter * rand()) * 1000)
+
+
+def _number(value, param, minimum, maximum=1e9):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not minimum <= value <= maximum:
+        raise InvalidParams(f"{param} must be a number from {minimum} to {maximum:g}",
+                            param=param)
+    return float(value)
+
+
+def _retry_param(value, param="retry"):
+    """A ``Retry`` from what ``create(retry=)`` takes (Retry, dict, int), or None."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = {"max_attempts": value}
+    elif isinstance(value, Retry):
+        value = value._asdict()
+    if not isinstance(value, dict):
+        raise InvalidParams(f"{param} must be a retry policy (max_attempts, base, factor, cap, "
+                            "jitter) or a number of attempts", param=param)
+    unknown = set(value) - set(Retry._fields)
+    if unknown:
+        raise InvalidParams(f"{param} has no field {_echo(repr(sorted(unknown)[0]))}",
+                            param=f"{param}.{sorted(unknown)[0]}")
+    if "max_attempts" not in value:
+        raise InvalidParams(f"{param}.max_attempts is required", param=f"{param}.max_attempts")
+    _check_int(value["max_attempts"], f"{param}.max_attempts", minimum=1, allow_none=False,
+               maximum=10_000)
+    fields = {name: _number(value[name], f"{param}.{name}", low, high)
+              for name, low, high in (("base", 0, 1e7), ("factor", 1, 100), ("cap", 0, 1e7),
+                                      ("jitter", 0, 1)) if name in value}
+    return Retry(value["max_attempts"], **fields)
+
+
+def _time_param(value, param):
+    """Epoch ms from a ``run_at``: epoch seconds (a number) or an RFC 3339 timestamp."""
+    if isinstance(value, bool):
+        value = None
+    if isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value < 1e11:
+        return int(value * 1000)
+    if isinstance(value, str) and len(value) <= 64:
+        text = value.strip()
+        if text[-1:] in ("Z", "z"):
+            text = text[:-1] + "+00:00"
+        try:
+            moment = datetime.datetime.fromisoformat(text)
+        except ValueError:
+            moment = None
+        if moment is not None and moment.tzinfo is not None:
+            return int(moment.timestamp() * 1000)
+    raise InvalidParams(f"{param} must be epoch seconds or an RFC 3339 time with its offset "
+                        f"(2026-12-03T15:00:00Z), not {_echo(repr(value))}", param=param)
+
+
+def _not_before(now, run_at, delay):
+    """``create``'s not-before time in epoch ms from *run_at* or *delay* (seconds), or None."""
+    if run_at is not None and delay is not None:
+        raise InvalidParams("give run_at or delay, not both", param="delay")
+    if delay is not None:
+        return now + int(_number(delay, "delay", 0, 1e9) * 1000)
+    if run_at is not None:
+        return _time_param(run_at, "run_at")
+    return None
+
+
 # =============================================================================
 # 6. Engines: the interface, and SQLite
 # =============================================================================
@@ -1103,9 +1256,10 @@ class Engine:
     def on_remote(self, callback):
         """Call ``callback(kind, ids)`` for other processes' commits, from now on.
 
-        Kinds: ``changed``, ``queued``, ``cancelling``, ``schedules`` (a
-        schedule changed; no ids), and ``lost`` (news may have been missed:
-        re-read everything).  An engine with no such
+        Kinds: ``changed``, ``queued``, ``delayed`` (queued with a
+        not-before time), ``cancelling``, ``schedules`` (a schedule changed;
+        no ids), and ``lost`` (news may have been missed: re-read
+        everything).  An engine with no such
         news (SQLite) never calls it: its waiters poll.  Called once, at open.
         """
         raise NotImplementedError
@@ -1131,8 +1285,9 @@ class Engine:
         """Insert new tasks and their ``created`` events.
 
         *rows*: ``(id, kind, status, payload, status_message, principal,
-        policy, ttl_ms, retention_ms, created_at, updated_at, meta, owner)``;
-        *events*: ``(task_id, data, created_at)``.
+        policy, ttl_ms, retention_ms, created_at, updated_at, meta, owner)``,
+        each followed by ``(run_at, priority, retry, attempt)`` unless every
+        row is plain; *events*: ``(task_id, data, created_at)``.
         """
         raise NotImplementedError
 
@@ -1164,10 +1319,11 @@ class Engine:
         """Clear the owner of *selector*'s tasks in *statuses*."""
         raise NotImplementedError
 
-    def list_tasks(self, now, statuses, kinds, principal, before, limit):
+    def list_tasks(self, now, statuses, kinds, principal, before, limit, error_code=None):
         """Rows (``Task``'s columns) of unexpired tasks, newest first, ids below *before*.
 
-        *statuses*, *kinds*: None for any; *principal*: None for any.
+        *statuses*, *kinds*: None for any; *principal*, *error_code* (the
+        code in the task's error, compared as text): None for any.
         """
         raise NotImplementedError
 
@@ -1219,7 +1375,37 @@ class Engine:
         raise NotImplementedError
 
     def oldest_queued(self, kinds, gen):
-        """The oldest queued Task of *kinds* this transaction may claim, or None (noting *gen*)."""
+        """``(Task, limit)``: the next ready task of *kinds* this transaction may claim, or None.
+
+        Next: the highest priority, then the oldest.  *limit* is the most
+        tasks of its kind that may run at once (``kind_limits``), or None.
+        When there is none, notes *gen* (unless None).
+        """
+        raise NotImplementedError
+
+    def running_of_kind(self, kind):
+        """``(running, limit)``: the tasks of *kind* claimed and unfinished, and its limit now.
+
+        Called in a claim's transaction; where other processes claim at the
+        same time (PostgreSQL) it locks the kind's limit first, so that two
+        claims of a limited kind count one after the other.
+        """
+        raise NotImplementedError
+
+    def promote_due(self, now, limit):
+        """Make up to *limit* delayed tasks due at *now* ready (``run_at`` NULL); how many."""
+        raise NotImplementedError
+
+    def next_due(self):
+        """The earliest not-before time (epoch ms) of a delayed queued task, or None.  Reads."""
+        raise NotImplementedError
+
+    def set_kind_limit(self, kind, max_running, now):
+        """Store (or with None, remove) the most tasks of *kind* that may run at once."""
+        raise NotImplementedError
+
+    def kind_limits(self):
+        """``{kind: max_running}`` of every limit stored.  Reads."""
         raise NotImplementedError
 
     def idempotency_get(self, scope, key):
@@ -1462,7 +1648,20 @@ SCHEMA = {
         "DROP INDEX tasks_cancelling",
         "CREATE INDEX tasks_active ON tasks (owner, id) WHERE {active}",
         "CREATE INDEX tasks_unsuccessful ON tasks (id) WHERE {unsuccessful}"),
-    # Version 4.  Every filter of list walks an index of its own, newest
+    # Version 4: delays, priorities, retries and limits per kind.  A queued
+    # task with a not-before time (run_at) waits in tasks_delayed, ordered by
+    # that time, until a claim finds it due and makes it ready (run_at NULL);
+    # the ready ones wait in tasks_ready, which a claim reads in its order:
+    # by kind, higher priority first, then oldest.  Only a queued task has a
+    # run_at (a task leaving the queue drops it: _transition_locked,
+    # _Recovery), so tasks_delayed's condition needs no status, which every
+    # status change would evaluate: 14 of SQLite's steps per lifecycle task.
+    # A plain task (no delay, no retry policy, the default priority) costs
+    # what it cost in version 3: one entry in the queue index, the new
+    # columns at their defaults.
+    # kind_limits holds the most tasks of a kind that may run at once; a
+    # claim of a limited kind locks its row and counts.
+    # And every filter of list walks an index of its own, newest
     # first, and stops at its page: a kind in tasks_kind (one entry a task,
     # written at create and never moved; newest first within the kind, so
     # that no planner takes it for the claim's oldest-first queue index,
@@ -1480,7 +1679,17 @@ SCHEMA = {
     # next_at is the start of the next period to fire, and schedules_due
     # finds the due ones, and the next time a runner wakes, without reading
     # paused schedules.
-    4: ("DROP INDEX tasks_unsuccessful",
+    4: ("ALTER TABLE tasks ADD COLUMN run_at {integer}",
+        "ALTER TABLE tasks ADD COLUMN priority {integer} NOT NULL DEFAULT 0",
+        "ALTER TABLE tasks ADD COLUMN retry {text}",
+        "DROP INDEX tasks_queue",
+        "CREATE INDEX tasks_ready ON tasks (kind, priority DESC, id) "
+        "WHERE status = 'queued' AND run_at IS NULL",
+        "CREATE INDEX tasks_delayed ON tasks (run_at) WHERE run_at IS NOT NULL",
+        """CREATE TABLE kind_limits (
+        kind {text} PRIMARY KEY, max_running {integer} NOT NULL CHECK (max_running >= 0),
+        updated_at {integer} NOT NULL){without_rowid}""",
+        "DROP INDEX tasks_unsuccessful",
         "CREATE INDEX tasks_finished ON tasks (status, id) WHERE {finished}",
         "CREATE INDEX tasks_kind ON tasks (kind, id DESC)",
         """CREATE TABLE secrets (
@@ -1505,6 +1714,9 @@ SCHEMA = {
 # (``create(owner=...)``).  A query for an owner's tasks, or for a status in
 # flight, repeats this text, or no index serves it.
 _ACTIVE = f"({_one_of('status', ACTIVE_STATES)} OR status = '{QUEUED}' AND owner IS NOT NULL)"
+# A claim's candidate carries its kind's limit (None: no limit) in the same
+# statement: a probe of kind_limits' key, so a plain claim costs no statement more.
+_LIMIT_COLUMN = "(SELECT max_running FROM kind_limits AS l WHERE l.kind = tasks.kind)"
 # The rows of tasks_unsuccessful (version 3).
 _UNSUCCESSFUL = f"({_one_of('status', (FAILED, CANCELLED))})"
 # The rows of tasks_finished.
@@ -2004,6 +2216,8 @@ class _Dialect(typing.NamedTuple):
     # little but its tasks (owner_batch); None: always by the owner index.
     owner_in_range: typing.Optional[str]
     indexed_by: str          # FROM tasks by the index {} (list_tasks): SQLite is told which
+    row_lock: str            # ends a SELECT of a row the transaction is about to rely on
+    error_code: str          # the code in a task's error (JSON text), as text
     move: str                # move_task's compare-and-set; {sets} is the columns' "name = ?" list
 
 
@@ -2039,6 +2253,11 @@ class _Statements:
             "INSERT INTO tasks (id, kind, status, payload, status_message, principal, policy, "
             "ttl_ms, retention_ms, created_at, updated_at, meta, owner) "
             f"VALUES ({', '.join([p] * 13)})")
+        # A task with a delay, a priority, a retry policy or a later attempt.
+        self.insert_tasks_full = (
+            "INSERT INTO tasks (id, kind, status, payload, status_message, principal, policy, "
+            "ttl_ms, retention_ms, created_at, updated_at, meta, owner, run_at, priority, retry, "
+            f"attempt) VALUES ({', '.join([p] * 17)})")
         self.insert_created = ("INSERT INTO events (task_id, seq, type, data, created_at) "
                                f"VALUES ({p}, 0, 'created', {p}, {p})")
         self.insert_event = ("INSERT INTO events (task_id, seq, type, data, created_at) "
@@ -2098,8 +2317,10 @@ class _Statements:
                     f"WHERE expires_at <= {p} LIMIT {p}{d.batch_lock})")
             for table, key in (("idempotency", "scope, key"), ("tombstones", "id"))}
         # Schedules (section 7's end), and the unfinished tasks' counts for
-        # /metrics: queued ones through tasks_queue, the rest through
-        # tasks_active (each WHERE repeats its index's condition).
+        # /metrics: queued ones through tasks_ready and tasks_delayed, the
+        # rest through tasks_active (each WHERE repeats its index's
+        # condition; SQLite is told the index, or it would group by kind
+        # through tasks_kind, which holds every task).
         columns = ", ".join(_SCHEDULE_COLUMNS)
         self.schedule_rows = f"SELECT {columns} FROM schedules ORDER BY name"
         self.schedule_row = f"SELECT {columns} FROM schedules WHERE name = {p}"
@@ -2118,10 +2339,37 @@ class _Statements:
         # with 100,000 queued, SQLite).
         self.unfinished_counts = (
             "SELECT queue.kind, 'queued', queue.n, tasks.created_at FROM (SELECT kind, "
-            f"count(*) AS n, min(id) AS first FROM tasks WHERE status = '{QUEUED}' "
+            f"count(*) AS n, min(id) AS first FROM {d.indexed_by.format('tasks_ready')} "
+            f"WHERE status = '{QUEUED}' AND run_at IS NULL "
             "GROUP BY kind) AS queue JOIN tasks ON tasks.id = queue.first",
-            "SELECT kind, status, count(*), min(created_at) FROM tasks "
+            # Delayed tasks are queued, but wait by design: no age.
+            f"SELECT kind, 'queued', count(*), NULL FROM {d.indexed_by.format('tasks_delayed')} "
+            "WHERE run_at IS NOT NULL GROUP BY kind",
+            f"SELECT kind, status, count(*), min(created_at) FROM {d.indexed_by.format('tasks_active')} "
             f"WHERE {_ACTIVE} AND status <> '{QUEUED}' GROUP BY kind, status")
+        # Delays and limits (schema 4).  The delayed tasks are found through
+        # tasks_delayed, whose condition each of these repeats (only a queued
+        # task has a run_at: see SCHEMA[4]).
+        delayed = "run_at IS NOT NULL"
+        self.next_due = f"SELECT min(run_at) FROM tasks WHERE {delayed}"
+        self.promote_due = (
+            "UPDATE tasks SET run_at = NULL, version = version + 1 WHERE id IN ("
+            f"SELECT id FROM tasks WHERE {delayed} AND run_at <= {p} ORDER BY run_at "
+            f"LIMIT {p}{d.batch_lock})")
+        # The limit row locked (PostgreSQL) before the count: claims of one
+        # limited kind count one after the other, in every process.
+        self.kind_limit = (f"SELECT max_running FROM kind_limits WHERE kind = {p}"
+                           + d.row_lock)
+        # The work in flight of a kind, through tasks_active (its condition repeated).
+        self.running_of_kind = (f"SELECT count(*) FROM {d.indexed_by.format('tasks_active')} WHERE kind = {p} "
+                                f"AND {_ACTIVE} AND ({_one_of('status', ACTIVE_STATES)})")
+        self.limit_column = _LIMIT_COLUMN
+        self.delete_kind_limit = f"DELETE FROM kind_limits WHERE kind = {p}"
+        limit_row = f"kind_limits (kind, max_running, updated_at) VALUES ({p}, {p}, {p})"
+        self.put_kind_limit = (
+            f"INSERT OR REPLACE INTO {limit_row}" if d.upsert_replaces else
+            f"INSERT INTO {limit_row} ON CONFLICT (kind) DO UPDATE SET "
+            "max_running = EXCLUDED.max_running, updated_at = EXCLUDED.updated_at")
 
 
 class _SqlEngine(Engine):
@@ -2166,7 +2414,8 @@ class _SqlEngine(Engine):
         In a group commit of several creates, each statement is also a moment
         the leader hands the GIL to the threads waiting for it, so fewer is faster.
         """
-        self.conn.executemany(self._sql.insert_tasks, rows)
+        self.conn.executemany(
+            self._sql.insert_tasks if len(rows[0]) == 13 else self._sql.insert_tasks_full, rows)
         self.conn.executemany(self._sql.insert_created, events)
 
     def _move_statement(self, values):
@@ -2230,7 +2479,7 @@ class _SqlEngine(Engine):
         self.conn.execute(f"UPDATE tasks SET owner = NULL WHERE ({where}) AND status IN "
                           f"({self._marks(statuses)})", (*args, *statuses))
 
-    def list_tasks(self, now, statuses, kinds, principal, before, limit):
+    def list_tasks(self, now, statuses, kinds, principal, before, limit, error_code=None):
         # Each filter walks an index that holds its matches in id order and
         # stops at the page: statuses in flight in tasks_active (a few rows,
         # sorted), each kind in tasks_kind, each finished status in
@@ -2254,6 +2503,9 @@ class _SqlEngine(Engine):
         if principal is not None:
             where.append(f"principal = {p}")
             args.append(principal)
+        if error_code is not None:
+            where.append(f"{self._dialect.error_code} = {p}")
+            args.append(str(error_code))
         if before is not None:
             where.append(f"id < {p}")
             args.append(before)
@@ -2340,12 +2592,32 @@ class _SqlEngine(Engine):
         return self.conn.execute(sql, args).rowcount == 1
 
     # The status is a literal, not a parameter: only then can SQLite use the
-    # partial index (WHERE status = 'queued') instead of a table scan.  And
-    # SQLite is told to: tasks_kind orders the same kind and id, but holds
-    # the kind's finished tasks too, which the claim would step over.
+    # partial index (tasks_ready's condition, repeated) instead of a table
+    # scan.  And SQLite is told to: tasks_kind holds the same kinds with
+    # their finished tasks too, which the claim would step over.
     def _queued(self, kinds):
-        return (f"FROM {self._dialect.indexed_by.format('tasks_queue')} "
-                f"WHERE status = '{QUEUED}' AND kind IN ({self._marks(kinds)})")
+        return (f"FROM {self._dialect.indexed_by.format('tasks_ready')} "
+                f"WHERE status = '{QUEUED}' AND run_at IS NULL "
+                f"AND kind IN ({self._marks(kinds)})")
+    def running_of_kind(self, kind):
+        limit = self.conn.execute(self._sql.kind_limit, (kind,)).fetchone()
+        running = self.conn.execute(self._sql.running_of_kind, (kind,)).fetchone()[0]
+        return running, None if limit is None else limit[0]
+
+    def promote_due(self, now, limit):
+        return self.conn.execute(self._sql.promote_due, (now, limit)).rowcount
+
+    def next_due(self):
+        return self.conn.execute(self._sql.next_due).fetchone()[0]
+
+    def set_kind_limit(self, kind, max_running, now):
+        if max_running is None:
+            self.conn.execute(self._sql.delete_kind_limit, (kind,))
+        else:
+            self.conn.execute(self._sql.put_kind_limit, (kind, max_running, now))
+
+    def kind_limits(self):
+        return dict(self.conn.execute("SELECT kind, max_running FROM kind_limits ORDER BY kind"))
 
     def may_have_queued(self, kinds, gen):
         """Whether a queued task of *kinds* may exist, without the write lock.
@@ -2499,8 +2771,14 @@ class _SqlEngine(Engine):
         return self.conn.execute(self._sql.next_schedule_at, ()).fetchone()[0]
 
     def unfinished_counts(self):
-        return [row for sql in self._sql.unfinished_counts
-                for row in self.conn.execute(sql, ()).fetchall()]
+        counts = {}         # a kind's ready and delayed tasks are one queued count
+        for sql in self._sql.unfinished_counts:
+            for kind, status, count, oldest in self.conn.execute(sql, ()).fetchall():
+                if (kind, status) in counts:
+                    _, _, before, oldest_before = counts[kind, status]
+                    count, oldest = count + before, oldest_before if oldest is None else oldest
+                counts[kind, status] = (kind, status, count, oldest)
+        return list(counts.values())
 
 
 class SQLiteEngine(_SqlEngine):
@@ -2533,6 +2811,8 @@ class SQLiteEngine(_SqlEngine):
         # Without statistics SQLite would rather walk every task newest first
         # than sort the few in flight, or a kind's tasks in its index.
         indexed_by="tasks INDEXED BY {}",
+        row_lock="",                    # the write lock is the file's
+        error_code="CAST(json_extract(error, '$.code') AS TEXT)",
         move="UPDATE tasks SET {sets}, version = version + 1 WHERE id = ? AND status = ?")
     _sql = _Statements(_dialect)
 
@@ -2802,16 +3082,18 @@ class SQLiteEngine(_SqlEngine):
         return True
 
     def oldest_queued(self, kinds, gen):
-        """The oldest queued Task of *kinds*, or None (then noting *gen*: see ``may_have_queued``)."""
+        """``(Task, limit)`` of the next ready task of *kinds*, or None (then noting *gen*)."""
         sql = self._oldest_sql.get(len(kinds))
         if sql is None:
             sql = self._oldest_sql[len(kinds)] = (
-                f"SELECT {', '.join(_TASK_COLUMNS)} {self._queued(kinds)} ORDER BY id LIMIT 1")
+                f"SELECT {', '.join(_TASK_COLUMNS)}, {self._sql.limit_column} "
+                f"{self._queued(kinds)} ORDER BY priority DESC, id LIMIT 1")
         row = self._run(sql, kinds).fetchone()
         if row is None:
-            self._empty_gen = gen
+            if gen is not None:
+                self._empty_gen = gen
             return None
-        return _task_from_row(row)
+        return _task_from_row(row[:-1]), row[-1]
 
     # -- processes -------------------------------------------------------------
 
@@ -2915,6 +3197,10 @@ def open_engine(path, **options):
 # - Every status change goes through ``_transition_locked`` (or, for
 #   recovery, ``_Recovery``'s set-based moves), which asks the lifecycle
 #   tables (section 3) and appends the event row in the same transaction.
+#   A failure's retry is ``FAILURE``'s decision, a ``requeue`` like a
+#   restart's; a delay is a not-before time in the task's row, which the
+#   claim honours (it makes due tasks ready in its own transaction), so a
+#   delayed task survives a crash and runs once.
 # - What a write tells this process has one shape, ``_Change(task, change)``,
 #   the task as written.  Once ``write`` has returned, the writing thread
 #   hands its changes to ``_Waiters.committed``: waiters wake, idle workers
@@ -2934,8 +3220,9 @@ _JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
 _PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
 _TASK_INDEX = {name: i for i, name in enumerate(_TASK_COLUMNS)}   # a Task's field -> position
 (_STATUS_INDEX, _UPDATED_AT_INDEX, _LAST_SEQ_INDEX, _VERSION_INDEX, _FINISHED_AT_INDEX,
- _INPUT_REQUEST_INDEX, _PURGE_AT_INDEX) = (_TASK_INDEX[name] for name in (
-    "status", "updated_at", "last_seq", "version", "finished_at", "input_request", "purge_at"))
+ _INPUT_REQUEST_INDEX, _PURGE_AT_INDEX, _RUN_AT_INDEX) = (_TASK_INDEX[name] for name in (
+    "status", "updated_at", "last_seq", "version", "finished_at", "input_request", "purge_at",
+    "run_at"))
 _SUMMARY_PRINCIPAL_INDEX = TaskSummary._fields.index("principal")
 _RECOVERABLE = (QUEUED, *ACTIVE_STATES)   # an owner's tasks recovery hands to their policy
 
@@ -2979,6 +3266,12 @@ class _NewTask(typing.NamedTuple):
     prefix: str
     status_message: object
     owner: object
+    plain: bool = True            # no delay, priority, retry policy or rerun: version 3's row
+    run_at: object = None
+    priority: int = DEFAULT_PRIORITY
+    retry: object = None          # a Retry, or None
+    retry_json: object = None
+    rerun_of: object = None       # dead letters: the failed task this one runs again
 
 
 def _payload(payload, param):
@@ -2993,8 +3286,24 @@ def _payload(payload, param):
 
 
 def _new_task(max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal, meta, prefix,
-              status_message, owner, param="payload"):
-    """Validate create's arguments; return the ``_NewTask`` to insert."""
+              status_message, owner, param="payload", *, now=None, run_at=None, delay=None,
+              priority=DEFAULT_PRIORITY, retry=None):
+    """Validate create's arguments; return the ``_NewTask`` to insert.
+
+    *run_at* / *delay* become a not-before time in epoch ms (None when it
+    is not after *now*: the task is ready at once, as a plain one).
+    """
+    not_before = retry_json = None
+    plain = run_at is None and delay is None and retry is None and priority.__class__ is int \
+        and priority == DEFAULT_PRIORITY
+    if not plain:                         # checked only when given: creates are the hot path
+        not_before = _not_before(now, run_at, delay)
+        if not_before is not None and not_before <= now:
+            not_before = None
+        _check_int(priority, "priority", minimum=-2**31, allow_none=False, maximum=2**31 - 1)
+        retry = _retry_param(retry)
+        retry_json = None if retry is None else dumps(retry._asdict())
+        plain = not_before is None and retry is None and priority == DEFAULT_PRIORITY
     _check_str(kind, "kind", allow_none=False, max_len=200)
     payload_json, payload = _payload(payload, param)
     _check_str(owner, "owner", max_len=200)
@@ -3015,13 +3324,26 @@ def _new_task(max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal
                              or not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix)):
         raise InvalidParams("prefix must be 1-16 lowercase letters and digits", param="prefix")
     return _NewTask(kind, payload, payload_json, ttl_ms, retention_ms, policy, principal,
-                    meta, meta_json, prefix, status_message, owner)
+                    meta, meta_json, prefix, status_message, owner, plain, not_before,
+                    priority, retry, retry_json)
 
 
 @functools.lru_cache(maxsize=256)
 def _created_data(kind):
     """The data of a ``created`` event, as stored: a few kinds, each serialised once."""
     return dumps({"kind": kind})
+
+
+def _created_data_of(spec):
+    """A ``created`` event's data: the kind, and what is not plain (delay, priority, rerun)."""
+    data = {"kind": spec.kind}
+    if spec.run_at is not None:
+        data["run_at"] = spec.run_at
+    if spec.priority != DEFAULT_PRIORITY:
+        data["priority"] = spec.priority
+    if spec.rerun_of is not None:
+        data["rerun_of"] = spec.rerun_of
+    return dumps(data)
 
 
 def _create_once(store, spec, idempotency):
@@ -3066,25 +3388,36 @@ def _replayed(store, task_id):
     return task._replace(replayed=True)
 
 
-def _insert_tasks_locked(store, specs, now=None):
+def _insert_tasks_locked(store, specs, now=None, attempt=1):
     """Insert new queued tasks (``_NewTask``s) with their first events; return their Tasks.
 
     The engine writes the lot at once (``insert_tasks``).
     """
     now = int(store.clock() * 1000) if now is None else now
     tasks, rows, events = [], [], []
+    # A plain task (no delay, retry policy or priority, a first attempt)
+    # writes the columns it wrote before version 4; the others write theirs.
+    # (A batch's specs share their options: the first speaks for all.)
+    plain = specs[0].plain and attempt == 1
     for spec in specs:
         (kind, payload, payload_json, ttl_ms, retention_ms, policy, principal, meta,
-         meta_json, prefix, status_message, owner) = spec
+         meta_json, prefix, status_message, owner, _, run_at, priority, retry, retry_json,
+         _) = spec
         task_id = store._ids.next(prefix, now)
-        rows.append((task_id, kind, QUEUED, payload_json, status_message, principal, policy,
-                     ttl_ms, retention_ms, now, now, meta_json, owner))
-        events.append((task_id, _created_data(kind), now))
+        row = (task_id, kind, QUEUED, payload_json, status_message, principal, policy,
+               ttl_ms, retention_ms, now, now, meta_json, owner)
+        if plain:
+            rows.append(row)
+            events.append((task_id, _created_data(kind), now))
+        else:
+            rows.append((*row, run_at, priority, retry_json, attempt))
+            events.append((task_id, _created_data_of(spec), now))
         # Built here rather than read back: the row is exactly this.
         tasks.append(_new_tuple(Task, (
             task_id, kind, QUEUED, payload, None, None, status_message, None, None,
-            principal, policy, 1, ttl_ms, retention_ms, now, now, None, None, owner, 0, 0, 0,
-            {} if meta is None else _loads(meta_json), None, None, False)))
+            principal, policy, attempt, ttl_ms, retention_ms, now, now, None, None, owner, 0,
+            0, 0, {} if meta is None else _loads(meta_json), None, None, run_at, priority,
+            None if retry is None else retry._asdict(), False)))
     store._engine.insert_tasks(rows, events)
     return tasks
 
@@ -3163,6 +3496,9 @@ class _Waiters:
         self.work_waiting = 0     # idle workers asleep: a notify nobody waits for is skipped
         self.closed = False
         self.listeners = []
+        # Another process queued a delayed task: the store's hint of when the
+        # next one is due (TaskStore._due) must be read again.
+        self.delays_changed = False
         # Plain dict operations, atomic without the lock: ``cancel_event``
         # must never wait for a group-commit leader (see TaskStore.cancel_event).
         self.cancel_events = {}
@@ -3196,7 +3532,9 @@ class _Waiters:
         """
         with self.lock:
             self.commits += 1
-            if kind in (QUEUED, "lost"):
+            if kind in ("delayed", "lost"):
+                self.delays_changed = True
+            if kind in (QUEUED, "delayed", "lost"):
                 self.work_gen += 1
                 self.work.notify_all()
             self.changed.notify_all()
@@ -3337,6 +3675,11 @@ class TaskStore:
         self._ids = _IdSequence()
         self._recovery = _Recovery(self)
         self._schedule_watchers = []    # watch_schedules: runners' scheduler threads
+        # When a delayed task may next be due (epoch ms): a hint, never the
+        # rule (the claim reads run_at itself).  It is lowered by this
+        # process's own delayed creates and retries, and re-read from the
+        # database at most every poll_interval (other processes' delays).
+        self._due_at = 0
         engine.on_remote(self._told)
         if recover_on_open and not self.readonly:
             self.recover()
@@ -3398,8 +3741,12 @@ class TaskStore:
         if fields:
             values.update(fields)
             for name, value in fields.items():
-                row[_TASK_INDEX[name]] = value if value is None or name not in _JSON_COLUMNS \
-                    else _loads(value)
+                if name in _TASK_INDEX:      # not the snapshot: no Task field shows it
+                    row[_TASK_INDEX[name]] = value if value is None or name not in _JSON_COLUMNS \
+                        else _loads(value)
+        if task.run_at is not None and new != QUEUED:
+            # Only a queued task has a not-before time (tasks_delayed holds no other).
+            values["run_at"] = row[_RUN_AT_INDEX] = None
         terminal = new in TERMINAL_STATES
         if terminal:
             values["finished_at"] = row[_FINISHED_AT_INDEX] = now
@@ -3426,9 +3773,24 @@ class TaskStore:
 
     # -- creating and reading --------------------------------------------------
 
+    def _delayed(self, run_at):
+        """A task of this process waits until *run_at*: the next due check comes no later."""
+        if run_at is not None and run_at < self._due_at:
+            self._due_at = run_at
+
+    def _due(self, now):
+        """Whether a delayed task may be due at *now*; the hint re-read when it is stale."""
+        if now < self._due_at and not self._waiters.delays_changed:
+            return False
+        self._waiters.delays_changed = False
+        with self._engine.reading() as engine:
+            due = engine.next_due()
+        self._due_at = min(math.inf if due is None else due, now + int(self.poll_interval * 1000))
+        return due is not None and due <= now
+
     def create(self, kind, payload=None, *, ttl_ms=None, retention_ms=None, policy="fail",
                principal=None, meta=None, idempotency=None, prefix="task", status_message=None,
-               owner=None):
+               owner=None, run_at=None, delay=None, priority=DEFAULT_PRIORITY, retry=None):
         """Create a queued task, persisted with its first event before this returns.
 
         Args:
@@ -3448,6 +3810,13 @@ class TaskStore:
                 first, recovery applies the policy (``fail``: failed with
                 ``CRASH_RECOVERY``) instead of leaving the task for anyone.
                 MCP uses it; by default a queued task belongs to no one.
+            run_at, delay: not before then: epoch seconds or an RFC 3339
+                time, or a delay in seconds.  The task is queued at once,
+                and no claim takes it earlier (``Task.run_at``).
+            priority: an integer; higher is claimed first, then oldest first.
+            retry: a retry policy (``Retry``, a dict of its fields, or a
+                number of attempts): a failing handler's task runs again
+                after a backoff, up to ``max_attempts`` in all.
 
         Raises:
             InvalidParams: a bad argument (``param`` names it).
@@ -3455,18 +3824,24 @@ class TaskStore:
             TaskExpired: the key's task was already purged.
         """
         spec = _new_task(self.max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, principal,
-                         meta, prefix, status_message, owner)
+                         meta, prefix, status_message, owner,
+                         now=None if run_at is None and delay is None else
+                         int(self.clock() * 1000),
+                         run_at=run_at, delay=delay, priority=priority, retry=retry)
         if idempotency is None:
             task = self._engine.write(lambda: _insert_tasks_locked(self, (spec,))[0])
         else:
             task = self._engine.write(_create_once(self, spec, idempotency))
             if isinstance(task, str):
                 return _replayed(self, task)        # nothing written
+        if task.run_at is not None:
+            self._delayed(task.run_at)
         self._waiters.committed((_Change(task, "created"),), queued=True)
         return task
 
     def create_many(self, kind, payloads, *, ttl_ms=None, retention_ms=None, policy="fail",
-                    principal=None, meta=None, prefix="task", status_message=None, owner=None):
+                    principal=None, meta=None, prefix="task", status_message=None, owner=None,
+                    run_at=None, delay=None, priority=DEFAULT_PRIORITY, retry=None):
         """Create one queued task per item of *payloads*, all in one transaction.
 
         The batch API: the tasks share *kind* and the options (as in
@@ -3486,12 +3861,15 @@ class TaskStore:
         if not payloads:
             return []
         first = _new_task(self.max_ttl_ms, kind, payloads[0], ttl_ms, retention_ms, policy,
-                          principal, meta, prefix, status_message, owner, param="payloads[0]")
+                          principal, meta, prefix, status_message, owner, param="payloads[0]",
+                          now=int(self.clock() * 1000), run_at=run_at, delay=delay,
+                          priority=priority, retry=retry)
         specs = [first]
         for i, payload in enumerate(payloads[1:], 1):
             payload_json, payload = _payload(payload, f"payloads[{i}]")
             specs.append(first._replace(payload=payload, payload_json=payload_json))
         tasks = self._engine.write(lambda: _insert_tasks_locked(self, specs))
+        self._delayed(first.run_at)
         self._waiters.committed((_Change(task, "created") for task in tasks), queued=True)
         return tasks
 
@@ -3517,10 +3895,12 @@ class TaskStore:
             row = self._get_locked(task_id, principal, decode=False, summary=True)
         return _summary_from_row(row)
 
-    def list(self, *, status=None, kind=None, principal=None, limit=50, cursor=None):
+    def list(self, *, status=None, kind=None, principal=None, limit=50, cursor=None,
+             error_code=None):
         """Return ``(tasks, next_cursor)``, newest first; filters combine with AND.
 
-        *status* and *kind* take one value or several.  ``next_cursor`` is
+        *status* and *kind* take one value or several.  *error_code* lists
+        failed tasks whose error has that code (dead letters).  ``next_cursor`` is
         None on the last page.  Expired tasks are never listed, reaped or not.
 
         Raises:
@@ -3532,9 +3912,18 @@ class TaskStore:
         _check_str(principal, "principal")
         limit = _check_int(limit, "limit", minimum=1, allow_none=False)
         before = None if cursor is None else _decode_cursor(cursor)
+        if error_code is not None:
+            if isinstance(error_code, bool) or not isinstance(error_code, (str, int)) \
+                    or len(str(error_code)) > 200:
+                raise InvalidParams("error_code must be a string or an integer",
+                                    param="error_code")
+            # Only a failed task has an error code; the list walks the failed ones.
+            statuses = tuple(s for s in statuses or (FAILED,) if s == FAILED)
+            if not statuses:
+                return [], None
         with self._engine.reading() as engine:
             rows = engine.list_tasks(int(self.clock() * 1000), statuses, kinds, principal,
-                                     before, limit + 1)
+                                     before, limit + 1, error_code=error_code)
         tasks = [_task_from_row(r) for r in rows[:limit]]
         return tasks, (_encode_cursor(tasks[-1].id) if len(rows) > limit else None)
 
@@ -3677,14 +4066,113 @@ class TaskStore:
         return self._move(task_id, SUCCEED, attempt=attempt,
                           fields={"result": _json_param(result, "result")})
 
-    def fail(self, task_id, error, *, result=None, attempt=None):
-        """Fail a task with *error* ``{"code", "message", ...}`` and an optional result."""
+    def fail(self, task_id, error, *, result=None, attempt=None, retryable=False, retry=None):
+        """Fail a task with *error* ``{"code", "message", ...}`` and an optional result.
+
+        With *retryable* (the runner passes it for a handler that raised),
+        ``FAILURE`` decides: a task with attempts left under its retry policy
+        (its own, else *retry*, the runner's default for its kind) goes back
+        to ``queued`` with a not-before time (the backoff) and the next
+        attempt number, *error* in its event; otherwise it fails, with the
+        number of attempts in its error when it had a policy.  Returns the task.
+        """
         if not isinstance(error, dict) or not isinstance(error.get("message"), str) \
                 or not isinstance(error.get("code"), (str, int)):
             raise InvalidParams("error must be an object with a code and a message", param="error")
-        return self._move(task_id, FAIL, attempt=attempt, error=error, fields={
-            "error": _json_param(error, "error"), "status_message": error["message"],
-            "result": None if result is None else _json_param(result, "result")})
+        fields = {"error": _json_param(error, "error"), "status_message": error["message"],
+                  "result": None if result is None else _json_param(result, "result")}
+        if not retryable and retry is None:
+            return self._move(task_id, FAIL, attempt=attempt, error=error, fields=fields)
+        default = _retry_param(retry)
+        now = int(self.clock() * 1000)
+
+        def body():
+            task = self._engine.read_task(task_id)
+            if task is None:
+                raise TaskNotFound(task_id)
+            policy = default if task.retry is None else Retry(**task.retry)
+            left = policy is not None and task.attempt < policy.max_attempts
+            event = FAILURE["retryable" if retryable else "no retry"][
+                "left" if left else "none left"]
+            if event == REQUEUE:
+                run_at = now + policy.delay_ms(task.attempt)
+                message = (f"attempt {task.attempt} of {policy.max_attempts} failed; "
+                           f"attempt {task.attempt + 1} not before {iso_time(run_at)}")
+                again = {"owner": None, "run_at": run_at, "attempt": task.attempt + 1,
+                         "input_request": None, "input_answer": None, "progress": None,
+                         "progress_total": None, "status_message": message}
+                if not RESTART_KEEPS_SNAPSHOT.get(task.policy, False):
+                    again["snapshot"] = None        # the next attempt starts from the beginning
+                return self._transition_locked(task, REQUEUE, now, attempt=attempt,
+                                               fields=again, message=message, error=error)
+            failed, shown = fields, error
+            if policy is not None and retryable:      # the last attempt: say how many there were
+                shown = dict(error, attempts=task.attempt)
+                failed = dict(fields, error=_json_param(shown, "error"))
+            return self._transition_locked(task, FAIL, now, attempt=attempt, fields=failed,
+                                           error=shown)
+        task = self._engine.write(body)
+        requeued = task.status == QUEUED
+        if requeued:
+            self._waiters.cancel_events.pop(task_id, None)    # not the next attempt's
+            self._delayed(task.run_at)
+        self._waiters.committed((_Change(task, "status"),), requeued)
+        return task
+
+    def rerun(self, task_id, *, principal=None, run_at=None, delay=None):
+        """Dead letters: run a failed task again, as a new queued task; return it.
+
+        The new task has the old one's kind, payload, options and retry
+        policy, the next attempt number (``attempt + 1``), and its
+        ``created`` event names the old one (``rerun_of``).  The old task
+        keeps its status and history: a terminal status never changes, so
+        no client that saw it fail sees it run again.  ``RERUNNABLE`` says
+        which statuses may be run again.
+
+        Raises:
+            InvalidTransition: the task did not fail.
+            TaskNotFound, TaskExpired: as ``get``.
+        """
+        now = int(self.clock() * 1000)
+        not_before = _not_before(now, run_at, delay)
+
+        def body():
+            old = self._get_locked(task_id, principal)
+            if old.status not in RERUNNABLE:
+                raise InvalidTransition(task_id, old.status, "rerun")
+            retry = None if old.retry is None else Retry(**old.retry)
+            spec = _NewTask(
+                old.kind, old.payload, dumps(old.payload), old.ttl_ms, old.retention_ms,
+                old.policy, old.principal, old.meta or None,
+                dumps(old.meta) if old.meta else None, old.id.rpartition("_")[0], None, None,
+                False, None if not_before is None or not_before <= now else not_before,
+                old.priority,
+                retry, None if retry is None else dumps(retry._asdict()), old.id)
+            return _insert_tasks_locked(self, (spec,), now, attempt=old.attempt + 1)[0]
+        task = self._engine.write(body)
+        self._delayed(task.run_at)
+        self._waiters.committed((_Change(task, "created"),), queued=True)
+        return task
+
+    # -- limits per kind --------------------------------------------------------
+
+    def set_kind_limit(self, kind, max_running):
+        """At most *max_running* tasks of *kind* run at once, in every process (None: no limit).
+
+        Stored in the database, so every process sharing it agrees; each
+        claim of a limited kind counts the kind's running tasks in its own
+        transaction.  Tasks already running above a lowered limit run on.
+        """
+        _check_str(kind, "kind", allow_none=False, max_len=200)
+        _check_int(max_running, "max_running", maximum=2**31 - 1)
+        now = int(self.clock() * 1000)
+        self._engine.write(lambda: self._engine.set_kind_limit(kind, max_running, now))
+        self._waiters.committed(queued=True)        # a raised limit: idle workers look again
+
+    def kind_limits(self):
+        """``{kind: max_running}``: every limit per kind stored."""
+        with self._engine.reading() as engine:
+            return engine.kind_limits()
 
     def start(self, task_id, *, attempt=None):
         """Move a queued or loading task to ``running`` (used by the runner)."""
@@ -3871,17 +4359,35 @@ class TaskStore:
             StoreClosed, StoreUnavailable: the store cannot be used.
         """
         engine, waiters = self._engine, self._waiters
-        if not kinds or not engine.may_have_queued(kinds, waiters.work_gen):
+        if not kinds:
             return None
         now = int(self.clock() * 1000)
+        due = (now >= self._due_at or waiters.delays_changed) and self._due(now)
+        if not due and not engine.may_have_queued(kinds, waiters.work_gen):
+            return None
 
         def body():
-            task = engine.oldest_queued(kinds, waiters.work_gen)
-            if task is None:
-                return None
-            return self._transition_locked(task, CLAIM if task.kind in loading_kinds else START,
-                                           now, fields={"owner": owner})
+            if due:
+                engine.promote_due(now, PROMOTE_BATCH)
+            wanted, gen = kinds, waiters.work_gen
+            while wanted:
+                found = engine.oldest_queued(wanted, gen)
+                if found is None:
+                    return None
+                task, limit = found
+                # A limited kind: its running tasks counted in this very
+                # transaction (on PostgreSQL, its limit row locked first).
+                if limit is not None:
+                    running, limit = engine.running_of_kind(task.kind)
+                if limit is None or running < limit:
+                    return self._transition_locked(
+                        task, CLAIM if task.kind in loading_kinds else START, now,
+                        fields={"owner": owner})
+                wanted, gen = tuple(k for k in wanted if k != task.kind), None
+            return None
         task = engine.write(body)
+        if due:
+            self._due_at = now        # more may be due: the next claim reads again
         waiters.committed(() if task is None else (_Change(task, "status"),))
         return task
 
@@ -3893,9 +4399,11 @@ class TaskStore:
         *timeout* seconds.  A create in this process wakes it at once; work
         queued by another process is only seen by the next ``claim``, so
         keep *timeout* short (the runner uses ``poll_interval``).  Returns
-        at once once the store is closed (the next ``claim`` raises).
+        at once once the store is closed (the next ``claim`` raises).  A
+        delayed task this store knows of cuts the wait short at its time.
         """
-        return self._waiters.wait_for_work(seen, timeout)
+        due_in = (self._due_at - self.clock() * 1000) / 1000
+        return self._waiters.wait_for_work(seen, max(0.0, min(timeout, due_in)))
 
     def wake_workers(self):
         """End every ``wait_for_work`` now (a runner stopping): each returns a new generation.
@@ -4281,6 +4789,8 @@ class _Recovery:
                            f"{'started' if status == QUEUED else 'finished'}")
                 error = {"code": "server_restarted", "message": message}
                 fields.update(error=dumps(error), status_message=message)
+            if status == QUEUED:
+                fields["run_at"] = None     # only a queued task has a not-before time
             done, ids = engine.move_tasks(
                 selector, status, fields, dumps(_status_data(status, new, message, error)), now,
                 ids=bool(store._waiters.listeners or store._waiters.cancel_events), policy=policy,
@@ -4687,7 +5197,10 @@ def _fire_due(store, now):
 #   as the runner's lease lives.
 # - A handler's return value is the result; ``TaskFailed`` fails the task
 #   with the handler's error; any other exception fails it with a generic
-#   error (the traceback goes to the log only).
+#   error (the traceback goes to the log only).  Either failure is the
+#   store's ``fail(retryable=True)``, where ``FAILURE`` (section 3) queues the
+#   task again after its backoff while its retry policy has attempts left
+#   (``TaskFailed(..., retry=False)`` never does).
 
 # The longest a runner's scheduler sleeps before it reads the schedules again:
 # how late it learns of a schedule another process added or changed.
@@ -4896,6 +5409,11 @@ class Runner:
     keep fails the task, a task cancelled or recovered meanwhile keeps what
     happened to it (``LATE_OUTCOME``), and ``StoreClosed`` ends the runner.
 
+    A handler that raises fails its task, unless the task has attempts
+    left under its retry policy (``create(retry=...)``, else this runner's
+    default for its kind): then it is queued again, to run after its
+    backoff (``FAILURE``).  ``TaskFailed(..., retry=False)`` fails at once.
+
     Args:
         handlers: ``{kind: handler(ctx, payload) -> result}``.
         workers: how many tasks run at once.
@@ -4912,12 +5430,19 @@ class Runner:
             nothing).  A schedule changed through this store wakes it at
             once, and on PostgreSQL one changed by another process too (a
             notification); on SQLite that is seen within ``SCHEDULE_CHECK_S``.
+        retry: ``{kind: retry policy}`` (a ``Retry``, a dict of its fields,
+            or a number of attempts): the policy of a task of that kind
+            created without one.
     """
 
     def __init__(self, store, handlers=None, *, workers=4, heartbeat_s=DEFAULT_HEARTBEAT_S,
-                 progress_interval_s=DEFAULT_PROGRESS_INTERVAL_S, schedules=True):
+                 progress_interval_s=DEFAULT_PROGRESS_INTERVAL_S, schedules=True, retry=None):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise InvalidParams("workers must be an integer >= 1", param="workers")
+        if retry is not None and not isinstance(retry, dict):
+            raise InvalidParams("retry must map kinds to retry policies", param="retry")
+        self.retry = {kind: _retry_param(policy, f"retry[{kind!r}]")
+                      for kind, policy in (retry or {}).items()}
         self.store = store
         self.handlers = dict(handlers or {})
         self.workers = workers
@@ -5179,14 +5704,15 @@ class Runner:
             try:
                 outcome = ("succeed", handler(ctx, task.payload))
             except TaskFailed as exc:
-                outcome = ("fail", exc.error, exc.result)
+                outcome = ("fail", exc.error, exc.result, exc.retry)
             except Cancelled:
                 outcome = ("cancelled",)
             except Exception:
                 logger.error("handler for %s task %s raised:\n%s", task.kind, task.id,
                              traceback.format_exc())
                 outcome = ("fail", {"code": "internal_error",
-                                    "message": "the task's handler raised an exception"}, None)
+                                    "message": "the task's handler raised an exception"},
+                           None, True)
             self._finish(ctx, outcome)
         except (StoreClosed, Cancelled):
             pass                            # stopping, or the lease is gone: nothing to write
@@ -5228,13 +5754,15 @@ class Runner:
                     outcome = ("fail", {"code": "internal_error",
                                         "message": "the task's handler returned a value "
                                                    "the store cannot keep"},
-                               None)
+                               None, False)
             if outcome[0] == "succeed":
                 ctx.running()
                 hold(store.succeed, task_id, outcome[1], attempt=attempt)
                 return
             if outcome[0] == "fail":
-                hold(store.fail, task_id, outcome[1], result=outcome[2], attempt=attempt)
+                # FAILURE decides: queued again after a backoff, or failed.
+                hold(store.fail, task_id, outcome[1], result=outcome[2], attempt=attempt,
+                     retryable=outcome[3], retry=self.retry.get(ctx.kind))
             else:
                 hold(store.confirm_cancel, task_id, attempt=attempt)
         except InvalidTransition:
@@ -5564,7 +6092,22 @@ def mcp_task_to_wire(task, poll_interval_ms):
     message = _mcp_status_message(task, wire["status"])
     if message:
         wire["statusMessage"] = message
+    _mcp_queue_meta(task, wire)
     return wire
+
+
+MCP_QUEUE_META = "taskstore/queue"      # the Task's _meta key of its place in the queue
+
+
+def _mcp_queue_meta(task, wire):
+    """Add a delayed, retried or prioritised task's queue fields under ``_meta`` (MCP allows it)."""
+    fields = _queue_fields(task) if isinstance(task, Task) else None
+    if fields:
+        if "run_at" in fields:
+            fields["run_at"] = iso_time(fields["run_at"])
+        wire["_meta"] = {MCP_QUEUE_META: {
+            {"run_at": "runAt", "max_attempts": "maxAttempts"}.get(k, k): v
+            for k, v in fields.items()}}
 
 
 def _mcp_status_message(task, status):
@@ -5599,6 +6142,7 @@ def mcp_task_to_modern_wire(task, poll_interval_ms, *, created=False):
     message = _mcp_status_message(task, status)
     if message:
         wire["statusMessage"] = message
+    _mcp_queue_meta(task, wire)
     if created:
         return wire
     if status == "completed":
@@ -7919,7 +8463,22 @@ def task_object(task):
             "events_url": f"{LMSP_PREFIX}/tasks/{task.id}/events",
             "on_restart": task.policy,
             "response": response_object(task) if status == "succeeded" else None,
-            "error": task_error_problem(task.error or {}) if status == "failed" else None}
+            "error": task_error_problem(task.error or {}) if status == "failed" else None,
+            # This profile's queue fields, only where a task has them (run_at in seconds).
+            **{k: v / 1000 if k == "run_at" else v for k, v in _queue_fields(task).items()}}
+
+
+# What a create body may carry besides A.1's fields: this profile's queue options.
+LMSP_QUEUE_OPTIONS = ("run_at", "delay", "priority", "retry")
+
+
+def create_options(body):
+    """The queue options of a create body (``run_at``, ``delay``, ``priority``, ``retry``).
+
+    Passed to the store as they are: it checks them, and a bad one is a
+    400 naming the field, with nothing created.
+    """
+    return {name: body[name] for name in LMSP_QUEUE_OPTIONS if name in body}
 
 
 # Stored status -> LMSP stream event.  succeeded is decided by the response.
@@ -8463,7 +9022,7 @@ class Metrics:
             runs = sorted((kind, list(run)) for kind, run in self._runs.items())
         oldest = {}
         for kind, status, _, created_at in unfinished:
-            if status == QUEUED:
+            if status == QUEUED and created_at is not None:
                 oldest[kind] = min(created_at, oldest.get(kind, created_at))
         out = []
         _metric_family(out, "taskstore_tasks", "gauge",
@@ -8472,7 +9031,8 @@ class Metrics:
                        [("", (("kind", kind), ("status", status)), count)
                         for kind, status, count, _ in unfinished])
         _metric_family(out, "taskstore_oldest_queued_age_seconds", "gauge",
-                       "Age of the oldest queued task by kind, in the database.",
+                       "Age of the oldest queued task ready to run (not delayed) by "
+                       "kind, in the database.",
                        [("", (("kind", kind),), max(0, now - at) / 1000)
                         for kind, at in sorted(oldest.items())])
         _metric_family(out, "taskstore_tasks_finished_total", "counter",
@@ -8771,7 +9331,7 @@ class LMSPApp:
             "response", response_request, policy=policy, principal=principal,
             retention_ms=int(self.task_retention * 1000),
             meta={"response_id": new_id("resp", int(time.time() * 1000))},
-            idempotency=idempotency)
+            idempotency=idempotency, **create_options(body))
         headers = [("Location", f"{LMSP_PREFIX}/tasks/{task.id}")]
         if task.replayed:
             headers.append(("Idempotent-Replayed", "true"))
@@ -8968,7 +9528,10 @@ def board_item(task):
             "progress_total": task.progress_total, "message": task.status_message,
             "last_seq": task.last_seq,
             "error": None if error is None else {"code": error.get("code"),
-                                                 "detail": error.get("detail")}}
+                                                 "detail": error.get("detail")},
+            # The queue: when a queued task may run (seconds), its attempts, its priority.
+            "run_at": obj.get("run_at"), "max_attempts": obj.get("max_attempts"),
+            "priority": obj.get("priority", DEFAULT_PRIORITY)}
 
 
 def _board_page():
@@ -10336,6 +10899,8 @@ class PostgresEngine(_SqlEngine):
         upsert_replaces=False,
         owner_in_range=None,         # a planner with statistics picks the path itself
         indexed_by="tasks",          # the planner, with statistics, picks the index
+        row_lock=" FOR UPDATE",
+        error_code="(error::jsonb ->> 'code')",
         # The compare-and-set and its event row in one statement (see move_task).
         move=("WITH moved AS (UPDATE tasks SET {sets}, version = version + 1 "
               "WHERE id = %s AND status = %s RETURNING last_seq) "
@@ -10575,7 +11140,13 @@ class PostgresEngine(_SqlEngine):
 
     def insert_tasks(self, rows, events):
         super().insert_tasks(rows, events)
-        self._note("queued", [row[0] for row in rows])
+        # A delayed task (run_at, after a plain row's columns) is news of a
+        # time to wake at: other processes' runners read their next due time.
+        delayed = [row[0] for row in rows if len(row) > 13 and row[13] is not None]
+        if delayed:
+            self._note("delayed", delayed)
+        if len(delayed) < len(rows):
+            self._note("queued", [row[0] for row in rows if len(row) == 13 or row[13] is None])
 
     def move_task(self, task_id, status, values, event_json, now):
         """The compare-and-set and its event row in one statement: one round trip.
@@ -10588,7 +11159,8 @@ class PostgresEngine(_SqlEngine):
             *values.values(), task_id, status, task_id, event_json, now)).rowcount == 1
         if moved:
             new = values["status"]
-            self._note("queued" if new == QUEUED else "changed", (task_id,))
+            self._note("changed" if new != QUEUED else "delayed" if values.get("run_at")
+                       else "queued", (task_id,))
             if new == CANCELLING:
                 self._note("cancelling", (task_id,))
         return moved
@@ -10615,8 +11187,8 @@ class PostgresEngine(_SqlEngine):
         super().append_event(task_id, seq, etype, data_json, snapshot_json, now)
         self._note("changed", (task_id,))
 
-    # The oldest queued task of each kind, by tasks_queue (kind, id), then the
-    # oldest of those.  Asked as "kind = ANY(%s) ORDER BY id", the planner
+    # The next ready task of each kind, by tasks_ready (kind, priority DESC,
+    # id), then the first of those.  Asked as "kind = ANY(%s) ORDER BY id", the planner
     # walked the primary key in id order past every finished task whenever
     # its statistics were counted while most tasks were queued (after a bulk
     # enqueue, until autovacuum counts again): a drain by claims slowed to a
@@ -10624,15 +11196,16 @@ class PostgresEngine(_SqlEngine):
     # kind is asked on its own, and as a range ordered by (kind, id): with
     # "kind = k.kind" the planner drops the kind from the order and the
     # primary key's order serves again; the range keeps an order that only
-    # tasks_queue gives.  Each kind's candidate stays locked until the claim
+    # tasks_ready gives.  Each kind's candidate stays locked until the claim
     # commits: a claimer of several kinds holds one row a kind for a moment,
     # and others skip it and take the next.
     # The oldest queued row of each kind ({} the columns, {} a locking clause).
     _each_kind = ("FROM unnest(%s::text[]) AS k(kind) CROSS JOIN LATERAL ({} FROM tasks "
-                  f"WHERE status = '{QUEUED}' AND kind >= k.kind AND kind <= k.kind "
-                  "ORDER BY kind, id LIMIT 1{}) AS t")
+                  f"WHERE status = '{QUEUED}' AND run_at IS NULL AND kind >= k.kind "
+                  "AND kind <= k.kind ORDER BY kind, priority DESC, id LIMIT 1{}) AS t")
     _oldest_queued = ("SELECT t.* " + _each_kind.format(
-        "SELECT " + ", ".join(_TASK_COLUMNS), " FOR UPDATE SKIP LOCKED") + " ORDER BY t.id LIMIT 1")
+        "SELECT " + ", ".join(_TASK_COLUMNS) + ", " + _LIMIT_COLUMN,
+        " FOR UPDATE OF tasks SKIP LOCKED") + " ORDER BY t.priority DESC, t.id LIMIT 1")
 
     def _any_queued(self, kinds):
         # As _oldest_queued, for the same reason: a plain "LIMIT 1" read the
@@ -10641,12 +11214,23 @@ class PostgresEngine(_SqlEngine):
         return f"SELECT 1 {self._each_kind.format('SELECT id', '')} LIMIT 1", (list(kinds),)
 
     def oldest_queued(self, kinds, gen):
-        """The oldest queued Task of *kinds* no other process is claiming, or None (locked)."""
+        """``(Task, limit)``: the next ready task of *kinds* nobody else claims (locked), or None."""
         row = self.conn.execute(self._oldest_queued, (list(kinds),)).fetchone()
         if row is None:
-            self._empty_gen = gen
+            if gen is not None:
+                self._empty_gen = gen
             return None
-        return _task_from_row(row)
+        return _task_from_row(row[:-1]), row[-1]
+
+    def promote_due(self, now, limit):
+        ids = [r[0] for r in self.conn.execute(self._sql.promote_due + " RETURNING id",
+                                               (now, limit))]
+        self._note("queued", ids)
+        return len(ids)
+
+    def set_kind_limit(self, kind, max_running, now):
+        super().set_kind_limit(kind, max_running, now)
+        self._note("queued", ())       # a raised limit may let idle workers claim
 
     def idempotency_get(self, scope, key):
         # Two processes creating with one key: the second waits here for the
@@ -10958,6 +11542,8 @@ function fillProgress(bar, t) {
 
 function message(t) {
   if (t.message) return t.message;
+  if (t.run_at && t.status === "queued")
+    return "not before " + new Date(t.run_at * 1000).toLocaleTimeString();
   if (t.error) return t.error.detail || t.error.code;
   if (t.status === "running") return t.last_seq + " events";
   return "";
@@ -11003,7 +11589,7 @@ function showDetail(t) {
   badge.textContent = t.status;
   badge.dataset.status = t.status;
   $("d-policy").textContent = POLICY[t.on_restart] || t.on_restart;
-  $("d-attempt").textContent = String(t.attempt);
+  $("d-attempt").textContent = String(t.attempt) + (t.max_attempts ? " of " + t.max_attempts : "");
   $("d-error").textContent = t.error ? (t.error.code + ": " + t.error.detail) : "none";
   $("cancel").disabled = data.terminal.includes(t.state) || t.state === "cancelling";
   drawDiagram(t.state);
@@ -11351,6 +11937,9 @@ def _watch_message(task, printable=True):
         message = task.error.get("message")
     if not printable:
         return message
+    run_at = getattr(task, "run_at", None)     # a delayed task says when it may run
+    if message is None and run_at is not None and task.status == QUEUED:
+        return f"not before {iso_time(run_at)}"
     return "" if message is None else _printable(message)
 
 
@@ -12022,6 +12611,8 @@ def _add_tasks_parser(commands):
     sub.add_argument("--principal", help="only this principal's tasks (default: everyone's)")
     sub.add_argument("--limit", type=int, default=50, help="page size (default: %(default)s)")
     sub.add_argument("--cursor", help="the next_cursor a previous page printed (default: first page)")
+    sub.add_argument("--error-code", metavar="CODE", help="only failed tasks whose error has "
+                     "this code: the dead letters of one cause (default: any)")
     sub = verb("show", "Show one task in full.", _tasks_show)
     sub.add_argument("task_id", help="the task id")
     sub = verb("cancel", "Cancel a task.", _tasks_cancel)
@@ -12030,6 +12621,18 @@ def _add_tasks_parser(commands):
     sub.add_argument("task_id", help="the task id")
     sub.add_argument("--after", type=int, help="only events after this sequence number "
                      "(default: from the first)")
+    sub = verb("retry", "Run a failed task again, as a new task with the next attempt number "
+               "(the failed one keeps its status and history).", _tasks_retry)
+    sub.add_argument("task_id", help="the failed task's id")
+    sub.add_argument("--delay", type=_non_negative, metavar="S",
+                     help="not before this many seconds from now (default: at once)")
+    sub = verb("limit", "Set (or with --remove, drop) the most tasks of a kind that may run at "
+               "once, in every process sharing the store.", _tasks_limit)
+    sub.add_argument("kind", help="the task kind")
+    sub.add_argument("max_running", nargs="?", type=int, metavar="N",
+                     help="the most that may run at once (0 holds the kind's tasks queued)")
+    sub.add_argument("--remove", action="store_true", help="drop the kind's limit (default: set N)")
+    verb("limits", "List the limits per kind.", _tasks_limits)
     verb("reap", "Delete what retention says is over, now.", _tasks_reap)
     verb("recover", "Apply the restart policy to tasks whose owner is provably dead.",
          _tasks_recover)
@@ -12176,7 +12779,17 @@ def _admin_view(task, awaiting):
 def _status_cell(task, awaiting):
     if task.id in awaiting:
         return f"{task.status} (owner dead: will be recovered; `tasks recover` does it now)"
-    return task.status
+    queue = _queue_fields(task)
+    notes = []
+    if "run_at" in queue:
+        notes.append(f"not before {iso_time(queue['run_at'])}")
+    if "max_attempts" in queue:
+        notes.append(f"attempt {queue['attempt']} of {queue['max_attempts']}")
+    elif "attempt" in queue:
+        notes.append(f"attempt {queue['attempt']}")
+    if "priority" in queue:
+        notes.append(f"priority {queue['priority']}")
+    return f"{task.status} ({', '.join(notes)})" if notes else task.status
 
 
 def _print_table(rows, headers):
@@ -12204,7 +12817,8 @@ def _tasks_list(args):
         statuses = None if args.status is None else sorted(
             {state for states in args.status for state in states})
         tasks, cursor = store.list(status=statuses, kind=args.kind, principal=args.principal,
-                                   limit=args.limit, cursor=args.cursor)
+                                   limit=args.limit, cursor=args.cursor,
+                                   error_code=args.error_code)
         awaiting = store.awaiting_recovery(tasks)
         if args.json:
             print(dumps({"tasks": [_admin_view(t, awaiting) for t in tasks],
@@ -12231,6 +12845,38 @@ def _tasks_cancel(args):
     with _admin_store(args, writes=True) as store:
         _print_task(store, store.cancel(args.task_id), args.json)
     return 0
+
+
+def _tasks_retry(args):
+    """``tasks retry``: run a failed task again (``TaskStore.rerun``), then show the new task."""
+    with _admin_store(args, writes=True) as store:
+        _print_task(store, store.rerun(args.task_id, delay=args.delay), args.json)
+    return 0
+
+
+def _tasks_limit(args):
+    """``tasks limit``: set or drop a kind's limit, then list the limits."""
+    if args.remove == (args.max_running is not None):
+        raise InvalidParams("give N, or --remove", param="max_running")
+    with _admin_store(args, writes=True) as store:
+        store.set_kind_limit(args.kind, None if args.remove else args.max_running)
+        _print_limits(store, args.json)
+    return 0
+
+
+def _tasks_limits(args):
+    """``tasks limits``: every limit per kind."""
+    with _admin_store(args) as store:
+        _print_limits(store, args.json)
+    return 0
+
+
+def _print_limits(store, as_json):
+    limits = store.kind_limits()
+    if as_json:
+        print(dumps(limits))
+    else:
+        _print_table(sorted(limits.items()), ("KIND", "MAX RUNNING"))
 
 
 def _print_task(store, task, as_json):

@@ -1462,6 +1462,311 @@ class ClaimTests(StoreTestCase):
         self.assertTrue([sql for sql in statements if sql.startswith("SELECT 1 ")])
 
 
+class QueueTests(StoreTestCase):
+    """Delays, priorities, retries with backoff, limits per kind and dead letters (issue 32).
+
+    Time is the fake clock's: a delay or a backoff passes when the test
+    advances it, never by sleeping.
+    """
+
+    def claim(self, kinds=("k",), owner="proc_x"):
+        return self.store.claim(kinds, owner=owner)
+
+    def test_a_delayed_task_is_queued_and_not_claimed_before_its_time(self):
+        task = self.store.create("k", {"n": 1}, delay=60)
+        self.assertEqual((task.status, task.run_at), (QUEUED, self.clock.ms + 60_000))
+        self.assertEqual(self.store.get(task.id).run_at, task.run_at)
+        self.assertIsNone(self.claim())
+        self.clock.advance(59.999)
+        self.assertIsNone(self.claim())
+        self.clock.advance(0.001)
+        claimed = self.claim()
+        self.assertEqual((claimed.id, claimed.status, claimed.run_at), (task.id, RUNNING, None))
+        self.assertEqual(self.store.events(task.id)[0].data["run_at"], task.run_at)
+
+    def test_run_at_takes_epoch_seconds_or_an_rfc3339_time(self):
+        at = self.clock.now + 30
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(at)))
+        self.assertEqual(self.store.create("k", run_at=at).run_at, int(at * 1000))
+        self.assertEqual(self.store.create("k", run_at=stamp).run_at, int(at) * 1000)
+        self.assertEqual(self.store.create("k", run_at=stamp.replace("Z", "-02:00")).run_at,
+                         int(at) * 1000 + 7_200_000)
+        past = self.store.create("k", run_at=self.clock.now - 5)
+        self.assertIsNone(past.run_at)                 # due already: a plain task
+        self.assertEqual(self.claim().id, past.id)
+
+    def test_a_delay_set_by_another_store_on_the_file_is_kept(self):
+        self.assertIsNone(self.claim())
+        other = self.open_store()
+        task = other.create("k", delay=10)
+        self.assertIsNone(self.claim())
+        self.clock.advance(10)
+        self.assertEqual(self.claim().id, task.id)
+
+    def test_many_due_tasks_become_ready_in_batches(self):
+        tasks = self.store.create_many("k", list(range(taskstore.PROMOTE_BATCH + 5)), delay=1)
+        self.clock.advance(1)
+        claimed = [self.claim().id for _ in tasks]
+        self.assertEqual(sorted(claimed), sorted(t.id for t in tasks))
+        self.assertIsNone(self.claim())
+
+    def test_due_tasks_are_claimed_once_by_stores_claiming_at_the_same_time(self):
+        tasks = self.store.create_many("k", list(range(40)), delay=3)
+        self.clock.advance(3)
+        stores = [self.open_store() for _ in range(3)]
+        claimed, errors = [], []
+
+        def drain(store):
+            try:
+                while (task := store.claim(("k",), owner="proc_x")) is not None:
+                    claimed.append(task.id)
+            except Exception as exc:        # reported below, not lost in the thread
+                errors.append(exc)
+        threads = [threading.Thread(target=drain, args=(store,)) for store in stores]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(TIMEOUT)
+        self.assertEqual(errors, [])
+        self.assertEqual(sorted(claimed), sorted(t.id for t in tasks))
+
+    def test_higher_priority_first_then_oldest(self):
+        low = self.store.create("k", priority=-1)
+        a = self.store.create("k")
+        b = self.store.create("k", priority=5)
+        c = self.store.create("j", priority=5)
+        d = self.store.create("k", priority=5)
+        self.assertEqual([self.claim(("k", "j")).id for _ in range(5)],
+                         [b.id, c.id, d.id, a.id, low.id])
+
+    def test_a_due_task_takes_its_place_by_priority(self):
+        ready = self.store.create("k")
+        urgent = self.store.create("k", priority=9, delay=5)
+        self.clock.advance(5)
+        self.assertEqual([self.claim().id, self.claim().id], [urgent.id, ready.id])
+
+    def test_bad_input_is_refused_naming_the_field_and_creates_nothing(self):
+        cases = [(dict(delay=-1), "delay"), (dict(delay="soon"), "delay"),
+                 (dict(run_at="tomorrow"), "run_at"), (dict(run_at="2026-12-03T10:00:00"),
+                                                       "run_at"),
+                 (dict(run_at=1, delay=1), "delay"), (dict(retry=0), "retry.max_attempts"),
+                 (dict(retry={"max_attempts": 0}), "retry.max_attempts"),
+                 (dict(retry={"base": 1}), "retry.max_attempts"),
+                 (dict(retry={"max_attempts": 2, "factor": 0.5}), "retry.factor"),
+                 (dict(retry={"max_attempts": 2, "jitter": 2}), "retry.jitter"),
+                 (dict(retry={"max_attempts": 2, "tries": 2}), "retry.tries"),
+                 (dict(retry="often"), "retry"), (dict(priority=1.5), "priority"),
+                 (dict(priority=True), "priority")]
+        for kwargs, param in cases:
+            with self.subTest(**{k: repr(v) for k, v in kwargs.items()}):
+                with self.assertRaises(taskstore.InvalidParams) as caught:
+                    self.store.create("k", **kwargs)
+                self.assertEqual(caught.exception.param, param)
+                with self.assertRaises(taskstore.InvalidParams):
+                    self.store.create_many("k", [1, 2], **kwargs)
+        for kind, limit, param in (("", 1, "kind"), (None, 1, "kind"), ("k", -1, "max_running"),
+                                   ("k", 1.5, "max_running")):
+            with self.assertRaises(taskstore.InvalidParams) as caught:
+                self.store.set_kind_limit(kind, limit)
+            self.assertEqual(caught.exception.param, param)
+        self.assertEqual(self.store.list()[0], [])
+        self.assertEqual(self.store.kind_limits(), {})
+
+    def failing(self, task, **kwargs):
+        claimed = self.claim()
+        self.assertEqual(claimed.id, task.id)
+        return self.store.fail(task.id, {"code": "boom", "message": "it broke"},
+                               attempt=claimed.attempt, retryable=True, **kwargs)
+
+    def test_a_failed_attempt_waits_its_backoff_then_runs_again_until_the_last(self):
+        policy = taskstore.Retry(3, base=10, factor=2, cap=15, jitter=0)
+        task = self.store.create("k", retry=policy)
+        self.assertEqual((task.max_attempts, task.retry["base"]), (3, 10.0))
+        again = self.failing(task)
+        self.assertEqual((again.status, again.attempt, again.run_at, again.owner, again.error),
+                         (QUEUED, 2, self.clock.ms + 10_000, None, None))
+        event = self.store.events(task.id)[-1].data
+        self.assertEqual((event["from"], event["status"], event["error"]["code"]),
+                         (RUNNING, QUEUED, "boom"))
+        self.clock.advance(9.999)
+        self.assertIsNone(self.claim())
+        self.clock.advance(0.001)
+        third = self.failing(task)
+        self.assertEqual((third.attempt, third.run_at), (3, self.clock.ms + 15_000))  # capped
+        self.clock.advance(15)
+        failed = self.failing(task)
+        self.assertEqual((failed.status, failed.attempt), (FAILED, 3))
+        self.assertEqual(failed.error, {"code": "boom", "message": "it broke", "attempts": 3})
+        statuses = [e.data.get("status") for e in self.store.events(task.id)]
+        self.assertEqual(statuses, [None, RUNNING, QUEUED, RUNNING, QUEUED, RUNNING, FAILED])
+
+    def test_a_task_without_a_policy_fails_at_once_unless_the_runner_gives_one(self):
+        plain = self.store.create("k")
+        self.assertEqual(self.failing(plain).status, FAILED)
+        task = self.store.create("k")
+        again = self.failing(task, retry={"max_attempts": 2, "base": 1, "jitter": 0})
+        self.assertEqual((again.status, again.run_at), (QUEUED, self.clock.ms + 1000))
+        own = self.store.create("k", retry=1)           # its own policy wins: one attempt
+        self.clock.advance(1)
+        self.claim()                                    # the requeued task first
+        self.assertEqual(self.failing(own, retry=5).status, FAILED)
+
+    def test_an_error_that_refuses_a_retry_fails_at_once(self):
+        task = self.store.create("k", retry=5)
+        claimed = self.claim()
+        failed = self.store.fail(task.id, {"code": "bad", "message": "no"},
+                                 attempt=claimed.attempt)
+        self.assertEqual((failed.status, failed.attempt, failed.error["code"]), (FAILED, 1, "bad"))
+
+    def test_a_cancel_during_the_backoff_cancels(self):
+        task = self.store.create("k", retry=taskstore.Retry(2, base=30, jitter=0))
+        self.failing(task)
+        self.assertEqual(self.store.cancel(task.id).status, CANCELLED)
+        self.clock.advance(30)
+        self.assertIsNone(self.claim())
+
+    def test_only_a_queued_task_keeps_a_not_before_time(self):
+        cancelled = self.store.create("k", delay=60)
+        self.assertIsNone(self.store.cancel(cancelled.id).run_at)
+        started = self.store.create("k", delay=60)
+        self.assertIsNone(self.store.start(started.id).run_at)          # started by hand
+        owner = self.store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        vouched = self.store.create("k", delay=60, owner=owner)
+        self.store.release(owner)                                       # policy fail: failed
+        for task_id in (cancelled.id, started.id, vouched.id):
+            self.assertIsNone(self.store.get(task_id).run_at)
+        with self.store._engine.reading() as engine:
+            self.assertIsNone(engine.next_due())                        # none left in the index
+
+    def test_jitter_takes_at_most_its_fraction_off_the_delay(self):
+        policy = taskstore.Retry(5, base=10, factor=3, cap=1000, jitter=0.5)
+        self.assertEqual(policy.delay_ms(2, rand=lambda: 0.0), 30_000)
+        self.assertEqual(policy.delay_ms(2, rand=lambda: 1.0), 15_000)
+        self.assertEqual(policy.delay_ms(9, rand=lambda: 0.0), 1_000_000)
+
+    def test_a_kind_limit_holds_in_the_claim(self):
+        self.store.set_kind_limit("k", 1)
+        self.assertEqual(self.store.kind_limits(), {"k": 1})
+        first, second = self.store.create("k"), self.store.create("k")
+        other = self.store.create("j")
+        self.assertEqual(self.claim(("k", "j")).id, first.id)
+        self.assertEqual(self.claim(("k", "j")).id, other.id)      # k is at its limit
+        self.assertIsNone(self.claim(("k", "j")))
+        self.store.succeed(first.id, {})
+        self.assertEqual(self.claim(("k", "j")).id, second.id)
+        self.store.set_kind_limit("k", 0)
+        third = self.store.create("k")
+        self.store.succeed(second.id, {})
+        self.assertIsNone(self.claim())
+        self.store.set_kind_limit("k", None)
+        self.assertEqual(self.store.kind_limits(), {})
+        self.assertEqual(self.claim().id, third.id)
+
+    def test_a_failed_task_runs_again_as_a_new_task_keeping_its_history(self):
+        task = self.store.create("k", {"n": 1}, priority=3, retry=taskstore.Retry(1),
+                                 principal="alice", retention_ms=60_000)
+        failed = self.failing(task)
+        self.assertEqual(failed.status, FAILED)
+        again = self.store.rerun(task.id, principal="alice")
+        self.assertEqual((again.status, again.kind, again.payload, again.priority, again.attempt,
+                          again.principal, again.retry, again.retention_ms),
+                         (QUEUED, "k", {"n": 1}, 3, 2, "alice", failed.retry, 60_000))
+        self.assertEqual(self.store.events(again.id)[0].data["rerun_of"], task.id)
+        self.assertEqual(self.store.get(task.id).status, FAILED)      # unchanged, its log too
+        self.assertEqual(self.claim().id, again.id)
+        with self.assertRaises(taskstore.InvalidTransition):
+            self.store.rerun(again.id)
+        with self.assertRaises(taskstore.TaskNotFound):
+            self.store.rerun(task.id, principal="bob")
+        later = self.store.rerun(task.id, delay=5)
+        self.assertEqual(later.run_at, self.clock.ms + 5000)
+
+    def test_list_finds_failed_tasks_by_error_code(self):
+        codes = {}
+        for code in ("boom", "boom", "bust", 7):
+            task = self.store.create("k")
+            self.claim()
+            self.store.fail(task.id, {"code": code, "message": "x"})
+            codes.setdefault(str(code), []).insert(0, task.id)
+        self.store.create("k")
+        self.assertEqual([t.id for t in self.store.list(error_code="boom")[0]], codes["boom"])
+        self.assertEqual([t.id for t in self.store.list(error_code=7)[0]], codes["7"])
+        self.assertEqual(self.store.list(error_code="boom", status=SUCCEEDED)[0], [])
+        with self.assertRaises(taskstore.InvalidParams):
+            self.store.list(error_code=["boom"])
+
+
+class QueueWireTests(StoreTestCase):
+    """Each front's task shape shows a task's place in the queue; a plain task's is unchanged."""
+
+    def test_each_protocols_task_shows_run_at_attempts_and_priority(self):
+        task = self.store.create("k", delay=90, priority=4, retry=3)
+        run_at = taskstore.iso_time(self.clock.ms + 90_000)
+        queue = {"runAt": run_at, "attempt": 1, "maxAttempts": 3, "priority": 4}
+        legacy = taskstore.mcp_task_to_wire(task, 100)
+        self.assertEqual(legacy["_meta"], {taskstore.MCP_QUEUE_META: queue})
+        modern = taskstore.mcp_task_to_modern_wire(task, 100, created=True)
+        self.assertEqual(modern["_meta"], {taskstore.MCP_QUEUE_META: queue})
+        lmsp = taskstore.task_object(task._replace(kind="response"))
+        self.assertEqual((lmsp["run_at"], lmsp["attempt"], lmsp["max_attempts"], lmsp["priority"]),
+                         (self.clock.now + 90, 1, 3, 4))
+
+    def test_the_board_and_the_watch_show_when_a_task_may_run(self):
+        task = self.store.create("response", delay=90, retry=3)
+        item = taskstore.board_item(task)
+        self.assertEqual((item["run_at"], item["attempt"], item["max_attempts"], item["priority"]),
+                         (self.clock.now + 90, 1, 3, 0))
+        self.assertEqual(taskstore._watch_message(task),
+                         f"not before {taskstore.iso_time(self.clock.ms + 90_000)}")
+        self.assertIsNone(taskstore._watch_message(task, printable=False))
+
+    def test_a_plain_task_has_no_queue_fields(self):
+        task = self.store.create("k")
+        self.assertNotIn("_meta", taskstore.mcp_task_to_wire(task, 100))
+        self.assertNotIn("_meta", taskstore.mcp_task_to_modern_wire(task, 100))
+        self.assertFalse({"run_at", "attempt", "priority"} & set(taskstore.task_object(task)))
+
+
+class RetryRunnerTests(StoreTestCase):
+    """The runner's side of retries: a raising handler's task runs again, up to its attempts."""
+
+    def test_a_raising_handler_runs_again_and_then_succeeds(self):
+        calls = []
+
+        def flaky(ctx, payload):
+            calls.append(ctx.attempt)
+            if ctx.attempt < 3:
+                raise ValueError("not yet")
+            return {"attempt": ctx.attempt}
+        self.start_runner({"k": flaky})
+        task = self.store.create("k", retry=taskstore.Retry(3, base=0, jitter=0))
+        with self.assertLogs(taskstore.logger, "ERROR"):      # each raise is logged
+            done = self.finished(task.id)
+        self.assertEqual((done.status, done.result, done.attempt, calls),
+                         (SUCCEEDED, {"attempt": 3}, 3, [1, 2, 3]))
+
+    def test_the_runners_default_per_kind_and_task_failed_without_retry(self):
+        def broken(ctx, payload):
+            raise RuntimeError("broken")
+
+        def refused(ctx, payload):
+            raise taskstore.TaskFailed({"code": "refused", "message": "no"}, retry=False)
+        self.start_runner({"k": broken, "j": refused}, retry={"k": {"max_attempts": 2, "base": 0}})
+        with self.assertLogs(taskstore.logger, "ERROR"):
+            failed = self.finished(self.store.create("k").id)
+        self.assertEqual((failed.status, failed.attempt, failed.error["attempts"]), (FAILED, 2, 2))
+        refused_task = self.finished(self.store.create("j", retry=4).id)
+        self.assertEqual((refused_task.attempt, refused_task.error),
+                         (1, {"code": "refused", "message": "no"}))
+
+    def test_a_runner_wakes_at_a_delayed_tasks_time_not_its_poll(self):
+        store = self.open_store(clock=time.time, poll_interval=30)
+        self.start_runner({"k": lambda ctx, payload: "ok"}, store=store)
+        task = store.create("k", delay=0.2)
+        self.assertEqual(store.wait(task.id, timeout=10, terminal=True).status, SUCCEEDED)
+
+
 class GroupCommitTests(StoreTestCase):
     """One transaction for many callers' writes: each gets its own result or its own error."""
 
@@ -2506,6 +2811,22 @@ class PgClaimTests(PostgresStoreMixin, ClaimTests):
     }
 
 
+class PgQueueTests(PostgresStoreMixin, QueueTests):
+    __doc__ = QueueTests.__doc__
+
+    def test_another_processs_delayed_task_wakes_a_runner_at_its_time(self):
+        store = self.open_store(clock=time.time, poll_interval=30)
+        self.start_runner({"k": lambda ctx, payload: "ok"}, store=store)
+        self.assertIsNone(store.claim(("k",), owner="proc_x"))   # its due hint is fresh now
+        other = self.open_store(clock=time.time)
+        task = other.create("k", delay=0.3)
+        self.assertEqual(other.wait(task.id, timeout=10, terminal=True).status, SUCCEEDED)
+
+
+class PgRetryRunnerTests(PostgresStoreMixin, RetryRunnerTests):
+    __doc__ = RetryRunnerTests.__doc__
+
+
 class PgGroupCommitTests(PostgresStoreMixin, GroupCommitTests):
     __doc__ = GroupCommitTests.__doc__
     sqlite_only = {
@@ -2664,6 +2985,16 @@ class HistoryCostTests(StoreTestCase):
         steps("next schedule", store.next_schedule_at)
         steps("fire schedules", lambda: store.fire_schedules(self.clock.ms + 60_000))
         steps("metrics", store.unfinished)      # /metrics's database gauges
+        # Issue 32's statements: a limited kind's claim counts the work in
+        # flight, a due task is made ready, dead letters are found by code.
+        store.set_kind_limit("lim", 1)
+        store.create("lim")
+        steps("claim of a limited kind", lambda: store.claim(("lim",), owner=self.runner_id))
+        store.create("soon", delay=1)
+        self.clock.advance(1)
+        steps("claim of a due task", lambda: store.claim(("soon",), owner=self.runner_id))
+        steps("list error_code", lambda: store.list(error_code="boom", limit=20))
+        steps("rerun", lambda: store.rerun(failed.id))
         counted["open"] = self.opening_steps()
         return counted
 
@@ -2728,7 +3059,7 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
     def check_plans(self, stale):
         # Stale: the planner last counted the tasks while all were queued,
         # as autovacuum may have, and they finished since.
-        self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
+        self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, kind_limits, "
                  "processes, secrets, schedules, taskstore_schema")
         store = self.registered(self.open_store())
         self.fill_history(store, created=(lambda: self.sql("ANALYZE")) if stale else
@@ -2741,7 +3072,7 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
         statements, execute = [], store._engine.conn.execute
 
         def recording(sql, params=()):
-            if sql.lstrip().startswith(("SELECT", "WITH")):
+            if sql.lstrip().startswith(("SELECT", "WITH", "UPDATE")):
                 statements.append((sql, params))
             return execute(sql, params)
         with unittest.mock.patch.object(store._engine.conn, "execute", recording):
@@ -2765,13 +3096,23 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
             # next ANALYZE; with current ones it reads the queue's index.
             if not stale:
                 self.assertEqual(len(store.unfinished()), 2)      # cancelling, running
-        self.assertGreaterEqual(len(statements), 6)
+            store.set_kind_limit("k", 5)
+            limited = store.create("k", priority=2).id
+            self.assertEqual(store.claim(("k",), owner=self.runner_id).id, limited)
+            due = store.create("k", delay=1).id
+            self.clock.advance(1)
+            self.assertEqual(store.claim(("k",), owner=self.runner_id).id, due)
+            self.assertEqual(store.list(error_code="boom")[0], [])
+        self.assertGreaterEqual(len(statements), 10)
+        self.assertTrue(any("kind_limits" in sql and "count(*)" not in sql
+                            for sql, _ in statements))
+        self.assertTrue(any("count(*)" in sql for sql, _ in statements))
         for sql, params in statements:
             plan = "\n".join(row[0] for row in self.sql("EXPLAIN " + sql.replace("%s", "?"),
                                                          params))
             self.assertNotIn("Seq Scan on tasks", plan, sql)
-            if "status = 'queued' AND kind" in sql:     # a claim steps over no finished task
-                self.assertIn("tasks_queue", plan, sql)
+            if "status = 'queued' AND run_at IS NULL AND kind" in sql:   # a claim: no
+                self.assertIn("tasks_ready", plan, sql)                 # finished task read
             # The primary key only to look a task up, never walked in id order.
             self.assertNotRegex(plan, r"Index Scan (Backward )?using tasks_pkey on tasks "
                                       r"[^\n]*\n\s*(Filter|$)", sql)
@@ -3198,12 +3539,14 @@ def downgrade(migrations, version):
     for step in range(max(migrations), version, -1):
         for ddl in reversed(migrations[step]):
             verb, kind, name = ddl.split()[:3]
-            if kind == "TABLE" and verb == "CREATE":      # a new table (and its indexes) goes
+            if verb == "ALTER" and ddl.split()[3:5] == ["ADD", "COLUMN"]:
+                statements.append(f"ALTER TABLE {name} DROP COLUMN {ddl.split()[5]}")
+            elif verb == "CREATE" and kind == "TABLE":
                 statements.append(f"DROP TABLE {name}")
-                continue
-            if kind != "INDEX":
+            elif kind != "INDEX":
                 raise AssertionError(f"no way back from {ddl!r}")
-            statements.append(f"DROP INDEX {name}" if verb == "CREATE" else created[name])
+            else:
+                statements.append(f"DROP INDEX {name}" if verb == "CREATE" else created[name])
     return statements
 
 
@@ -3255,7 +3598,11 @@ class SchemaTests(StoreTestCase):
         self.assertEqual(sorted(indexes), sorted(set(re.findall(r"CREATE INDEX (\w+)", text))
                                                  - set(re.findall(r"DROP INDEX (\w+)", text))))
         self.assertEqual(tables["events"][1], ["task_id", "seq"])
-        self.assertEqual(indexes["tasks_queue"], ("tasks", ["kind", "id"], "status = 'queued'"))
+        self.assertEqual(indexes["tasks_ready"], ("tasks", ["kind", "priority", "id"],
+                                                  "status = 'queued' AND run_at IS NULL"))
+        self.assertEqual(indexes["tasks_delayed"], ("tasks", ["run_at"], "run_at IS NOT NULL"))
+        self.assertEqual(tables["kind_limits"][1], ["kind"])
+        self.assertIn(("priority", "integer", True, "0"), tables["tasks"][0])
         self.assertIn(("progress", "real", False, None), tables["tasks"][0])
         self.assertIn(("attempt", "integer", True, "1"), tables["tasks"][0])
 
@@ -3269,8 +3616,16 @@ class SchemaTests(StoreTestCase):
         ddl = [ddl for version in range(1, taskstore.SCHEMA_VERSION + 1)
                for ddl in taskstore.MIGRATIONS[version]]
         dropped = {ddl.split()[-1] for ddl in ddl if ddl.startswith("DROP")}
-        self.assertEqual(stored, [ddl for ddl in ddl if ddl.startswith("CREATE")
-                                  and ddl.split()[2] not in dropped])
+        created = [ddl for ddl in ddl if ddl.startswith("CREATE") and ddl.split()[2] not in dropped]
+        # A column added later (ALTER TABLE ... ADD COLUMN) is written into
+        # its table's CREATE text, at the end of the column list.
+        for alter in (ddl for ddl in ddl if ddl.startswith("ALTER TABLE")):
+            table, column = alter.split()[2], alter.partition(" ADD COLUMN ")[2]
+            at = next(i for i, text in enumerate(created)
+                      if text.startswith(f"CREATE TABLE {table} "))
+            head, _, tail = created[at].rpartition(")")
+            created[at] = f"{head}, {column}){tail}"
+        self.assertEqual(stored, created)
         released = {1: "d9ac50f3337d4940", 2: "3ab486c5339efed3", 3: "ef57b885e944e0e0"}
         for version, digest in released.items():
             text = "\n".join(taskstore.MIGRATIONS[version]).encode()
@@ -3562,6 +3917,38 @@ class AdminCommandTests(OwnedTaskTestCase):
         self.assertEqual((code, json.loads(out)["tasks"]), (0, 0))
         code, out, _ = self.run_main("tasks", "recover", "--db", self.path, "--json")
         self.assertEqual((code, json.loads(out)), (0, {"recovered": 0}))
+
+    def test_retry_limit_limits_and_list_by_error_code(self):
+        self.clock.now = time.time()             # the CLI's store runs on the real clock
+        failed = self.store.create("report", {"x": 1}, retry=2)
+        self.store.claim(("report",), owner="proc_x")
+        self.store.fail(failed.id, {"code": "quota", "message": "over quota"})
+        other = self.store.create("report")
+        self.store.claim(("report",), owner="proc_x")
+        self.store.fail(other.id, {"code": "other", "message": "no"})
+        code, out, _ = self.run_main("tasks", "list", "--db", self.path, "--error-code", "quota",
+                                     "--json")
+        self.assertEqual([t["id"] for t in json.loads(out)["tasks"]], [failed.id])
+        code, out, _ = self.run_main("tasks", "retry", failed.id, "--db", self.path, "--json",
+                                     "--delay", "60")
+        again = json.loads(out)
+        self.assertEqual((code, again["status"], again["attempt"], again["payload"]),
+                         (0, QUEUED, 2, {"x": 1}))
+        code, out, _ = self.run_main("tasks", "list", "--db", self.path)
+        self.assertIn("queued (not before ", out)
+        self.assertIn("attempt 2 of 2", out)
+        code, out, err = self.run_main("tasks", "retry", again["id"], "--db", self.path)
+        self.assertEqual(code, 1, err)
+        code, out, _ = self.run_main("tasks", "limit", "report", "3", "--db", self.path)
+        self.assertEqual((code, out.split()), (0, ["KIND", "MAX", "RUNNING", "report", "3"]))
+        code, out, _ = self.run_main("tasks", "limits", "--db", self.path, "--json")
+        self.assertEqual(json.loads(out), {"report": 3})
+        code, out, _ = self.run_main("tasks", "limit", "report", "--remove", "--db", self.path,
+                                     "--json")
+        self.assertEqual((code, json.loads(out)), (0, {}))
+        for argv in (("limit", "report"), ("limit", "report", "-1"), ("limit", "", "2")):
+            code, _, err = self.run_main("tasks", *argv, "--db", self.path)
+            self.assertNotEqual(code, 0, argv)
 
     def test_tasks_reap_prints_what_it_deleted_and_its_rate(self):
         self.clock.now = time.time() - 3600     # an hour ago, as the CLI's clock sees it
@@ -4249,6 +4636,49 @@ say("running", json.dumps({"proc": runner.process_id, "task": reached.get(timeou
 sys.stdin.readline()
 """
 
+# A runner whose handler fails a task's first attempt (retry policy: an hour's
+# backoff); prints ``backoff {task}`` once the task waits queued for attempt 2,
+# then blocks until it is killed.
+RETRY_BACKOFF_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB)
+
+def flaky(ctx, payload):
+    raise taskstore.TaskFailed({"code": "flaky", "message": "first attempt"})
+
+runner = taskstore.Runner(store, {"flaky": flaky}, workers=2)
+runner.start()
+task = store.create("flaky", retry=taskstore.Retry(3, base=3600, jitter=0))
+version = None
+while True:
+    seen = store.wait(task.id, timeout=T, since_version=version)
+    version = seen.version
+    if seen.status == "queued" and seen.attempt == 2:
+        break
+say("backoff", task.id)
+sys.stdin.readline()
+"""
+
+# A runner of kind ``lim`` (limited by the parent); each task's result is how
+# many tasks of the kind were running, by the store, while it ran.  Runs
+# until stdin closes.
+LIMITED_RUNNER_SCRIPT = CHILD_PRELUDE + r"""
+store = taskstore.TaskStore(DB)
+
+def limited(ctx, payload):
+    seen = []
+    for _ in range(3):
+        seen.append(len(store.list(status="running", kind="lim", limit=100)[0]))
+        ctx.cancelled.wait(0.01)
+    return {"running": max(seen)}
+
+runner = taskstore.Runner(store, {"lim": limited}, workers=3)
+runner.start()
+say("ready")
+sys.stdin.readline()
+runner.stop()
+store.close()
+"""
+
 # Opens (and so initialises) the file, creates one task, and exits.  It first
 # tries without waiting for locks and says ``busy`` when another connection
 # holds one, then opens normally.
@@ -4581,6 +5011,47 @@ class MultiProcessTestCase(unittest.TestCase):
                     self.assertEqual(events[-1].data["status"], store.get(task_id).status)
         self.assertEqual(self.sql("SELECT count(*) FROM processes WHERE id = ?",
                                   (info["proc"],)), [(0,)])
+
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+class RetryAcrossProcessesTests(MultiProcessTestCase):
+    """Retries and kind limits with several processes: kill -9 during a backoff, a shared limit."""
+
+    def test_a_crash_during_the_backoff_loses_nothing_and_doubles_nothing(self):
+        child = self.spawn(RETRY_BACKOFF_SCRIPT)
+        task_id = child.expect("backoff")
+        child.kill9(self)
+        # An hour later, by the clock of the store that takes over.
+        clock = FakeClock(time.time() + 3600)
+        store = self.open_store(clock=clock)
+        self.assertEqual(store.recover(), 0)           # nothing was running: nothing to recover
+        waiting = store.get(task_id)
+        self.assertEqual((waiting.status, waiting.attempt, waiting.owner),
+                         (QUEUED, 2, None))
+        owner = store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        claimed = store.claim(("flaky",), owner=owner)
+        self.assertEqual((claimed.id, claimed.attempt), (task_id, 2))
+        self.assertIsNone(store.claim(("flaky",), owner=owner))
+        statuses = [e.data.get("status") for e in store.events(task_id)]
+        self.assertEqual(statuses, [None, RUNNING, QUEUED, RUNNING])
+
+    def test_a_kind_limit_holds_across_processes(self):
+        store = self.open_store()
+        store.set_kind_limit("lim", 2)
+        children = [self.spawn(LIMITED_RUNNER_SCRIPT) for _ in range(3)]
+        for child in children:
+            child.expect("ready")
+        tasks = store.create_many("lim", [{}] * 15)
+        seen = [store.wait(t.id, timeout=TIMEOUT, terminal=True) for t in tasks]
+        self.assertEqual({t.status for t in seen}, {SUCCEEDED})
+        self.assertLessEqual(max(t.result["running"] for t in seen), 2)
+        for child in children:
+            child.finish(self)
+
+
+class PgRetryAcrossProcessesTests(PostgresStoreMixin, RetryAcrossProcessesTests):
+    __doc__ = RetryAcrossProcessesTests.__doc__
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
@@ -5315,7 +5786,7 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         for version in range(1, taskstore.SCHEMA_VERSION):
             with self.subTest(version=version):
                 self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, "
-                         "processes, secrets, schedules, taskstore_schema")
+                         "kind_limits, processes, secrets, schedules, taskstore_schema")
                 store = self.open_store()
                 owner, cancelled, orphan = owned_history(self, store)
                 store.close()
@@ -5868,6 +6339,23 @@ class LmspRouteTests(ServerTestCase):
                          ("task", "response", "fail", None))
         self.assertEqual(task["events_url"], f"/lmsp/v1/tasks/{task['id']}/events")
         self.assertIsInstance(task["created_at"], int)
+
+    def test_create_takes_this_profiles_queue_options_and_refuses_bad_ones(self):
+        client = self.start_server(workers=0)
+        status, _, task = client.request("POST", "/lmsp/v1/tasks",
+                                         dict(create_body(), delay=60, priority=2,
+                                              retry={"max_attempts": 4}))
+        self.assertEqual((status, task["status"], task["priority"], task["max_attempts"]),
+                         (202, "queued", 2, 4))
+        self.assertAlmostEqual(task["run_at"], time.time() + 60, delta=30)
+        for extra, param in (({"delay": -1}, "delay"), ({"run_at": "soon"}, "run_at"),
+                             ({"retry": {"max_attempts": 0}}, "retry.max_attempts"),
+                             ({"priority": "high"}, "priority")):
+            with self.subTest(param=param):
+                self.assertProblem(client.request("POST", "/lmsp/v1/tasks",
+                                                  dict(create_body(), **extra)),
+                                   400, "invalid_request", param)
+        self.assertEqual(len(client.request("GET", "/lmsp/v1/tasks")[2]["data"]), 1)
 
     def test_get_returns_the_finished_task_with_its_response(self):
         client = self.start_server(DemoBackend(delay=0))
@@ -10119,6 +10607,13 @@ class LmspCrashTortureTests(unittest.TestCase):
             body["input"]["metadata"] = {"demo_fail_after": fail_after}
         expected = "".join(chunks[:fail_after] if fail_after is not None else chunks)
         fails = fail_after is not None and fail_after < len(chunks)
+        # Issue 32's queue in the mix: some tasks wait for a time (a kill may
+        # come during the wait), a failing one may be retried after a backoff
+        # (a kill may come during the backoff) and fails again.
+        if rng.random() < 0.15:
+            body["delay"] = rng.choice((0.01, 0.05, 0.2))
+        if fails and rng.random() < 0.8:
+            body["retry"] = {"max_attempts": 2, "base": rng.choice((0.01, 0.1)), "jitter": 0}
         return body, {"policy": policy, "text": expected, "fails": fails,
                       "incomplete": "max_output_tokens" in extra and not fails
                       and extra["max_output_tokens"] < len(demo_chunks(" ".join(words)))}
@@ -10381,6 +10876,8 @@ class LmspCrashTortureTests(unittest.TestCase):
                 else:
                     self.assertEqual(code, "backend_error")
                     self.assertTrue(info["fails"], task_id)
+                    if "retry" in info["body"] and task_id not in state.killed_active:
+                        self.assertEqual(obj["attempt"], 2, task_id)    # the retry ran, once
                 continue
             self.assertFalse(info["fails"], f"{task_id}: {names[-1]}")
             self.assertEqual(names[-1], "response.incomplete" if info["incomplete"]
@@ -10423,7 +10920,10 @@ class LmspCrashTortureTests(unittest.TestCase):
             print(f"\ntorture: {cycle} cycles, {len(state.tasks)} tasks, "
                   f"{len(state.killed_active)} killed while active, "
                   f"{len(state.expect)} restart checks, {len(state.cancelled)} cancels, "
-                  f"{len(state.events)} events seen", file=sys.stderr)
+                  f"{len(state.events)} events seen, "
+                  f"{sum('delay' in t['body'] for t in state.tasks.values())} delayed, "
+                  f"{sum('retry' in t['body'] for t in state.tasks.values())} with retries",
+                  file=sys.stderr)
 
 
 

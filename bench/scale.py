@@ -8,7 +8,9 @@ Run it from the repository root::
     python3 bench/scale.py --engine postgres --n 50000   # a throwaway PostgreSQL server
 
 Three stores are open in one process: an empty one, one holding N finished
-tasks (``--n``) and one holding ``--queued`` queued tasks.  Each is filled
+tasks (``--n``) and one holding ``--queued`` queued tasks (a few batches of
+each priority, and a tenth of them delayed past the run: the claim must
+find the next ready task by its index, whatever waits around it).  Each is filled
 through the public API only, as a server's runners would have filled it:
 ``create_many`` in small batches of one kind and one principal (a mix of a
 few of each), each task owned by the filling runner's registration from
@@ -79,6 +81,11 @@ PAYLOAD = {"topic": "quarterly figures", "pages": 12, "format": "pdf"}
 RESULT = {"ok": True, "url": "https://example.invalid/r/0123456789abcdef", "pages": 12}
 ERROR = {"code": "E_UPSTREAM", "message": "the upstream service answered 503"}
 LIST_LIMIT = 20
+# The queued store: each batch's priority (most the default), and the share
+# of batches that wait for a time (a week: never due during a run).
+QUEUED_PRIORITIES = (0, 0, 0, 1, 5)
+DELAYED_SHARE = 0.1
+DELAY_S = 7 * 24 * 3600
 
 # verb row names, in the table's order
 VERBS = (
@@ -308,7 +315,7 @@ class Fill:
         return self.report
 
     def queued(self, q):
-        """Q queued tasks, in create_many batches of one kind and one principal."""
+        """Q queued tasks, in create_many batches of one kind, principal, priority and delay."""
         rng = random.Random(self.seed)
         store = self.side.open(self.target)
         started = time.perf_counter()
@@ -319,7 +326,9 @@ class Fill:
                 tasks = store.create_many(
                     rng.choices(KINDS, KIND_WEIGHTS)[0],
                     [dict(PAYLOAD, n=first + k) for k in range(size)],
-                    retention_ms=RETENTION_MS, principal=rng.choice(PRINCIPALS))
+                    retention_ms=RETENTION_MS, principal=rng.choice(PRINCIPALS),
+                    priority=rng.choice(QUEUED_PRIORITIES),
+                    delay=DELAY_S if rng.random() < DELAYED_SHARE else None)
                 self._keep(rng, tasks, seen)
         finally:
             store.close()
