@@ -386,12 +386,12 @@ def late_outcome_markdown():
 
 
 def failure_table_markdown():
-    """Render FAILURE as a markdown table (the README's retries section shows it)."""
+    """Render FAILURE as a markdown table (the README's lifecycle tables show it)."""
     return _markdown_table("error \\ attempts", ("left", "none left"), FAILURE)
 
 
 def lifecycle_tables_markdown():
-    """Render the recovery, repeat-cancel and late-outcome tables, each under a line of its own."""
+    """Render the recovery, repeat-cancel, late-outcome and failure tables, each under a line."""
     return "\n\n".join((
         "What recovery fires for an unfinished task whose process is gone, by status and "
         "restart policy (`taskstore.RESTART`):", restart_table_markdown(),
@@ -399,7 +399,10 @@ def lifecycle_tables_markdown():
         "(`taskstore.CANCELLED_STATES`):", repeat_cancel_markdown(),
         "What the runner does with an outcome its handler reports after the task moved, by the "
         "status it finds (`taskstore.LATE_OUTCOME`); a missing cell drops the outcome:",
-        late_outcome_markdown()))
+        late_outcome_markdown(),
+        "What a handler's failure does, by whether its error may be retried and the attempts "
+        "its retry policy leaves (`taskstore.FAILURE`; without a policy, none are left):",
+        failure_table_markdown()))
 
 
 # =============================================================================

@@ -459,7 +459,8 @@ class LifecycleTableTests(unittest.TestCase):
     def test_readme_shows_each_generated_table(self):
         readme = self.readme()
         for render in (taskstore.restart_table_markdown, taskstore.repeat_cancel_markdown,
-                       taskstore.late_outcome_markdown, taskstore.lifecycle_tables_markdown):
+                       taskstore.late_outcome_markdown, taskstore.failure_table_markdown,
+                       taskstore.lifecycle_tables_markdown):
             with self.subTest(table=render.__name__):
                 self.assertIn(render(), readme)
 
