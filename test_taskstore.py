@@ -7274,10 +7274,14 @@ class BoardBrowserTests(unittest.TestCase):
         self.server, self.logged = None, []
         self.addCleanup(self.stop_server)
 
-    def start_server(self, *extra):
-        """Run ``taskstore.py http`` on this test's file and port; return once it listens."""
+    def start_server(self, *extra, delay=0.1):
+        """Run ``taskstore.py http`` on this test's file and port; return once it listens.
+
+        *delay* is the demo backend's pause before each word: long enough by
+        default for the page to show a task running; shorter where only the end matters.
+        """
         self.server = ServerProcess(self, self.db, "--port", str(self.port),
-                                    "--demo-delay", "0.1", *extra)
+                                    "--demo-delay", str(delay), *extra)
         self.logged.extend(self.server.warnings + self.server.before)
 
     def stop_server(self, sig=signal.SIGTERM):
@@ -7331,7 +7335,7 @@ class BoardBrowserTests(unittest.TestCase):
                                "return r ? r.querySelector('.badge').textContent : null;", task_id)
 
     def test_a_task_created_on_the_page_streams_and_succeeds_live(self):
-        self.start_server()
+        self.start_server(delay=0.03)
         self.open_board()
         text = "Durable tasks stream their text live to the board"
         task_id = self.create(text, "fail")
@@ -7360,7 +7364,8 @@ class BoardBrowserTests(unittest.TestCase):
     def test_cancelling_a_long_task_from_the_page(self):
         self.start_server()
         self.open_board()
-        task_id = self.create(" ".join(f"word{i}" for i in range(300)), "retry")
+        # 100 words at 0.1 s: ten seconds to click cancel while it runs.
+        task_id = self.create(" ".join(f"w{i}" for i in range(100)), "retry")
         self.wait_text("#d-status", "running")
         self.assertIn("cancel \u2192 cancelling", self.browser.text("#d-next"))
         self.assertEqual(self.browser.text("#diagram li.current strong"), RUNNING)
@@ -7384,7 +7389,7 @@ class BoardBrowserTests(unittest.TestCase):
         self.wait_for("the page noticing", lambda: self.browser.js(
             "return document.getElementById('conn').dataset.state") == "down")
         self.shot("server-down")
-        self.start_server()
+        self.start_server(delay=0.01)       # the rest of the resumed text need not crawl
         self.wait_text("#conn", "Reconnected: live")
         self.wait_for("the resumed task succeeding", lambda: self.row_status(resumed) == "succeeded",
                       timeout=30)
@@ -7401,7 +7406,7 @@ class BoardBrowserTests(unittest.TestCase):
         self.shot("after-restart")
 
     def test_with_a_token_the_page_asks_for_it_and_sends_it(self):
-        self.start_server("--token", "alice=board-secret")
+        self.start_server("--token", "alice=board-secret", delay=0.03)
         self.browser.call("POST", "/url", {"url": f"http://127.0.0.1:{self.port}/"})
         shown = "return document.getElementById('auth').offsetParent !== null"
         self.wait_for("the token prompt", lambda: self.browser.js(shown))
