@@ -6728,6 +6728,7 @@ DEFAULT_MAX_CONNECTIONS = 512   # each is a thread and a file descriptor (1024 i
 DEFAULT_KEEPALIVE_S = 15.0
 RETRY_AFTER_S = 1           # a 503's Retry-After: outages and full servers pass quickly
 DEFAULT_DEMO_DELAY_S = 0.02
+HTTP_SHUTDOWN_GRACE_S = 3.0  # at SIGTERM running backends get this long, then the policies apply
 DEFAULT_BACKEND_URL = "http://127.0.0.1:11434/v1"   # Ollama's OpenAI-compatible API
 _STREAM_WAKE_S = 0.5        # how soon an idle event stream notices a server shutdown
 _EVENT_BATCH = 500          # events read from the store per query while streaming
@@ -10568,7 +10569,7 @@ def cmd_http(args):
         if mcp is not None:
             mcp.close()
         server.server_close()
-        runner.stop(timeout=3.0)
+        runner.stop(timeout=HTTP_SHUTDOWN_GRACE_S)
         store.close()
         # The counterpart of the listening line: the server has let go of the port and the file.
         print(f"taskstore: stopped listening on {server.url}", file=sys.stderr, flush=True)

@@ -50,6 +50,9 @@ from taskstore import (CANCELLED, CANCELLING, FAILED, INPUT_REQUIRED, LOADING, Q
                        RUNNING, SUCCEEDED)
 
 TIMEOUT = 10.0
+# How often the tests' in-process servers look up from accepting: their
+# shutdown() waits for that look (up to one interval), once per test.
+SERVE_POLL_S = 0.005
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASKSTORE_PY = os.path.join(HERE, "taskstore.py")
 
@@ -5640,7 +5643,7 @@ class ServerTestCase(unittest.TestCase):
                         workers=workers) if workers else None
         app = LMSPApp(store, backend, tokens=tokens, **app_kwargs)
         server = LMSPServer(app, host, 0)
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": SERVE_POLL_S})
         if runner is not None:
             runner.start()
         thread.start()
@@ -6568,7 +6571,7 @@ class LmspOpenAIBackendTests(ServerTestCase):
 
         upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         upstream.daemon_threads = True
-        thread = threading.Thread(target=upstream.serve_forever, kwargs={"poll_interval": 0.05})
+        thread = threading.Thread(target=upstream.serve_forever, kwargs={"poll_interval": SERVE_POLL_S})
         thread.start()
         self.addCleanup(thread.join, TIMEOUT)
         self.addCleanup(upstream.server_close)
@@ -10824,6 +10827,8 @@ class Deaf:
         threading.Event().wait(3600)      # ignores out.cancelled on purpose
 
 taskstore.make_backend = lambda name, **kwargs: Deaf()
+# The grace runs out the same way at 0.2 s as at its 3 s; the test need not wait 3 s.
+taskstore.HTTP_SHUTDOWN_GRACE_S = 0.2
 sys.exit(taskstore.main(["http", *sys.argv[2:]]))
 """
 
@@ -11086,8 +11091,9 @@ class LmspResourceLimitTests(ServerTestCase):
         status, _, obj = client.request("POST", f"/lmsp/v1/tasks/{doomed['id']}/cancel")
         self.assertEqual((status, obj["status"]), (200, "cancelling"))
         server.proc.send_signal(signal.SIGTERM)
-        # README: backends get 3 s to stop, then every task gets its policy; the exit follows.
-        self.assertEqual(server.proc.wait(timeout=3.0 + TIMEOUT), 0)
+        # README: backends get 3 s (HTTP_SHUTDOWN_GRACE_S, 0.2 s in this script) to stop,
+        # then every task gets its policy; the exit follows.
+        self.assertEqual(server.proc.wait(timeout=taskstore.HTTP_SHUTDOWN_GRACE_S + TIMEOUT), 0)
         store = TaskStore(self.db, recover_on_open=False)
         self.addCleanup(store.close)
         self.assertEqual(store.get(doomed["id"]).status, CANCELLED)
@@ -12308,7 +12314,7 @@ class McpHttpTestCase(ServerTestCase):
                                 taskstore.MCP_TASK_KIND: mcp.run_task}, workers=4)
         app = LMSPApp(store, DemoBackend(delay=0), tokens=tokens, mcp=mcp, **app_kwargs)
         server = LMSPServer(app, "127.0.0.1", 0)
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": SERVE_POLL_S})
         runner.start()
         mcp.owner = runner.process_id
         store.add_listener(mcp.on_change)
@@ -13752,7 +13758,8 @@ class McpResourceLimitTests(McpTestBase):
 
     def test_eof_is_not_blocked_by_a_handler_that_ignores_cancel(self):
         tool, entered, release, _ = self.stubborn_tool()
-        client, server, store = self.start_server(tools=[tool])
+        # A grace shorter than the default 1 s runs out the same way, sooner.
+        client, server, store = self.start_server(tools=[tool], shutdown_grace_s=0.2)
         task_id = self.create_task(client, "stubborn", {})["taskId"]
         entered.get(timeout=TIMEOUT)
         client.close()
