@@ -322,8 +322,8 @@ class PostgresServer:
         command = [os.path.join(self.bin, program), *args]
         if os.geteuid() == 0:
             command = ["runuser", "-u", "postgres", "--", *command]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                       stdin=subprocess.DEVNULL, timeout=60)
+        run_child(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                  stdin=subprocess.DEVNULL, timeout=60)
 
     def url(self, name="postgres"):
         return f"postgresql://postgres@127.0.0.1:{self.port}/{name}"
@@ -740,7 +740,7 @@ class LifecycleTests(StoreTestCase):
         thread = threading.Thread(target=lambda: out.put(
             self.store.wait(task.id, timeout=TIMEOUT, since_version=version)))
         thread.start()
-        subprocess.run([sys.executable, "-c", script], check=True, timeout=TIMEOUT)
+        run_child([sys.executable, "-c", script], check=True, timeout=TIMEOUT)
         self.assertEqual(out.get(timeout=TIMEOUT).status, CANCELLED)
         thread.join(TIMEOUT)
 
@@ -765,7 +765,7 @@ class LifecycleTests(StoreTestCase):
         script = (f"import sys; sys.path.insert(0, {HERE!r}); import taskstore\n"
                   f"s = taskstore.TaskStore({self.path!r}, recover_on_open=False)\n"
                   f"s.cancel({tasks[5].id!r}); s.cancel({tasks[1200].id!r}); s.close()\n")
-        subprocess.run([sys.executable, "-c", script], check=True, timeout=TIMEOUT)
+        run_child([sys.executable, "-c", script], check=True, timeout=TIMEOUT)
         moved = self.store.wait_any(seen, timeout=TIMEOUT)      # another process's, at a poll
         self.assertEqual({k: v.status for k, v in moved.items()},
                          {tasks[5].id: CANCELLED, tasks[1200].id: CANCELLED})
@@ -1973,8 +1973,8 @@ class OwnedTaskTestCase(StoreTestCase):
     def dead_owner(self):
         """A registration whose process has exited (a real, reaped child pid)."""
         if OwnedTaskTestCase._dead_pid is None:
-            proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                                  capture_output=True, text=True, check=True, timeout=TIMEOUT)
+            proc = run_child([sys.executable, "-c", "import os; print(os.getpid())"],
+                             capture_output=True, text=True, check=True, timeout=TIMEOUT)
             OwnedTaskTestCase._dead_pid = int(proc.stdout)
         pid = OwnedTaskTestCase._dead_pid
         owner = taskstore.new_id("proc", self.clock.ms)
@@ -3402,8 +3402,8 @@ class PackagingTests(unittest.TestCase):
         with tempfile.TemporaryDirectory() as cwd:
             script = (f"import sys, threading, os; sys.path.insert(0, {HERE!r}); "
                       "import taskstore; print(threading.active_count(), os.listdir('.'))")
-            out = subprocess.run([sys.executable, "-c", script], cwd=cwd, capture_output=True,
-                                 text=True, timeout=TIMEOUT, check=True).stdout
+            out = run_child([sys.executable, "-c", script], cwd=cwd, capture_output=True,
+                            text=True, timeout=TIMEOUT, check=True).stdout
             self.assertEqual(out.strip(), "1 []")
 
     def test_all_names_exist(self):
@@ -4305,6 +4305,16 @@ def python_child(argv, env=None):
         argv = [argv[0], "-m", "taskstore", *argv[2:]]
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (HERE, env.get("PYTHONPATH"))))
     return argv, env
+
+
+def run_child(argv, **options):
+    """Run *argv* to its end (``subprocess.run``; give it a timeout).
+
+    A Python child uses the run's bytecode cache, as with ``start_child``.
+    """
+    if argv[0] == sys.executable:
+        argv, options["env"] = python_child(list(argv), options.get("env"))
+    return subprocess.run(argv, **options)
 
 
 def start_child(test, argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -5283,7 +5293,7 @@ class PgEngineTests(PostgresStoreMixin, MultiProcessTestCase):
         task = store.create("report", {"topic": "q3"})
 
         def run(*args):
-            proc = subprocess.run([sys.executable, TASKSTORE_PY, "tasks", *args, "--db",
+            proc = run_child([sys.executable, TASKSTORE_PY, "tasks", *args, "--db",
                                    self.path], capture_output=True, text=True, timeout=TIMEOUT)
             self.assertEqual(proc.returncode, 0, proc.stderr)
             return proc.stdout
@@ -5435,8 +5445,8 @@ sys.exit(taskstore.main(["tasks", "list", "--db", "postgresql://nobody@127.0.0.1
 """
 
     def test_the_command_exits_2_naming_the_install_command(self):
-        proc = subprocess.run([sys.executable, "-c", self.SCRIPT, TASKSTORE_DIR],
-                              capture_output=True, text=True, timeout=TIMEOUT)
+        proc = run_child([sys.executable, "-c", self.SCRIPT, TASKSTORE_DIR],
+                         capture_output=True, text=True, timeout=TIMEOUT)
         self.assertEqual(proc.returncode, 2, proc.stderr)
         self.assertIn('pip install "taskstore[postgres]"', proc.stderr)
         self.assertNotIn("Traceback", proc.stderr)
@@ -5445,8 +5455,8 @@ sys.exit(taskstore.main(["tasks", "list", "--db", "postgresql://nobody@127.0.0.1
         code = ("import sys, tempfile, os; sys.path.insert(0, sys.argv[1]); import taskstore; "
                 "d = tempfile.mkdtemp(); taskstore.TaskStore(os.path.join(d, 't.db')).close(); "
                 "print('psycopg' in sys.modules)")
-        proc = subprocess.run([sys.executable, "-c", code, TASKSTORE_DIR], capture_output=True,
-                              text=True, timeout=TIMEOUT)
+        proc = run_child([sys.executable, "-c", code, TASKSTORE_DIR], capture_output=True,
+                         text=True, timeout=TIMEOUT)
         self.assertEqual(proc.stdout.strip(), "False", proc.stderr)
 
 
@@ -7757,8 +7767,8 @@ class LmspProcessTests(unittest.TestCase):
         self.assertEqual(events[-1]["event"], "response.completed")
 
     def test_non_loopback_bind_without_tokens_is_refused(self):
-        proc = subprocess.run(http_command("--db", self.db, "--host", "0.0.0.0", "--port", "0"),
-                              capture_output=True, text=True, timeout=TIMEOUT)
+        proc = run_child(http_command("--db", self.db, "--host", "0.0.0.0", "--port", "0"),
+                         capture_output=True, text=True, timeout=TIMEOUT)
         self.assertEqual(proc.returncode, 2)
         self.assertIn("--insecure-bind", proc.stderr)
         self.assertFalse(os.path.exists(self.db))
@@ -9234,8 +9244,8 @@ class McpCommandTests(McpTestBase):
         self.assertError(client.call("tasks/get", {"taskId": task.id}), -32602, "has expired")
 
     def test_help_says_when_expired_tasks_are_deleted(self):
-        proc = subprocess.run(mcp_server_command("--help"), stdin=subprocess.DEVNULL,
-                              capture_output=True, timeout=TIMEOUT, cwd=self.dir)
+        proc = run_child(mcp_server_command("--help"), stdin=subprocess.DEVNULL,
+                         capture_output=True, timeout=TIMEOUT, cwd=self.dir)
         self.assertEqual(proc.returncode, 0)
         text = " ".join(proc.stdout.decode().split())
         self.assertIn('answers "has expired" from that moment on; its row is deleted by the '
@@ -9246,8 +9256,8 @@ class McpCommandTests(McpTestBase):
                      ["--default-ttl", "0"], ["--max-ttl", "0"],
                      ["--max-line-bytes", "10"], ["--reap-interval", "0"]):
             with self.subTest(args=args):
-                proc = subprocess.run(mcp_server_command(*args), stdin=subprocess.DEVNULL,
-                                      capture_output=True, timeout=TIMEOUT, cwd=self.dir)
+                proc = run_child(mcp_server_command(*args), stdin=subprocess.DEVNULL,
+                                 capture_output=True, timeout=TIMEOUT, cwd=self.dir)
                 self.assertEqual(proc.returncode, 2)
                 self.assertIn(b"must be at least", proc.stderr)
 
@@ -11493,8 +11503,8 @@ class LmspTokenSourceCommandTests(unittest.TestCase):
         for args, tokens, message in cases:
             with self.subTest(message=message):
                 env = dict(os.environ, TASKSTORE_TOKENS=tokens)
-                proc = subprocess.run(http_command("--db", self.db, "--port", "0", *args), env=env,
-                                      capture_output=True, text=True, timeout=TIMEOUT)
+                proc = run_child(http_command("--db", self.db, "--port", "0", *args), env=env,
+                                 capture_output=True, text=True, timeout=TIMEOUT)
                 self.assertEqual(proc.returncode, 2, proc.stderr)
                 self.assertIn(message, proc.stderr)
                 for secret in ("tiny123", "sk-live", self.ALICE, self.BOB):
@@ -11997,9 +12007,10 @@ class Era2CommandTests(Era2TestBase):
         self.assertTrue(got["statusMessage"].startswith("CRASH_RECOVERY"), got)
 
     def test_two_eras_share_one_store(self):
-        modern, _ = self.start_process("--db", self.db)
+        # Each process learns of the other's cancels with its heartbeat: beat often.
+        modern, _ = self.start_process("--db", self.db, "--heartbeat", "0.05")
         self.discover(modern)
-        legacy, _ = self.start_process("--db", self.db)
+        legacy, _ = self.start_process("--db", self.db, "--heartbeat", "0.05")
         legacy.initialize()
         side = taskstore.TaskStore(self.db)
         self.addCleanup(side.close)
@@ -12671,8 +12682,8 @@ class McpHttpGuardTests(McpHttpTestCase):
         self.assertEqual(ok[0], 200)
 
     def test_the_command_serves_mcp_unless_told_not_to(self):
-        self.assertIn("--no-mcp", subprocess.run(http_command("--help"), capture_output=True,
-                                                 text=True, timeout=TIMEOUT).stdout)
+        self.assertIn("--no-mcp", run_child(http_command("--help"), capture_output=True,
+                                            text=True, timeout=TIMEOUT).stdout)
         for flags, expected in (((), 200), (("--no-mcp",), 404)):
             with self.subTest(flags=flags):
                 proc = start_child(self, http_command("--db", self.db, "--port", "0", *flags),
@@ -12846,7 +12857,7 @@ class McpConformanceTests(McpHttpTestCase):
         url = f"http://127.0.0.1:{self.client.port}/mcp"
         outcomes, unexpected = {}, []
         for scenario in CONFORMANCE_SCENARIOS:
-            proc = subprocess.run(
+            proc = run_child(
                 [node, suite, "server", "--url", url, "--scenario", scenario,
                  "--expected-failures", CONFORMANCE_BASELINE],
                 cwd=self.dir, capture_output=True, text=True, timeout=180)
@@ -14101,7 +14112,7 @@ class BenchCommandTests(unittest.TestCase):
     def test_bench_json_reports_every_workload(self):
         n = 20
         # As the README runs it: from the repository root, by its path.
-        out = subprocess.run([sys.executable, os.path.join("bench", "bench.py"), "--n", str(n),
+        out = run_child([sys.executable, os.path.join("bench", "bench.py"), "--n", str(n),
                               "--json"], cwd=HERE, capture_output=True, text=True, timeout=600)
         self.assertEqual(out.returncode, 0, out.stderr)
         report = json.loads(out.stdout)                 # one JSON object, nothing else
@@ -14197,14 +14208,14 @@ class BenchCommandTests(unittest.TestCase):
         self.assertEqual(report["workloads"]["lifecycle"]["target_ratio"], 0.85)
         self.assertEqual(bench.build_parser().parse_args(
             ["--workloads", "lifecycle,memory"]).workloads, ["lifecycle", "memory"])
-        out = subprocess.run([sys.executable, self.BENCH_PY, "--workloads", "nope"], cwd=HERE,
-                             capture_output=True, text=True, timeout=TIMEOUT)
+        out = run_child([sys.executable, self.BENCH_PY, "--workloads", "nope"], cwd=HERE,
+                        capture_output=True, text=True, timeout=TIMEOUT)
         self.assertEqual((out.returncode, out.stdout), (2, ""))
         self.assertIn("unknown workload: nope", out.stderr)
 
     def test_bench_n_below_one_is_a_usage_error(self):
-        out = subprocess.run([sys.executable, self.BENCH_PY, "--n", "0"], cwd=HERE,
-                             capture_output=True, text=True, timeout=TIMEOUT)
+        out = run_child([sys.executable, self.BENCH_PY, "--n", "0"], cwd=HERE,
+                        capture_output=True, text=True, timeout=TIMEOUT)
         self.assertEqual((out.returncode, out.stdout), (2, ""))
         self.assertIn("--n: must be at least 1", out.stderr)
 
@@ -14217,7 +14228,7 @@ class BenchCommandTests(unittest.TestCase):
         pg = load_bench_file("pg")
         self.assertIsNone(pg.cannot_start_server())
         n = 200
-        out = subprocess.run([sys.executable, os.path.join("bench", "bench.py"),
+        out = run_child([sys.executable, os.path.join("bench", "bench.py"),
                               "--start-postgres", "--n", str(n), "--json"],
                              cwd=HERE, capture_output=True, text=True, timeout=900)
         self.assertEqual(out.returncode, 0, out.stderr)
@@ -14266,8 +14277,8 @@ class BenchCommandTests(unittest.TestCase):
                 (["--start-postgres", "--db", "postgresql://u@127.0.0.1:1/d"],
                  "--db and --start-postgres exclude each other")):
             with self.subTest(argv=argv):
-                out = subprocess.run([sys.executable, self.BENCH_PY, *argv], cwd=HERE,
-                                     capture_output=True, text=True, timeout=TIMEOUT)
+                out = run_child([sys.executable, self.BENCH_PY, *argv], cwd=HERE,
+                                capture_output=True, text=True, timeout=TIMEOUT)
                 self.assertEqual((out.returncode, out.stdout), (2, ""))
                 self.assertIn(message, out.stderr)
 
@@ -14366,7 +14377,7 @@ class ScaleBenchTests(unittest.TestCase):
         """Run the README's command at a small size; return (report, stdout)."""
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "scale.json")
-            out = subprocess.run([sys.executable, os.path.join("bench", "scale.py"), *engine,
+            out = run_child([sys.executable, os.path.join("bench", "scale.py"), *engine,
                                   "--n", "2000", "--queued", "500", "--reps", "12",
                                   "--json", path], cwd=HERE, capture_output=True, text=True,
                                  timeout=900)
@@ -14435,8 +14446,8 @@ class ScaleBenchTests(unittest.TestCase):
                               (["--db", "postgresql://u@127.0.0.1:1/d"],
                                "--db applies to --engine postgres")):
             with self.subTest(argv=argv):
-                out = subprocess.run([sys.executable, self.SCALE_PY, *argv], cwd=HERE,
-                                     capture_output=True, text=True, timeout=TIMEOUT)
+                out = run_child([sys.executable, self.SCALE_PY, *argv], cwd=HERE,
+                                capture_output=True, text=True, timeout=TIMEOUT)
                 self.assertEqual((out.returncode, out.stdout), (2, ""))
                 self.assertIn(message, out.stderr)
 
@@ -14658,9 +14669,9 @@ class _LabRun:
         return got
 
     def run_cmd(self, line, expected):
-        proc = subprocess.run(["bash", "-c", self.command(line)], cwd=self.cwd, env=self.env(),
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=LAB_TIMEOUT)
+        proc = run_child(["bash", "-c", self.command(line)], cwd=self.cwd, env=self.env(),
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=LAB_TIMEOUT)
         actual = proc.stdout.splitlines()
         self.test.assertEqual(proc.returncode, 0, f"$ {line}\nexit {proc.returncode}:\n{proc.stdout}")
         self.match_ordered(expected, actual, f"$ {line}")
