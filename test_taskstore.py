@@ -13993,7 +13993,9 @@ class McpTasksRunElsewhereTests(McpTestBase):
     PIPES = True                # following other processes is the transport's thread
 
     def test_status_notifications_follow_a_task_another_process_runs(self):
-        client, _ = self.start_process("--db", self.db, "--workers", "1")
+        # A heartbeat often: the server's worker learns of the side's cancel of its task
+        # with one, and is free for the last tasks only then.
+        client, _ = self.start_process("--db", self.db, "--workers", "1", "--heartbeat", "0.05")
         client.initialize()
         side = taskstore.TaskStore(self.db)
         self.addCleanup(side.close)
