@@ -7640,10 +7640,10 @@ class LmspProcessTests(unittest.TestCase):
 
     def start_mid_task(self, policy):
         """Start a slow server, create a task, read 2 deltas, kill -9; return task and events."""
-        server = ServerProcess(self, self.db, "--demo-delay", "0.2")
+        server = ServerProcess(self, self.db, "--demo-delay", "0.1")
         task = server.client.create(create_body(self.TEXT, on_restart=policy),
                                     headers={"Idempotency-Key": f"job-{policy}"})
-        with server.client.stream(task["id"]) as reader:     # 40 chunks: 8 s to finish
+        with server.client.stream(task["id"]) as reader:     # 40 chunks: 4 s to finish
             seen = reader.until(lambda e: e["data"].get("delta") == "w1 ")
         server.kill()
         self.assertEqual(server.proc.returncode, -signal.SIGKILL)
