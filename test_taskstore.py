@@ -5707,6 +5707,19 @@ class ServerTestCase(unittest.TestCase):
         self.assertTrue(task.terminal, task.status)
         return task
 
+    def short_stream_pauses(self):
+        """Shorten, for this test, the pauses that set the streams' pace.
+
+        An idle stream looks for a shutdown, a departed client and (the change
+        stream) other processes' writes every _STREAM_WAKE_S, and lets a burst
+        of writes land for _CHANGES_GAP_S: a test that waits for one of those
+        facts then waits for the fact, not for the pause.
+        """
+        for name, seconds in (("_STREAM_WAKE_S", 0.05), ("_CHANGES_GAP_S", 0.01)):
+            patcher = unittest.mock.patch.object(taskstore, name, seconds)
+            patcher.start()
+            self.addCleanup(patcher.stop)
+
     def assertProblem(self, reply, status, code, param=None):
         got_status, resp, body = reply
         self.assertEqual(got_status, status, body)
@@ -6308,6 +6321,7 @@ class LmspEventStreamTests(ServerTestCase):
         self.assertEqual(self.wait_terminal(task["id"]).status, SUCCEEDED)
 
     def test_more_streams_than_the_cap_get_503(self):
+        self.short_stream_pauses()
         backend = StepBackend()
         client = self.start_server(backend, max_streams=1)
         task = client.create()
@@ -7069,13 +7083,7 @@ class LmspBoardTests(ServerTestCase):
 
     def setUp(self):
         super().setUp()
-        # The change stream's pauses (a look at the list for other processes'
-        # writes, a moment for a burst to land) set its pace, not what is checked
-        # here: short ones, so each test waits for the fact and not for the pause.
-        for name, seconds in (("_STREAM_WAKE_S", 0.05), ("_CHANGES_GAP_S", 0.01)):
-            patcher = unittest.mock.patch.object(taskstore, name, seconds)
-            patcher.start()
-            self.addCleanup(patcher.stop)
+        self.short_stream_pauses()
 
     def page(self, client, headers=None):
         return plain_request(client, "GET", "/", headers)
