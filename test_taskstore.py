@@ -7448,7 +7448,7 @@ class BoardBrowserTests(unittest.TestCase):
         failing = self.create(words, "fail")
         self.wait_text("#d-status", "running")
         resumed = self.create(words, "resume")
-        self.wait_for("some text streamed", lambda: len(self.browser.text("#text-out")) > 20)
+        self.wait_for("some text streamed", lambda: len(self.browser.text("#text-out")) > 8)
         self.stop_server(signal.SIGKILL)
         self.wait_for("the page noticing", lambda: self.browser.js(
             "return document.getElementById('conn').dataset.state") == "down")
