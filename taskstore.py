@@ -10561,9 +10561,8 @@ def cmd_http(args):
         previous = signal.signal(signal.SIGTERM, stop)
     print(f"taskstore: listening on {server.url}", file=sys.stderr, flush=True)
     try:
-        # shutdown() returns at the loop's next look, so SIGTERM waits up to one
-        # interval: 50 ms (was 250 ms, a quarter second of every stop; the look is
-        # a select() that costs microseconds).
+        # shutdown() returns at the loop's next look: SIGTERM stops accepting within
+        # 50 ms (a look is a select() of microseconds; longer ones made every stop wait).
         server.serve_forever(poll_interval=0.05)
     except KeyboardInterrupt:
         pass
