@@ -8322,6 +8322,7 @@ DEFAULT_MAX_CONNECTIONS = 512   # each is a thread and a file descriptor (1024 i
 DEFAULT_KEEPALIVE_S = 15.0
 RETRY_AFTER_S = 1           # a 503's Retry-After: outages and full servers pass quickly
 DEFAULT_DEMO_DELAY_S = 0.02
+HTTP_SHUTDOWN_GRACE_S = 3.0  # at SIGTERM running backends get this long, then the policies apply
 DEFAULT_BACKEND_URL = "http://127.0.0.1:11434/v1"   # Ollama's OpenAI-compatible API
 _STREAM_WAKE_S = 0.5        # how soon an idle event stream notices a server shutdown
 _EVENT_BATCH = 500          # events read from the store per query while streaming
@@ -12526,7 +12527,9 @@ def cmd_http(args):
         previous = signal.signal(signal.SIGTERM, stop)
     print(f"taskstore: listening on {server.url}", file=sys.stderr, flush=True)
     try:
-        server.serve_forever(poll_interval=0.25)
+        # shutdown() returns at the loop's next look: SIGTERM stops accepting within
+        # 50 ms (a look is a select() of microseconds; longer ones made every stop wait).
+        server.serve_forever(poll_interval=0.05)
     except KeyboardInterrupt:
         pass
     finally:
@@ -12534,7 +12537,7 @@ def cmd_http(args):
         if mcp is not None:
             mcp.close()
         server.server_close()
-        runner.stop(timeout=3.0)
+        runner.stop(timeout=HTTP_SHUTDOWN_GRACE_S)
         store.close()
         # The counterpart of the listening line: the server has let go of the port and the file.
         print(f"taskstore: stopped listening on {server.url}", file=sys.stderr, flush=True)
