@@ -8965,10 +8965,11 @@ class Metrics:
     retries of tasks are counted from the moves this process sees: an
     attempt starts when a task enters ``loading`` or ``running`` from
     ``queued`` (``task_attempts_total``), and a requeue is a move back to
-    ``queued`` (``task_requeues_total``: recovery's restarts today).  The
-    retries of a failed attempt (a retry policy's) are requeues too;
-    a counter of their own, ``taskstore_task_retries_total{kind}``, belongs
-    beside that one, counted where ``_observe`` sees the retry's move.
+    ``queued`` after a crash (``task_requeues_total``: recovery's
+    restarts).  A failed attempt that a retry policy sends back to
+    ``queued`` is a retry (``task_retries_total``), not a requeue: the
+    move is the same ``requeue``, told apart by the not-before time only
+    a retry sets (a restart queues the task at once, ``run_at`` None).
     """
 
     def __init__(self, store):
@@ -8977,7 +8978,8 @@ class Metrics:
         self._started = {}       # task id -> ms its attempt started here (for run times)
         self._finished = {}      # (kind, status) -> tasks finished here
         self._attempts = {}      # kind -> attempts started here
-        self._requeues = {}      # kind -> tasks moved back to queued here
+        self._requeues = {}      # kind -> tasks moved back to queued here after a crash
+        self._retries = {}       # kind -> failed attempts moved back to queued here
         self._runs = {}          # kind -> [bucket counts..., +Inf count, sum seconds]
         store.add_listener(self._observe)
 
@@ -8997,7 +8999,8 @@ class Metrics:
                     del self._started[next(iter(self._started))]
             elif status == QUEUED:
                 self._started.pop(task.id, None)
-                self._requeues[kind] = self._requeues.get(kind, 0) + 1
+                counts = self._requeues if task.run_at is None else self._retries
+                counts[kind] = counts.get(kind, 0) + 1
             elif status in TERMINAL_STATES:
                 key = (kind, status)
                 self._finished[key] = self._finished.get(key, 0) + 1
@@ -9019,6 +9022,7 @@ class Metrics:
         with self._lock:
             finished, attempts = sorted(self._finished.items()), sorted(self._attempts.items())
             requeues = sorted(self._requeues.items())
+            retries = sorted(self._retries.items())
             runs = sorted((kind, list(run)) for kind, run in self._runs.items())
         oldest = {}
         for kind, status, _, created_at in unfinished:
@@ -9043,8 +9047,12 @@ class Metrics:
                        "Attempts this process saw start (a task entering loading or "
                        "running), by kind.", [("", (("kind", kind),), n) for kind, n in attempts])
         _metric_family(out, "taskstore_task_requeues_total", "counter",
-                       "Tasks this process moved back to queued (restarts), by kind.",
+                       "Tasks this process moved back to queued after a crash "
+                       "(restarts), by kind.",
                        [("", (("kind", kind),), n) for kind, n in requeues])
+        _metric_family(out, "taskstore_task_retries_total", "counter",
+                       "Failed attempts this process sent back to queued under a retry "
+                       "policy, by kind.", [("", (("kind", kind),), n) for kind, n in retries])
         samples = []
         for kind, run in runs:
             for bound, count in zip((*METRICS_BUCKETS_S, math.inf), run):

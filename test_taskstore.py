@@ -17529,6 +17529,26 @@ class MetricsStoreTests(StoreTestCase):
         self.assertEqual(self.sample(families, "taskstore_tasks", kind="b", status="queued"), 1)
         self.assertEqual(self.sample(families, "taskstore_task_attempts_total", kind="b"), 1)
         self.assertEqual(self.store.get(retried.id).attempt, 2)
+        self.assertEqual(families["taskstore_task_retries_total"], ("counter", []))
+
+    def test_a_retry_is_counted_apart_from_a_restart_and_attempts_stay(self):
+        metrics = taskstore.Metrics(self.store)
+        self.addCleanup(metrics.close)
+        owner = self.store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        task = self.store.create("c", retry=taskstore.Retry(3, base=0, jitter=0))
+        error = {"code": "flaky", "message": "try again"}
+        for attempt in (1, 2, 3):
+            self.assertEqual(self.store.claim(("c",), owner=owner).id, task.id)
+            failed = self.store.fail(task.id, error, retryable=True)
+            self.assertEqual(failed.status, "failed" if attempt == 3 else "queued")
+        families = parse_exposition(self, metrics.render())
+        self.assertEqual(families["taskstore_task_retries_total"][0], "counter")
+        self.assertEqual(self.sample(families, "taskstore_task_retries_total", kind="c"), 2)
+        self.assertEqual(self.sample(families, "taskstore_task_attempts_total", kind="c"), 3)
+        self.assertEqual(families["taskstore_task_requeues_total"], ("counter", []))
+        self.assertEqual(self.sample(families, "taskstore_tasks_finished_total", kind="c",
+                                     status="failed"), 1)
 
 
 class PgMetricsStoreTests(PostgresStoreMixin, MetricsStoreTests):
