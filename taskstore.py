@@ -8481,6 +8481,25 @@ def create_options(body):
     return {name: body[name] for name in LMSP_QUEUE_OPTIONS if name in body}
 
 
+# What a rerun body may carry (this profile's extension): when the new task may run.
+LMSP_RERUN_OPTIONS = ("run_at", "delay")
+
+
+def rerun_options(body):
+    """The options of a rerun body (``POST /lmsp/v1/tasks/{id}/rerun``): ``run_at``, ``delay``.
+
+    An empty body (or none) reruns at once.  Any other field is a 400
+    naming it; the store checks the values (a bad one is a 400 naming it).
+    """
+    if not isinstance(body, dict):
+        raise InvalidParams("the body must be a JSON object")
+    for name in body:
+        if name not in LMSP_RERUN_OPTIONS:
+            raise InvalidParams(f"a rerun takes only run_at or delay, not {_echo(repr(name))}",
+                                param=name)
+    return {name: body[name] for name in LMSP_RERUN_OPTIONS if name in body}
+
+
 # Stored status -> LMSP stream event.  succeeded is decided by the response.
 _STATUS_EVENTS = {"queued": "response.queued", "loading": "response.loading",
                   "running": "response.in_progress", "cancelling": "response.cancelling",
@@ -9125,6 +9144,8 @@ class LMSPApp:
             (re.compile(r"/lmsp/v1/tasks/([^/]*)"), {"GET": self._get, "HEAD": self._get}),
             (re.compile(r"/lmsp/v1/tasks/([^/]*)/cancel"), {"POST": self._cancel}),
             (re.compile(r"/lmsp/v1/tasks/([^/]*)/events"), {"GET": self._events}),
+            # Our extension: dead letters, a failed task run again as a new task.
+            (re.compile(r"/lmsp/v1/tasks/([^/]*)/rerun"), {"POST": self._rerun}),
             (re.compile(r"/lmsp/v1/capabilities"),
              {"GET": self._capabilities, "HEAD": self._capabilities}),
             (re.compile(r"/healthz"), {"GET": self._health, "HEAD": self._health}),
@@ -9365,6 +9386,19 @@ class LMSPApp:
         task = self.store.cancel(task_id, principal=request["principal"])
         return Reply(200, task_object(task))
 
+    def _rerun(self, request, task_id):
+        # Our extension (dead letters): 202 and the new task, as a create answers;
+        # the failed task keeps its status and history (store.rerun).
+        task_id = self._task_id(task_id)
+        headers, options = request["headers"], {}
+        if headers.get("Content-Length") not in (None, "0") or "Transfer-Encoding" in headers:
+            body = request["read_body"]()
+            if body:
+                options = rerun_options(_json_body(body, headers.get("Content-Type")))
+        self._lmsp_only(self.store.get(task_id, principal=request["principal"]))
+        task = self.store.rerun(task_id, principal=request["principal"], **options)
+        return Reply(202, task_object(task), [("Location", f"{LMSP_PREFIX}/tasks/{task.id}")])
+
     def _list(self, request):
         status = self._query(request, "status")
         if status is not None and status not in LMSP_STATUS.values():
@@ -9373,10 +9407,13 @@ class LMSPApp:
         if not re.fullmatch(r"[0-9]{1,3}", limit) or not 1 <= int(limit) <= 100:
             raise InvalidParams("limit must be an integer from 1 to 100", param="limit")
         stored = None if status is None else [s for s, w in LMSP_STATUS.items() if w == status]
+        # Our extension: ?error_code= lists the failed tasks whose error has that code.
+        error_code = self._query(request, "error_code")
         try:
             tasks, cursor = self.store.list(status=stored, kind="response",
                                             principal=request["principal"],
-                                            limit=int(limit), cursor=self._query(request, "after"))
+                                            limit=int(limit), cursor=self._query(request, "after"),
+                                            error_code=error_code)
         except InvalidCursor:
             raise InvalidCursor("after is not a cursor this server issued", param="after") from None
         return Reply(200, {"object": "list", "data": [task_object(t) for t in tasks],

@@ -6944,6 +6944,86 @@ class LmspCancelTests(ServerTestCase):
             self.assertProblem(self.cancel(client, task["id"]), 409, "task_not_cancelable")
 
 
+class LmspDeadLetterTests(ServerTestCase):
+    """Our extensions for dead letters: ``POST .../rerun`` and ``GET /lmsp/v1/tasks?error_code=``."""
+
+    def failed_task(self, client, code):
+        task = client.create(create_body())
+        owner = self.store.register_process()
+        self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
+        self.assertEqual(self.store.claim(("response",), owner=owner).id, task["id"])
+        self.store.fail(task["id"], {"code": code, "message": f"{code} went wrong"})
+        return task
+
+    def test_a_failed_task_runs_again_as_a_new_task_and_keeps_its_history(self):
+        client = self.start_server(workers=0)
+        failed = self.failed_task(client, "quota")
+        status, resp, task = client.request("POST", f"/lmsp/v1/tasks/{failed['id']}/rerun")
+        self.assertEqual(status, 202, task)
+        self.assertEqual(resp.getheader("Location"), f"/lmsp/v1/tasks/{task['id']}")
+        self.assertNotEqual(task["id"], failed["id"])
+        self.assertEqual((task["status"], task["attempt"], task["type"]), ("queued", 2, "response"))
+        self.assertEqual(client.request("GET", f"/lmsp/v1/tasks/{failed['id']}")[2]["status"],
+                         "failed")
+        self.assertEqual(self.store.get(task["id"]).payload, self.store.get(failed["id"]).payload)
+        status, _, later = client.request("POST", f"/lmsp/v1/tasks/{failed['id']}/rerun",
+                                          {"delay": 60})
+        self.assertEqual(status, 202, later)
+        self.assertAlmostEqual(later["run_at"], time.time() + 60, delta=30)
+
+    def test_rerun_refuses_what_did_not_fail_and_bad_bodies_creating_nothing(self):
+        client = self.start_server(workers=0)
+        failed = self.failed_task(client, "quota")
+        queued = client.create(create_body())
+        self.assertProblem(client.request("POST", f"/lmsp/v1/tasks/{queued['id']}/rerun"),
+                           409, "invalid_transition")
+        for body, param in (({"delay": -1}, "delay"), ({"run_at": "soon"}, "run_at"),
+                            ({"priority": 3}, "priority"), ([1], None)):
+            with self.subTest(body=body):
+                self.assertProblem(client.request("POST", f"/lmsp/v1/tasks/{failed['id']}/rerun",
+                                                  body), 400, "invalid_request", param)
+        self.assertProblem(client.request("POST", f"/lmsp/v1/tasks/{failed['id']}/rerun",
+                                          raw=b"delay=1",
+                                          headers={"Content-Type": "text/plain"}),
+                           415, "unsupported_media_type")
+        self.assertProblem(client.request("POST", "/lmsp/v1/tasks/task_nope/rerun"),
+                           404, "task_not_found")
+        mcp_task = self.store.create("echo", {})         # not an LMSP task
+        self.assertProblem(client.request("POST", f"/lmsp/v1/tasks/{mcp_task.id}/rerun"),
+                           404, "task_not_found")
+        self.assertProblem(client.request("GET", f"/lmsp/v1/tasks/{failed['id']}/rerun"),
+                           405, "method_not_allowed")
+        self.assertEqual(len(client.request("GET", "/lmsp/v1/tasks")[2]["data"]), 2)
+
+    def test_the_list_filters_failed_tasks_by_error_code(self):
+        client = self.start_server(workers=0)
+        quota = self.failed_task(client, "quota")
+        self.failed_task(client, 7)
+        client.create(create_body())
+        listed = client.request("GET", "/lmsp/v1/tasks?error_code=quota")[2]
+        self.assertEqual([t["id"] for t in listed["data"]], [quota["id"]])
+        self.assertEqual(listed["data"][0]["error"]["code"], "quota")
+        self.assertEqual(len(client.request("GET", "/lmsp/v1/tasks?error_code=7")[2]["data"]), 1)
+        self.assertEqual(client.request("GET", "/lmsp/v1/tasks?error_code=quota&status=queued")
+                         [2]["data"], [])
+        self.assertEqual(len(client.request("GET", "/lmsp/v1/tasks?error_code=")[2]["data"]), 3)
+        self.assertProblem(client.request("GET", "/lmsp/v1/tasks?error_code=" + "x" * 201),
+                           400, "invalid_request", "error_code")
+
+    def test_both_need_a_token_and_a_loopback_host_and_keep_principals_apart(self):
+        client = self.start_server(workers=0, tokens={"alice-token": "alice", "bob-token": "bob"})
+        failed = self.failed_task(client, "quota")
+        bob = Client(client.host, client.port, token="bob-token")
+        path = f"/lmsp/v1/tasks/{failed['id']}/rerun"
+        self.assertEqual(client.request("POST", path, exact=True, headers={})[0], 401)
+        self.assertEqual(client.request("GET", "/lmsp/v1/tasks?error_code=quota", exact=True,
+                                        headers={})[0], 401)
+        self.assertEqual(client.request("POST", path, headers={"Host": "evil.example"})[0], 403)
+        self.assertProblem(bob.request("POST", path), 404, "task_not_found")
+        self.assertEqual(bob.request("GET", "/lmsp/v1/tasks?error_code=quota")[2]["data"], [])
+        self.assertEqual(client.request("POST", path)[0], 202)
+
+
 class LmspDemoBackendTests(ServerTestCase):
     """The demo backend's exact contract."""
 
