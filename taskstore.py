@@ -6519,6 +6519,13 @@ class McpTool(typing.NamedTuple):
     input rounds on the ``tools/call`` itself, before any task exists.
     What it returns (a JSON value) is the handler's ``ctx.prepared``, kept
     in the task's payload when the call becomes a task.
+
+    ``retry``, ``priority`` and ``delay`` are the queue options of the tasks
+    its calls create (``create``'s): MCP clients send no queue options, so
+    the server decides them per tool.  A call run inline has none.  With a
+    retry policy, an ``isError`` result (or an exception, which becomes
+    one) runs the tool again after the backoff; a JSON-RPC error (an
+    ``McpError`` the tool raised) fails at once.
     """
 
     name: str
@@ -6527,6 +6534,9 @@ class McpTool(typing.NamedTuple):
     input_schema: dict
     task_support: str
     prepare: object = None
+    retry: object = None                # a Retry, or None: one attempt
+    priority: int = DEFAULT_PRIORITY
+    delay: object = None                # seconds a task of this tool waits first, or None
 
     def to_wire(self, era=_LEGACY):
         """Return the ``tools/list`` entry (2026-07-28 has no ``execution``)."""
@@ -7128,18 +7138,27 @@ class McpToolCalls:
         self._inline = {}                   # client request id -> its cancel event (cancellable)
 
     def add_tool(self, name, handler, *, description="", input_schema=None,
-                 task_support="forbidden", prepare=None):
+                 task_support="forbidden", prepare=None, retry=None,
+                 priority=DEFAULT_PRIORITY, delay=None):
         """Register a tool; see ``McpTool`` for the handler's (and *prepare*'s) contract.
 
+        *retry* (a ``Retry``, its fields as a dict, or a number of attempts),
+        *priority* and *delay* (seconds) are given to every task a call of
+        the tool creates, in both eras and on every transport.
+
         Raises:
-            InvalidParams: *task_support* is not forbidden, optional or required.
+            InvalidParams: *task_support* is not forbidden, optional or
+                required; a bad retry policy, priority or delay (named).
         """
         if task_support not in TASK_SUPPORT:
             raise InvalidParams(f"task_support must be one of {', '.join(TASK_SUPPORT)}",
                                 param="task_support")
+        _check_int(priority, "priority", minimum=-2**31, allow_none=False, maximum=2**31 - 1)
+        if delay is not None:
+            _number(delay, "delay", 0, 1e9)
         tool = McpTool(name, handler, description,
                        input_schema if input_schema is not None else {"type": "object"},
-                       task_support, prepare)
+                       task_support, prepare, _retry_param(retry), priority, delay)
         self.tools[name] = tool
         return tool
 
@@ -7236,7 +7255,8 @@ class McpToolCalls:
             payload["prepared"] = ctx.prepared
         created = mcp.store.create(MCP_TASK_KIND, payload,
                                    ttl_ms=self._grant_ttl(ttl), meta=meta, owner=mcp.owner,
-                                   principal=mcp.principal)
+                                   principal=mcp.principal, retry=tool.retry,
+                                   priority=tool.priority, delay=tool.delay)
         # Committed: a tasks/get for this id resolves from now on.
         if request.era == _MODERN:
             return mcp_task_to_modern_wire(created, mcp.poll_interval_ms, created=True)
@@ -7322,13 +7342,15 @@ class McpToolCalls:
         """Runner handler for kind ``mcp.tools/call``: run the tool, map its outcome."""
         tool = self.tools.get(payload.get("name"))
         if tool is None:        # e.g. a task queued by a server with other tools
-            raise TaskFailed({"code": -32602, "message": f"Unknown tool: {payload.get('name')}"})
+            raise TaskFailed({"code": -32602, "message": f"Unknown tool: {payload.get('name')}"},
+                             retry=False)
         ctx = ToolContext(self._mcp, task_ctx=task_ctx)    # progress goes out via on_change
         try:
             result = self._invoke(tool, ctx, payload.get("arguments") or {})
         except TaskStoreError as exc:
-            # A JSON-RPC error: stored as such so that tasks/result replays it.
-            raise TaskFailed(to_jsonrpc_error(exc)) from None
+            # A JSON-RPC error: stored as such so that tasks/result replays it.  The
+            # tool's deliberate answer, not a failure a retry could mend.
+            raise TaskFailed(to_jsonrpc_error(exc), retry=False) from None
         if result.get("isError"):
             texts = [c.get("text") for c in result.get("content", ()) if c.get("type") == "text"]
             error = {"code": "tool_error", "message": texts[0] if texts else "tool error"}

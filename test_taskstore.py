@@ -13346,6 +13346,26 @@ class McpHttpModernTests(McpHttpTestCase):
         self.assertRpcError(mcp.modern("tasks/result", {"taskId": task["taskId"]}), 404, -32601)
         self.assertRpcError(mcp.modern("tasks/list"), 404, -32601)
 
+    def test_a_tools_queue_options_reach_its_tasks_over_http(self):
+        tools = {}
+        mcp = self.start_mcp(tools=tools)
+        calls = []
+
+        def flaky(ctx, args):
+            calls.append(ctx.task_id)
+            return taskstore.text_result("not yet", is_error=True) if len(calls) < 2 else "ok"
+        self.mcp.add_tool("flaky", flaky, task_support="optional", priority=7,
+                          retry={"max_attempts": 2, "base": 0})
+        status, created = mcp.modern("tools/call", {"name": "flaky", "arguments": {}})
+        self.assertEqual(status, 200, created)
+        task = created["result"]
+        self.assertEqual(task["_meta"][taskstore.MCP_QUEUE_META],
+                         {"attempt": 1, "maxAttempts": 2, "priority": 7})
+        done = self.wait_terminal(task["taskId"])
+        self.assertEqual((done.status, done.attempt), ("succeeded", 2))
+        got = mcp.modern("tasks/get", {"taskId": task["taskId"]})[1]["result"]
+        self.assertEqual((got["status"], era2_text(got["result"])), ("completed", "ok"))
+
     def test_a_call_without_the_extension_runs_inline_and_answers_json(self):
         mcp = self.start_mcp()
         status, answer = mcp.modern("tools/call", {"name": "sleep_then_echo",
@@ -15573,6 +15593,82 @@ class McpTasksRunElsewhereTests(McpTestBase):
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+class McpToolQueueOptionsTests(McpTestBase):
+    """A tool's registration carries the queue options of the tasks its calls create."""
+
+    def flaky_tool(self, fails, **options):
+        calls = []
+
+        def flaky(ctx, args):
+            calls.append(ctx.task_id)
+            if len(calls) <= fails:
+                return taskstore.text_result(f"failure {len(calls)}", is_error=True)
+            return "done"
+        return ("flaky", flaky, dict(task_support="optional", **options)), calls
+
+    def run_flaky(self):
+        tool, calls = self.flaky_tool(2, retry=taskstore.Retry(3, base=0, jitter=0), priority=5)
+        client, _, store = self.start_server(tools=[tool], demo=False)
+        task = self.create_task(client, "flaky", {})
+        self.assertEqual(task["_meta"][taskstore.MCP_QUEUE_META]["maxAttempts"], 3)
+        self.assertEqual(task["_meta"][taskstore.MCP_QUEUE_META]["priority"], 5)
+        done = store.wait(task["taskId"], timeout=TIMEOUT, terminal=True)
+        self.assertEqual((done.status, done.attempt, done.priority), ("succeeded", 3, 5))
+        self.assertEqual(calls, [task["taskId"]] * 3)
+        got = client.result("tasks/get", {"taskId": task["taskId"]})
+        self.assertEqual((got["status"], got["_meta"][taskstore.MCP_QUEUE_META]["attempt"]),
+                         ("completed", 3))
+        result = client.result("tasks/result", {"taskId": task["taskId"]})
+        self.assertEqual(result["content"][0]["text"], "done")
+
+    def test_a_tools_retry_policy_runs_its_failed_attempts_again(self):
+        self.run_flaky()
+
+    @over_pipes
+    def test_the_same_over_stdio_pipes(self):
+        self.run_flaky()
+
+    def test_the_last_attempt_fails_and_a_json_rpc_error_fails_at_once(self):
+        tool, calls = self.flaky_tool(5, retry={"max_attempts": 2, "base": 0})
+
+        def refuses(ctx, args):
+            raise taskstore.McpError(-32000, "no such thing")
+        client, _, store = self.start_server(tools=[tool, ("refuses", refuses, dict(
+            task_support="optional", retry=3))], demo=False)
+        task = self.create_task(client, "flaky", {})
+        failed = store.wait(task["taskId"], timeout=TIMEOUT, terminal=True)
+        self.assertEqual((failed.status, failed.attempt, failed.error["attempts"]),
+                         ("failed", 2, 2))
+        refused = self.create_task(client, "refuses", {})
+        failed = store.wait(refused["taskId"], timeout=TIMEOUT, terminal=True)
+        self.assertEqual((failed.status, failed.attempt), ("failed", 1))
+
+    def test_a_tools_delay_queues_its_tasks_and_an_inline_call_has_none(self):
+        tool, calls = self.flaky_tool(0, delay=3600, priority=-2)
+        client, _, store = self.start_server(tools=[tool], demo=False)
+        task = self.create_task(client, "flaky", {})
+        stored = store.get(task["taskId"])
+        self.assertEqual((stored.status, stored.priority), ("queued", -2))
+        self.assertEqual(task["_meta"][taskstore.MCP_QUEUE_META]["runAt"],
+                         taskstore.iso_time(stored.run_at))
+        answer = client.result("tools/call", {"name": "flaky", "arguments": {}})
+        self.assertEqual(answer["content"][0]["text"], "done")
+        self.assertEqual(calls, [None])
+        self.assertEqual(len(store.list()[0]), 1)
+
+    def test_bad_options_are_refused_at_registration_naming_the_field(self):
+        server = taskstore.McpDispatcher(TaskStore(os.path.join(self.dir, "bad.db")))
+        self.addCleanup(server.store.close)
+        for options, param in (({"retry": 0}, "retry.max_attempts"),
+                               ({"retry": {"max_attempts": 2, "speed": 1}}, "retry.speed"),
+                               ({"priority": "high"}, "priority"), ({"priority": 2**31}, "priority"),
+                               ({"delay": -1}, "delay"), ({"delay": "soon"}, "delay")):
+            with self.subTest(options=options), self.assertRaises(InvalidParams) as caught:
+                server.add_tool("t", lambda ctx, args: "x", task_support="optional", **options)
+            self.assertEqual(caught.exception.param, param)
+        self.assertEqual(server.tools, {})
+
+
 class McpKilledQueueTests(McpTestBase):
     """A task still queued (MCP: working) when its server is killed."""
 
