@@ -73,7 +73,8 @@ TASKSTORE_PY = os.path.join(HERE, "taskstore.py")
 #   TASKSTORE_TEST_CLAIM_TASKS=N     tasks claimed by competing processes (500; full: 10000)
 #   TASKSTORE_TEST_IDEMPOTENT_KEYS=N keys raced by competing processes (200)
 #   TASKSTORE_TORTURE_SEED, TASKSTORE_FUZZ_SEED (the HTTP server's torture and
-#   fuzzing) and TASKSTORE_FAULT_SEED (the MCP server's): replay a seeded fault
+#   fuzzing, the schedules' kill -9 torture) and TASKSTORE_FAULT_SEED (the MCP
+#   server's): replay a seeded fault
 #                                    test; a failure prints the one to set
 #   TASKSTORE_TEST_STATS=1           the fault tests print what they covered
 #   TASKSTORE_PG_REQUIRED=1          the PostgreSQL classes fail, not skip, where
@@ -17481,6 +17482,102 @@ class CrossProcessScheduleTests(MultiProcessTestCase):
         self.assertEqual(len({(t.meta["schedule"], t.meta["due_at"]) for t in tasks}),
                          2 * periods)
 
+
+    @unittest.skipUnless(hasattr(signal, "SIGKILL"), "POSIX only")
+    def test_kill_9_while_firing_leaves_one_task_per_period_and_none_doubled(self):
+        """Issue 32's torture for schedules: processes killed at random moments while firing.
+
+        Each cycle moves the shared fake clock (by less than a period, one, or
+        many: downtime), tells every process to fire, and kills some of them
+        (none, one, or all) after a random number of the others' answers, so
+        that a kill lands before, during or after a firing transaction.  Then
+        the database must say exactly what the store defines: a schedule due
+        at the cycle's time has fired once, for its first missed period, and
+        moved to the first period after that time, whenever a process
+        survived; with every process killed it either fired so or not at
+        all.  At the end the tasks are exactly those periods, once each.
+        Replay: TASKSTORE_TORTURE_SEED=N.
+        """
+        run = FaultRun("TASKSTORE_TORTURE_SEED", 20261203)
+        rng = run.rng
+        clock = FakeClock()
+        store = self.open_store(clock=clock)
+        periods = {"tick": (60_000, None), "cron": (None, "*/3 * * * *")}
+        for name, (every_ms, cron) in periods.items():
+            store.schedule(name, "k", {"from": name}, cron=cron,
+                           every=None if every_ms is None else every_ms / 1000)
+        model = {s.name: s.next_at for s in store.schedules()}
+        fired = {name: [] for name in periods}      # the periods that fired, in order
+        children = [self.spawn(FIRE_SCRIPT) for _ in range(3)]
+        for child in children:
+            child.expect("ready")
+        kills = cycle = 0
+        unsure = [0, 0]         # due when every firer was killed: [not fired, fired]
+        with run.replaying(lambda: f"cycle {cycle}"):
+            while run.more(cycle, TORTURE_CYCLES):
+                clock.advance(rng.choice((20, 60, 61, 180, 1000, 7 * 86400)))
+                now = clock.ms
+                for child in children:
+                    child.send(str(now))
+                # Each victim dies after a random number of the survivors' answers.
+                victims = [i for i in range(len(children)) if rng.random() < 0.35]
+                survivors = [i for i in range(len(children)) if i not in victims]
+                victims = {i: rng.randint(0, len(survivors)) for i in victims}
+                for answered in range(len(survivors) + 1):
+                    for i, after in victims.items():
+                        if after == answered:
+                            children[i].kill9(self)
+                    if answered < len(survivors):
+                        children[survivors[answered]].expect("fired")
+                kills += len(victims)
+                if not survivors:
+                    self.settle(store)
+                for name, schedule in {s.name: s for s in store.schedules()}.items():
+                    due = model[name] <= now
+                    moved = schedule.next_at != model[name]
+                    if due and not survivors:
+                        unsure[moved] += 1          # both happen: a kill before, after a commit
+                    if due and (survivors or moved):
+                        self.assertEqual(schedule.next_at,
+                                         taskstore._schedule_next(*periods[name], now), name)
+                        self.assertEqual(schedule.last_due, model[name], name)
+                        fired[name].append(model[name])
+                        model[name] = schedule.next_at
+                    else:
+                        self.assertFalse(moved, f"{name} moved though not due or not fired")
+                    self.assertEqual(schedule.fired, len(fired[name]), name)
+                for i in victims:
+                    children[i] = self.spawn(FIRE_SCRIPT)
+                for i in victims:
+                    children[i].expect("ready")
+                cycle += 1
+        for child in children:
+            child.send("end")
+            child.finish(self)
+        tasks, _ = store.list(kind="k", limit=10_000)
+        for name in periods:
+            due = sorted(t.meta["due_at"] for t in tasks if t.meta["schedule"] == name)
+            self.assertEqual(due, fired[name], f"{name}: a period doubled, lost or invented")
+        self.assertGreater(kills, 0)
+        self.assertGreater(sum(map(len, fired.values())), 0)
+        if PRINT_STATS:
+            print(f"\nschedule torture: {cycle} cycles, {kills} kills, "
+                  f"{sum(map(len, fired.values()))} periods fired; due with every firer "
+                  f"killed: {unsure[1]} fired, {unsure[0]} not", file=sys.stderr)
+
+    def settle(self, store):
+        """Wait until the transactions of killed processes have ended, committed or not.
+
+        On SQLite a transaction ends with its process.  On PostgreSQL a COMMIT
+        a client sent before its kill still completes on the server, and it
+        is in flight only after the client's compare-and-set returned, so
+        that transaction holds the schedule's row lock: a locking read waits
+        for it (any other statement of a dead client ends in a rollback).
+        """
+        if taskstore.is_postgres_url(self.path):
+            engine = store._engine
+            store._engine.write(lambda: engine.conn.execute(
+                "SELECT name FROM schedules FOR UPDATE").fetchall())
 
     @unittest.skipUnless(FULL, f"runner processes on the real clock: {FULL_ONLY}")
     def test_runner_processes_fire_each_period_once_by_themselves(self):
