@@ -6522,6 +6522,13 @@ class McpTool(typing.NamedTuple):
     input rounds on the ``tools/call`` itself, before any task exists.
     What it returns (a JSON value) is the handler's ``ctx.prepared``, kept
     in the task's payload when the call becomes a task.
+
+    ``retry``, ``priority`` and ``delay`` are the queue options of the tasks
+    its calls create (``create``'s): MCP clients send no queue options, so
+    the server decides them per tool.  A call run inline has none.  With a
+    retry policy, an ``isError`` result (or an exception, which becomes
+    one) runs the tool again after the backoff; a JSON-RPC error (an
+    ``McpError`` the tool raised) fails at once.
     """
 
     name: str
@@ -6530,6 +6537,9 @@ class McpTool(typing.NamedTuple):
     input_schema: dict
     task_support: str
     prepare: object = None
+    retry: object = None                # a Retry, or None: one attempt
+    priority: int = DEFAULT_PRIORITY
+    delay: object = None                # seconds a task of this tool waits first, or None
 
     def to_wire(self, era=_LEGACY):
         """Return the ``tools/list`` entry (2026-07-28 has no ``execution``)."""
@@ -7131,18 +7141,27 @@ class McpToolCalls:
         self._inline = {}                   # client request id -> its cancel event (cancellable)
 
     def add_tool(self, name, handler, *, description="", input_schema=None,
-                 task_support="forbidden", prepare=None):
+                 task_support="forbidden", prepare=None, retry=None,
+                 priority=DEFAULT_PRIORITY, delay=None):
         """Register a tool; see ``McpTool`` for the handler's (and *prepare*'s) contract.
 
+        *retry* (a ``Retry``, its fields as a dict, or a number of attempts),
+        *priority* and *delay* (seconds) are given to every task a call of
+        the tool creates, in both eras and on every transport.
+
         Raises:
-            InvalidParams: *task_support* is not forbidden, optional or required.
+            InvalidParams: *task_support* is not forbidden, optional or
+                required; a bad retry policy, priority or delay (named).
         """
         if task_support not in TASK_SUPPORT:
             raise InvalidParams(f"task_support must be one of {', '.join(TASK_SUPPORT)}",
                                 param="task_support")
+        _check_int(priority, "priority", minimum=-2**31, allow_none=False, maximum=2**31 - 1)
+        if delay is not None:
+            _number(delay, "delay", 0, 1e9)
         tool = McpTool(name, handler, description,
                        input_schema if input_schema is not None else {"type": "object"},
-                       task_support, prepare)
+                       task_support, prepare, _retry_param(retry), priority, delay)
         self.tools[name] = tool
         return tool
 
@@ -7239,7 +7258,8 @@ class McpToolCalls:
             payload["prepared"] = ctx.prepared
         created = mcp.store.create(MCP_TASK_KIND, payload,
                                    ttl_ms=self._grant_ttl(ttl), meta=meta, owner=mcp.owner,
-                                   principal=mcp.principal)
+                                   principal=mcp.principal, retry=tool.retry,
+                                   priority=tool.priority, delay=tool.delay)
         # Committed: a tasks/get for this id resolves from now on.
         if request.era == _MODERN:
             return mcp_task_to_modern_wire(created, mcp.poll_interval_ms, created=True)
@@ -7325,13 +7345,15 @@ class McpToolCalls:
         """Runner handler for kind ``mcp.tools/call``: run the tool, map its outcome."""
         tool = self.tools.get(payload.get("name"))
         if tool is None:        # e.g. a task queued by a server with other tools
-            raise TaskFailed({"code": -32602, "message": f"Unknown tool: {payload.get('name')}"})
+            raise TaskFailed({"code": -32602, "message": f"Unknown tool: {payload.get('name')}"},
+                             retry=False)
         ctx = ToolContext(self._mcp, task_ctx=task_ctx)    # progress goes out via on_change
         try:
             result = self._invoke(tool, ctx, payload.get("arguments") or {})
         except TaskStoreError as exc:
-            # A JSON-RPC error: stored as such so that tasks/result replays it.
-            raise TaskFailed(to_jsonrpc_error(exc)) from None
+            # A JSON-RPC error: stored as such so that tasks/result replays it.  The
+            # tool's deliberate answer, not a failure a retry could mend.
+            raise TaskFailed(to_jsonrpc_error(exc), retry=False) from None
         if result.get("isError"):
             texts = [c.get("text") for c in result.get("content", ()) if c.get("type") == "text"]
             error = {"code": "tool_error", "message": texts[0] if texts else "tool error"}
@@ -8485,6 +8507,25 @@ def create_options(body):
     return {name: body[name] for name in LMSP_QUEUE_OPTIONS if name in body}
 
 
+# What a rerun body may carry (this profile's extension): when the new task may run.
+LMSP_RERUN_OPTIONS = ("run_at", "delay")
+
+
+def rerun_options(body):
+    """The options of a rerun body (``POST /lmsp/v1/tasks/{id}/rerun``): ``run_at``, ``delay``.
+
+    An empty body (or none) reruns at once.  Any other field is a 400
+    naming it; the store checks the values (a bad one is a 400 naming it).
+    """
+    if not isinstance(body, dict):
+        raise InvalidParams("the body must be a JSON object")
+    for name in body:
+        if name not in LMSP_RERUN_OPTIONS:
+            raise InvalidParams(f"a rerun takes only run_at or delay, not {_echo(repr(name))}",
+                                param=name)
+    return {name: body[name] for name in LMSP_RERUN_OPTIONS if name in body}
+
+
 # Stored status -> LMSP stream event.  succeeded is decided by the response.
 _STATUS_EVENTS = {"queued": "response.queued", "loading": "response.loading",
                   "running": "response.in_progress", "cancelling": "response.cancelling",
@@ -8969,10 +9010,11 @@ class Metrics:
     retries of tasks are counted from the moves this process sees: an
     attempt starts when a task enters ``loading`` or ``running`` from
     ``queued`` (``task_attempts_total``), and a requeue is a move back to
-    ``queued`` (``task_requeues_total``: recovery's restarts today).  The
-    retries of a failed attempt (a retry policy's) are requeues too;
-    a counter of their own, ``taskstore_task_retries_total{kind}``, belongs
-    beside that one, counted where ``_observe`` sees the retry's move.
+    ``queued`` after a crash (``task_requeues_total``: recovery's
+    restarts).  A failed attempt that a retry policy sends back to
+    ``queued`` is a retry (``task_retries_total``), not a requeue: the
+    move is the same ``requeue``, told apart by the not-before time only
+    a retry sets (a restart queues the task at once, ``run_at`` None).
     """
 
     def __init__(self, store):
@@ -8981,7 +9023,8 @@ class Metrics:
         self._started = {}       # task id -> ms its attempt started here (for run times)
         self._finished = {}      # (kind, status) -> tasks finished here
         self._attempts = {}      # kind -> attempts started here
-        self._requeues = {}      # kind -> tasks moved back to queued here
+        self._requeues = {}      # kind -> tasks moved back to queued here after a crash
+        self._retries = {}       # kind -> failed attempts moved back to queued here
         self._runs = {}          # kind -> [bucket counts..., +Inf count, sum seconds]
         store.add_listener(self._observe)
 
@@ -9001,7 +9044,8 @@ class Metrics:
                     del self._started[next(iter(self._started))]
             elif status == QUEUED:
                 self._started.pop(task.id, None)
-                self._requeues[kind] = self._requeues.get(kind, 0) + 1
+                counts = self._requeues if task.run_at is None else self._retries
+                counts[kind] = counts.get(kind, 0) + 1
             elif status in TERMINAL_STATES:
                 key = (kind, status)
                 self._finished[key] = self._finished.get(key, 0) + 1
@@ -9023,6 +9067,7 @@ class Metrics:
         with self._lock:
             finished, attempts = sorted(self._finished.items()), sorted(self._attempts.items())
             requeues = sorted(self._requeues.items())
+            retries = sorted(self._retries.items())
             runs = sorted((kind, list(run)) for kind, run in self._runs.items())
         oldest = {}
         for kind, status, _, created_at in unfinished:
@@ -9047,8 +9092,12 @@ class Metrics:
                        "Attempts this process saw start (a task entering loading or "
                        "running), by kind.", [("", (("kind", kind),), n) for kind, n in attempts])
         _metric_family(out, "taskstore_task_requeues_total", "counter",
-                       "Tasks this process moved back to queued (restarts), by kind.",
+                       "Tasks this process moved back to queued after a crash "
+                       "(restarts), by kind.",
                        [("", (("kind", kind),), n) for kind, n in requeues])
+        _metric_family(out, "taskstore_task_retries_total", "counter",
+                       "Failed attempts this process sent back to queued under a retry "
+                       "policy, by kind.", [("", (("kind", kind),), n) for kind, n in retries])
         samples = []
         for kind, run in runs:
             for bound, count in zip((*METRICS_BUCKETS_S, math.inf), run):
@@ -9121,6 +9170,8 @@ class LMSPApp:
             (re.compile(r"/lmsp/v1/tasks/([^/]*)"), {"GET": self._get, "HEAD": self._get}),
             (re.compile(r"/lmsp/v1/tasks/([^/]*)/cancel"), {"POST": self._cancel}),
             (re.compile(r"/lmsp/v1/tasks/([^/]*)/events"), {"GET": self._events}),
+            # Our extension: dead letters, a failed task run again as a new task.
+            (re.compile(r"/lmsp/v1/tasks/([^/]*)/rerun"), {"POST": self._rerun}),
             (re.compile(r"/lmsp/v1/capabilities"),
              {"GET": self._capabilities, "HEAD": self._capabilities}),
             (re.compile(r"/healthz"), {"GET": self._health, "HEAD": self._health}),
@@ -9361,6 +9412,19 @@ class LMSPApp:
         task = self.store.cancel(task_id, principal=request["principal"])
         return Reply(200, task_object(task))
 
+    def _rerun(self, request, task_id):
+        # Our extension (dead letters): 202 and the new task, as a create answers;
+        # the failed task keeps its status and history (store.rerun).
+        task_id = self._task_id(task_id)
+        headers, options = request["headers"], {}
+        if headers.get("Content-Length") not in (None, "0") or "Transfer-Encoding" in headers:
+            body = request["read_body"]()
+            if body:
+                options = rerun_options(_json_body(body, headers.get("Content-Type")))
+        self._lmsp_only(self.store.get(task_id, principal=request["principal"]))
+        task = self.store.rerun(task_id, principal=request["principal"], **options)
+        return Reply(202, task_object(task), [("Location", f"{LMSP_PREFIX}/tasks/{task.id}")])
+
     def _list(self, request):
         status = self._query(request, "status")
         if status is not None and status not in LMSP_STATUS.values():
@@ -9369,10 +9433,13 @@ class LMSPApp:
         if not re.fullmatch(r"[0-9]{1,3}", limit) or not 1 <= int(limit) <= 100:
             raise InvalidParams("limit must be an integer from 1 to 100", param="limit")
         stored = None if status is None else [s for s, w in LMSP_STATUS.items() if w == status]
+        # Our extension: ?error_code= lists the failed tasks whose error has that code.
+        error_code = self._query(request, "error_code")
         try:
             tasks, cursor = self.store.list(status=stored, kind="response",
                                             principal=request["principal"],
-                                            limit=int(limit), cursor=self._query(request, "after"))
+                                            limit=int(limit), cursor=self._query(request, "after"),
+                                            error_code=error_code)
         except InvalidCursor:
             raise InvalidCursor("after is not a cursor this server issued", param="after") from None
         return Reply(200, {"object": "list", "data": [task_object(t) for t in tasks],
