@@ -84,7 +84,7 @@ __all__ = [
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
     "FAILED", "CANCELLED",
     # Periodic tasks and metrics
-    "Schedule", "Cron", "Metrics", "METRICS_PATH",
+    "Schedules", "Schedule", "Cron", "Metrics", "METRICS_PATH",
     # MCP server (section 9)
     "McpServer", "McpDispatcher", "McpWork", "McpTool", "ToolContext", "McpError",
     "ParseError", "InvalidRequest", "MethodNotFound", "ServerBusy", "add_demo_tools",
@@ -1025,7 +1025,7 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 
 
 class Schedule(typing.NamedTuple):
-    """A periodic task, as ``TaskStore.schedules()`` lists it.  Times are epoch ms."""
+    """A periodic task, as ``store.schedules.list()`` lists it.  Times are epoch ms."""
 
     name: str
     kind: str
@@ -1675,7 +1675,7 @@ SCHEMA = {
     # every process and replica on the database.  MCP signs the requestState
     # of its input rounds with one ("mcp.request_state"), so any replica can
     # verify a state another issued.  Never shown, never rotated by the store.
-    # schedules: periodic tasks (TaskStore.schedule).  One row per schedule;
+    # schedules: periodic tasks (Schedules.add).  One row per schedule;
     # next_at is the start of the next period to fire, and schedules_due
     # finds the due ones, and the next time a runner wakes, without reading
     # paused schedules.
@@ -3674,7 +3674,7 @@ class TaskStore:
         self._reap_batches = {}     # kind of reap step: the batch size it last reached (_reap)
         self._ids = _IdSequence()
         self._recovery = _Recovery(self)
-        self._schedule_watchers = []    # watch_schedules: runners' scheduler threads
+        self.schedules = Schedules(self)    # periodic tasks: store.schedules.add(...)
         # When a delayed task may next be due (epoch ms): a hint, never the
         # rule (the claim reads run_at itself).  It is lowered by this
         # process's own delayed creates and retries, and re-read from the
@@ -4523,131 +4523,7 @@ class TaskStore:
                 self._reaper.start()
             return self._reaper
 
-    # -- schedules (periodic tasks) ---------------------------------------------
-
-    def schedule(self, name, kind, payload=None, *, every=None, cron=None, policy="fail",
-                 ttl_ms=None, retention_ms=None):
-        """Create a task of *kind* with *payload* once per period, from now on; return the Schedule.
-
-        Give *every* (seconds, or a ``timedelta``: periods start at its
-        multiples since the epoch) or *cron* (5 fields, UTC, see ``Cron``).
-        A runner creates each period's task at the period's start (see
-        ``fire_schedules``): exactly one task per period, however many
-        processes run.  *policy*, *ttl_ms* and *retention_ms* are the
-        tasks' ``create`` options.  Defining an existing name again replaces
-        its kind, payload and options and keeps its paused state; its next
-        period stays unless the period itself changed.
-
-        Raises:
-            InvalidParams: a bad argument (``param`` names it): both or
-                neither of *every* and *cron*, ``every <= 0``, a malformed
-                cron expression or a field out of range.  Nothing is written.
-        """
-        _check_str(name, "name", allow_none=False, max_len=200)
-        every_ms, cron_text = _schedule_period(every, cron)
-        spec = _new_task(self.max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, None,
-                         None, "task", None, None)
-        options = {key: value for key, value in (("policy", policy), ("ttl_ms", ttl_ms),
-                                                 ("retention_ms", retention_ms))
-                   if value is not None and (key, value) != ("policy", "fail")}
-
-        def body():
-            now = int(self.clock() * 1000)
-            rows = self._engine.schedule_rows(name)
-            old = _schedule_from_row(rows[0]) if rows else None
-            if old is not None and (old.every_ms, old.cron) == (every_ms, cron_text):
-                next_at = old.next_at
-            else:
-                next_at = _schedule_next(every_ms, cron_text, now)
-            row = (name, kind, spec.payload_json, every_ms, cron_text,
-                   int(old is not None and old.paused), next_at,
-                   *(old[7:11] if old else (None, None, None, 0)),
-                   now if old is None else old.created_at, now, dumps(options))
-            self._engine.schedule_put(row)
-            return _schedule_from_row(row)
-        return self._schedules_written(self._engine.write(body))
-
-    def schedules(self):
-        """Every schedule (``Schedule``), by name."""
-        with self._engine.reading() as engine:
-            rows = engine.schedule_rows(None)
-        return [_schedule_from_row(row) for row in rows]
-
-    def pause_schedule(self, name):
-        """Stop firing schedule *name* (its periods pass unfired); return the Schedule.
-
-        Raises:
-            InvalidParams: no schedule has that name (``param="name"``).
-        """
-        return self._set_schedule(name, lambda old, now: {"paused": 1, "updated_at": now})
-
-    def resume_schedule(self, name):
-        """Fire schedule *name* again, from its next period after now; return the Schedule.
-
-        The periods that passed while it was paused are not fired.  A
-        schedule that is not paused is left as it is.
-
-        Raises:
-            InvalidParams: no schedule has that name (``param="name"``).
-        """
-        return self._set_schedule(name, lambda old, now: {} if not old.paused else {
-            "paused": 0, "updated_at": now,
-            "next_at": _schedule_next(old.every_ms, old.cron, now)})
-
-    def remove_schedule(self, name):
-        """Delete schedule *name* (the tasks it created stay).
-
-        Raises:
-            InvalidParams: no schedule has that name (``param="name"``).
-        """
-        _check_str(name, "name", allow_none=False, max_len=200)
-        if not self._engine.write(lambda: self._engine.schedule_delete(name)):
-            raise InvalidParams(f"no schedule named {_echo(repr(name))}", param="name")
-        self._schedules_written(None)
-
-    def _set_schedule(self, name, change):
-        _check_str(name, "name", allow_none=False, max_len=200)
-
-        def body():
-            rows = self._engine.schedule_rows(name)
-            if not rows:
-                raise InvalidParams(f"no schedule named {_echo(repr(name))}", param="name")
-            old = _schedule_from_row(rows[0])
-            values = change(old, int(self.clock() * 1000))
-            if values:
-                self._engine.schedule_update(name, values, None)
-            return _schedule_from_row(self._engine.schedule_rows(name)[0])
-        return self._schedules_written(self._engine.write(body))
-
-    def _schedules_written(self, result):
-        """A schedule changed: runners of this process wake to read the next fire time."""
-        for callback in list(self._schedule_watchers):
-            callback()
-        return result
-
-    def _told(self, kind, ids):
-        """Another process committed (the engine's ``on_remote``): tell who waits here.
-
-        A schedule's change wakes the runners' schedulers; the rest is the
-        waiters' (``_Waiters.told``); ``lost`` news may have been either.
-        """
-        if kind in ("schedules", "lost"):
-            self._schedules_written(None)
-        if kind != "schedules":
-            self._waiters.told(kind, ids)
-
-    def watch_schedules(self, callback):
-        """Call ``callback()`` after each change of a schedule made through this store.
-
-        A runner's scheduler thread uses it to wake when the next fire time
-        may have moved.  ``unwatch_schedules`` undoes it.
-        """
-        self._schedule_watchers.append(callback)
-
-    def unwatch_schedules(self, callback):
-        """Stop calling *callback* (``watch_schedules``)."""
-        with contextlib.suppress(ValueError):
-            self._schedule_watchers.remove(callback)
+    # -- monitoring and telling ------------------------------------------------
 
     def unfinished(self):
         """``[(kind, status, count, oldest created_at)]`` of the tasks not finished yet.
@@ -4659,27 +4535,16 @@ class TaskStore:
         with self._engine.reading() as engine:
             return engine.unfinished_counts()
 
-    def next_schedule_at(self):
-        """The start (epoch ms) of the soonest period of an unpaused schedule, or None."""
-        with self._engine.reading() as engine:
-            return engine.next_schedule_at()
+    def _told(self, kind, ids):
+        """Another process committed (the engine's ``on_remote``): tell who waits here.
 
-    def fire_schedules(self, now=None):
-        """Create the task of every schedule whose period has started; return the new Tasks.
-
-        One transaction.  Each due schedule fires once, for the period its
-        ``next_at`` names, and moves on to its first period after *now*:
-        after downtime the missed periods run once, not once each.  Another
-        process firing the same schedule at the same time creates nothing
-        (the compare-and-set on ``next_at``, then the period's idempotency
-        key ``schedule``/``name@period``).  *now*: epoch ms, else the clock.
-        Runners call this at each fire time (``Runner``).
+        A schedule's change wakes the runners' schedulers (``Schedules``); the rest is the
+        waiters' (``_Waiters.told``); ``lost`` news may have been either.
         """
-        now = int(self.clock() * 1000) if now is None else now
-        tasks = self._engine.write(lambda: _fire_due(self, now))
-        if tasks:
-            self._waiters.committed((_Change(task, "created") for task in tasks), queued=True)
-        return tasks
+        if kind in ("schedules", "lost"):
+            self.schedules.written()
+        if kind != "schedules":
+            self._waiters.told(kind, ids)
 
     # -- closing ---------------------------------------------------------------
 
@@ -4974,7 +4839,7 @@ class Reaper(threading.Thread):
 
 
 # -- schedules: cron, periods, and firing -------------------------------------
-# A schedule (``TaskStore.schedule``) is a row of the ``schedules`` table: a
+# A schedule (``Schedules.add``) is a row of the ``schedules`` table: a
 # kind, a payload and either a fixed period (``every``) or a standard 5-field
 # cron expression, with ``next_at``, the start of the next period to fire.
 # Periods are UTC: a cron expression is read in UTC, and ``every=N`` periods
@@ -5148,36 +5013,191 @@ def _schedule_period(every, cron):
     return every_ms, None
 
 
-def _fire_due(store, now):
-    """The body of one firing transaction: fire every schedule due at *now*; its new Tasks.
+class Schedules:
+    """The store's periodic tasks (``store.schedules``): define, list, pause, resume, remove, fire.
 
-    Per due schedule: the compare-and-set on ``next_at`` first, so that of
-    two processes that read the same period one fires and the other writes
-    nothing; then the task, through ``create``'s idempotency path, keyed
-    by the schedule's name and the period; then the task's id on the row.
+    One room for everything a schedule is: its verbs, the firing of due
+    periods (``fire``: what runners call at each period's start), and who in
+    this process waits for a schedule to change (``watch``).  The rows live
+    in the database (the ``schedules`` table), so every process sharing it
+    sees the same schedules and fires each period once between them.
     """
-    engine, created = store._engine, []
-    for row in engine.schedules_due(now, SCHEDULE_FIRE_BATCH):
-        schedule = _schedule_from_row(row)
-        after = _schedule_next(schedule.every_ms, schedule.cron, now)
-        if not engine.schedule_update(schedule.name, {
-                "next_at": after, "last_due": schedule.next_at, "last_fired_at": now,
-                "fired": schedule.fired + 1, "updated_at": now}, schedule.next_at):
-            continue
-        options = schedule.options
-        spec = _new_task(store.max_ttl_ms, schedule.kind, schedule.payload,
-                         options.get("ttl_ms"), options.get("retention_ms"),
-                         options.get("policy", "fail"), None,
-                         {"schedule": schedule.name, "due_at": schedule.next_at}, "task",
-                         None, None)
-        key = f"{schedule.name}@{schedule.next_at}"
-        task = _create_once(store, spec, ("schedule", key, fingerprint(key),
-                                          SCHEDULE_KEY_MS))()
-        engine.schedule_update(schedule.name, {
-            "last_task": task if isinstance(task, str) else task.id}, None)
-        if not isinstance(task, str):
-            created.append(task)
-    return created
+
+    def __init__(self, store):
+        self._store = store
+        self._watchers = []     # watch: runners' scheduler threads
+
+    def add(self, name, kind, payload=None, *, every=None, cron=None, policy="fail",
+            ttl_ms=None, retention_ms=None):
+        """Create a task of *kind* with *payload* once per period, from now on; return the Schedule.
+
+        Give *every* (seconds, or a ``timedelta``: periods start at its
+        multiples since the epoch) or *cron* (5 fields, UTC, see ``Cron``).
+        A runner creates each period's task at the period's start (see
+        ``fire``): exactly one task per period, however many
+        processes run.  *policy*, *ttl_ms* and *retention_ms* are the
+        tasks' ``create`` options.  Defining an existing name again replaces
+        its kind, payload and options and keeps its paused state; its next
+        period stays unless the period itself changed.
+
+        Raises:
+            InvalidParams: a bad argument (``param`` names it): both or
+                neither of *every* and *cron*, ``every <= 0``, a malformed
+                cron expression or a field out of range.  Nothing is written.
+        """
+        store = self._store
+        _check_str(name, "name", allow_none=False, max_len=200)
+        every_ms, cron_text = _schedule_period(every, cron)
+        spec = _new_task(store.max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, None,
+                         None, "task", None, None)
+        options = {key: value for key, value in (("policy", policy), ("ttl_ms", ttl_ms),
+                                                 ("retention_ms", retention_ms))
+                   if value is not None and (key, value) != ("policy", "fail")}
+
+        def body():
+            now = int(store.clock() * 1000)
+            rows = store._engine.schedule_rows(name)
+            old = _schedule_from_row(rows[0]) if rows else None
+            if old is not None and (old.every_ms, old.cron) == (every_ms, cron_text):
+                next_at = old.next_at
+            else:
+                next_at = _schedule_next(every_ms, cron_text, now)
+            row = (name, kind, spec.payload_json, every_ms, cron_text,
+                   int(old is not None and old.paused), next_at,
+                   *(old[7:11] if old else (None, None, None, 0)),
+                   now if old is None else old.created_at, now, dumps(options))
+            store._engine.schedule_put(row)
+            return _schedule_from_row(row)
+        return self.written(store._engine.write(body))
+
+    def list(self):
+        """Every schedule (``Schedule``), by name."""
+        with self._store._engine.reading() as engine:
+            rows = engine.schedule_rows(None)
+        return [_schedule_from_row(row) for row in rows]
+
+    def pause(self, name):
+        """Stop firing schedule *name* (its periods pass unfired); return the Schedule.
+
+        Raises:
+            InvalidParams: no schedule has that name (``param="name"``).
+        """
+        return self._set(name, lambda old, now: {"paused": 1, "updated_at": now})
+
+    def resume(self, name):
+        """Fire schedule *name* again, from its next period after now; return the Schedule.
+
+        The periods that passed while it was paused are not fired.  A
+        schedule that is not paused is left as it is.
+
+        Raises:
+            InvalidParams: no schedule has that name (``param="name"``).
+        """
+        return self._set(name, lambda old, now: {} if not old.paused else {
+            "paused": 0, "updated_at": now,
+            "next_at": _schedule_next(old.every_ms, old.cron, now)})
+
+    def remove(self, name):
+        """Delete schedule *name* (the tasks it created stay).
+
+        Raises:
+            InvalidParams: no schedule has that name (``param="name"``).
+        """
+        engine = self._store._engine
+        _check_str(name, "name", allow_none=False, max_len=200)
+        if not engine.write(lambda: engine.schedule_delete(name)):
+            raise InvalidParams(f"no schedule named {_echo(repr(name))}", param="name")
+        self.written()
+
+    def _set(self, name, change):
+        """Change schedule *name* by ``change(old, now) -> values`` in one write; the Schedule."""
+        store, engine = self._store, self._store._engine
+        _check_str(name, "name", allow_none=False, max_len=200)
+
+        def body():
+            rows = engine.schedule_rows(name)
+            if not rows:
+                raise InvalidParams(f"no schedule named {_echo(repr(name))}", param="name")
+            old = _schedule_from_row(rows[0])
+            values = change(old, int(store.clock() * 1000))
+            if values:
+                engine.schedule_update(name, values, None)
+            return _schedule_from_row(engine.schedule_rows(name)[0])
+        return self.written(engine.write(body))
+
+    def next_at(self):
+        """The start (epoch ms) of the soonest period of an unpaused schedule, or None."""
+        with self._store._engine.reading() as engine:
+            return engine.next_schedule_at()
+
+    def fire(self, now=None):
+        """Create the task of every schedule whose period has started; return the new Tasks.
+
+        One transaction.  Each due schedule fires once, for the period its
+        ``next_at`` names, and moves on to its first period after *now*:
+        after downtime the missed periods run once, not once each.  Another
+        process firing the same schedule at the same time creates nothing
+        (the compare-and-set on ``next_at``, then the period's idempotency
+        key ``schedule``/``name@period``).  *now*: epoch ms, else the clock.
+        Runners call this at each fire time (``Runner``).
+        """
+        store = self._store
+        now = int(store.clock() * 1000) if now is None else now
+        tasks = store._engine.write(lambda: self._fire_due(now))
+        if tasks:
+            store._waiters.committed((_Change(task, "created") for task in tasks), queued=True)
+        return tasks
+
+    def _fire_due(self, now):
+        """The body of one firing transaction: fire every schedule due at *now*; its new Tasks.
+
+        Per due schedule: the compare-and-set on ``next_at`` first, so that of
+        two processes that read the same period one fires and the other writes
+        nothing; then the task, through ``create``'s idempotency path, keyed
+        by the schedule's name and the period; then the task's id on the row.
+        """
+        store = self._store
+        engine, created = store._engine, []
+        for row in engine.schedules_due(now, SCHEDULE_FIRE_BATCH):
+            schedule = _schedule_from_row(row)
+            after = _schedule_next(schedule.every_ms, schedule.cron, now)
+            if not engine.schedule_update(schedule.name, {
+                    "next_at": after, "last_due": schedule.next_at, "last_fired_at": now,
+                    "fired": schedule.fired + 1, "updated_at": now}, schedule.next_at):
+                continue
+            options = schedule.options
+            spec = _new_task(store.max_ttl_ms, schedule.kind, schedule.payload,
+                             options.get("ttl_ms"), options.get("retention_ms"),
+                             options.get("policy", "fail"), None,
+                             {"schedule": schedule.name, "due_at": schedule.next_at}, "task",
+                             None, None)
+            key = f"{schedule.name}@{schedule.next_at}"
+            task = _create_once(store, spec, ("schedule", key, fingerprint(key),
+                                              SCHEDULE_KEY_MS))()
+            engine.schedule_update(schedule.name, {
+                "last_task": task if isinstance(task, str) else task.id}, None)
+            if not isinstance(task, str):
+                created.append(task)
+        return created
+
+    def watch(self, callback):
+        """Call ``callback()`` after each change of a schedule made through this store.
+
+        A runner's scheduler thread uses it to wake when the next fire time
+        may have moved.  ``unwatch`` undoes it.
+        """
+        self._watchers.append(callback)
+
+    def unwatch(self, callback):
+        """Stop calling *callback* (``watch``)."""
+        with contextlib.suppress(ValueError):
+            self._watchers.remove(callback)
+
+    def written(self, result=None):
+        """A schedule changed (here, or in another process): wake who watches; return *result*."""
+        for callback in list(self._watchers):
+            callback()
+        return result
 
 
 # =============================================================================
@@ -5420,9 +5440,9 @@ class Runner:
         heartbeat_s: how often the lease is renewed and other processes'
             cancels are noticed.
         progress_interval_s: at most one progress write per task per interval.
-        schedules: fire the store's schedules (``TaskStore.schedule``).
+        schedules: fire the store's schedules (``store.schedules``).
             Every runner does, in every process: a thread sleeps until the
-            soonest period starts and then fires it (``fire_schedules``),
+            soonest period starts and then fires it (``Schedules.fire``),
             and the one task per period is the store's guarantee, not an
             election's, so no runner waits for a leader's lease to run out
             when its process dies.  Each wake costs one indexed read, a due
@@ -5477,7 +5497,7 @@ class Runner:
         self._maintenance = threading.Thread(target=self._maintain, name="taskstore-runner",
                                              daemon=True)
         if self.schedules:
-            self.store.watch_schedules(self._schedules_moved.set)
+            self.store.schedules.watch(self._schedules_moved.set)
             self._threads.append(threading.Thread(target=self._fire, daemon=True,
                                                   name="taskstore-scheduler"))
         for thread in self._threads + [self._maintenance]:
@@ -5506,7 +5526,7 @@ class Runner:
         self._stopping.set()
         self.store.wake_workers()      # idle workers would otherwise sleep out poll_interval
         self._schedules_moved.set()    # and the scheduler its wait for the next period
-        self.store.unwatch_schedules(self._schedules_moved.set)
+        self.store.schedules.unwatch(self._schedules_moved.set)
         with self._lock:
             for ctx in self._active.values():
                 ctx.cancelled.set()
@@ -5676,9 +5696,9 @@ class Runner:
             self._schedules_moved.clear()
             wait = SCHEDULE_CHECK_S
             try:
-                next_at = self.store.next_schedule_at()
+                next_at = self.store.schedules.next_at()
                 if next_at is not None and next_at <= self._now_ms():
-                    self.store.fire_schedules()
+                    self.store.schedules.fire()
                     continue
                 if next_at is not None:
                     wait = min(wait, (next_at - self._now_ms()) / 1000)
@@ -9015,7 +9035,7 @@ class Metrics:
         """The exposition text (format 0.0.4), one family after another, ending in a newline."""
         now = int(self.store.clock() * 1000)
         unfinished = sorted(self.store.unfinished())
-        schedules = self.store.schedules()
+        schedules = self.store.schedules.list()
         with self._lock:
             finished, attempts = sorted(self._finished.items()), sorted(self._attempts.items())
             requeues = sorted(self._requeues.items())
@@ -9300,7 +9320,7 @@ class LMSPApp:
 
     def _schedules(self, request):
         return Reply(200, {"object": "list", "data": [schedule_object(s) for s in
-                                                      self.store.schedules()]})
+                                                      self.store.schedules.list()]})
 
     def _capabilities(self, request):
         snapshots = bool(getattr(self.backend, "snapshots", False))
@@ -12707,12 +12727,12 @@ def _tasks_schedules(args):
                 payload = json.loads(args.payload)
             except ValueError:
                 raise InvalidParams("--payload must be a JSON value", param="payload") from None
-            store.schedule(args.name, args.kind, payload, policy=args.policy,
-                           every=args.every, cron=args.cron, retention_ms=None if (
-                               args.retention is None) else int(args.retention * 1000))
+            store.schedules.add(args.name, args.kind, payload, policy=args.policy,
+                                every=args.every, cron=args.cron, retention_ms=None if (
+                                    args.retention is None) else int(args.retention * 1000))
         elif args.action != "list":
-            getattr(store, f"{args.action}_schedule")(args.name)
-        schedules = store.schedules()
+            getattr(store.schedules, args.action)(args.name)
+        schedules = store.schedules.list()
     if args.action not in ("list", "remove"):
         schedules = [s for s in schedules if s.name == args.name]
     if args.json:
