@@ -3675,11 +3675,7 @@ class TaskStore:
         self._ids = _IdSequence()
         self._recovery = _Recovery(self)
         self.schedules = Schedules(self)    # periodic tasks: store.schedules.add(...)
-        # When a delayed task may next be due (epoch ms): a hint, never the
-        # rule (the claim reads run_at itself).  It is lowered by this
-        # process's own delayed creates and retries, and re-read from the
-        # database at most every poll_interval (other processes' delays).
-        self._due_at = 0
+        self._queue = _Queue(self)          # delays, priorities, limits per kind: the claim
         engine.on_remote(self._told)
         if recover_on_open and not self.readonly:
             self.recover()
@@ -3773,21 +3769,6 @@ class TaskStore:
 
     # -- creating and reading --------------------------------------------------
 
-    def _delayed(self, run_at):
-        """A task of this process waits until *run_at*: the next due check comes no later."""
-        if run_at is not None and run_at < self._due_at:
-            self._due_at = run_at
-
-    def _due(self, now):
-        """Whether a delayed task may be due at *now*; the hint re-read when it is stale."""
-        if now < self._due_at and not self._waiters.delays_changed:
-            return False
-        self._waiters.delays_changed = False
-        with self._engine.reading() as engine:
-            due = engine.next_due()
-        self._due_at = min(math.inf if due is None else due, now + int(self.poll_interval * 1000))
-        return due is not None and due <= now
-
     def create(self, kind, payload=None, *, ttl_ms=None, retention_ms=None, policy="fail",
                principal=None, meta=None, idempotency=None, prefix="task", status_message=None,
                owner=None, run_at=None, delay=None, priority=DEFAULT_PRIORITY, retry=None):
@@ -3835,7 +3816,7 @@ class TaskStore:
             if isinstance(task, str):
                 return _replayed(self, task)        # nothing written
         if task.run_at is not None:
-            self._delayed(task.run_at)
+            self._queue.delayed(task.run_at)
         self._waiters.committed((_Change(task, "created"),), queued=True)
         return task
 
@@ -3869,7 +3850,7 @@ class TaskStore:
             payload_json, payload = _payload(payload, f"payloads[{i}]")
             specs.append(first._replace(payload=payload, payload_json=payload_json))
         tasks = self._engine.write(lambda: _insert_tasks_locked(self, specs))
-        self._delayed(first.run_at)
+        self._queue.delayed(first.run_at)
         self._waiters.committed((_Change(task, "created") for task in tasks), queued=True)
         return tasks
 
@@ -4115,7 +4096,7 @@ class TaskStore:
         requeued = task.status == QUEUED
         if requeued:
             self._waiters.cancel_events.pop(task_id, None)    # not the next attempt's
-            self._delayed(task.run_at)
+            self._queue.delayed(task.run_at)
         self._waiters.committed((_Change(task, "status"),), requeued)
         return task
 
@@ -4150,7 +4131,7 @@ class TaskStore:
                 retry, None if retry is None else dumps(retry._asdict()), old.id)
             return _insert_tasks_locked(self, (spec,), now, attempt=old.attempt + 1)[0]
         task = self._engine.write(body)
-        self._delayed(task.run_at)
+        self._queue.delayed(task.run_at)
         self._waiters.committed((_Change(task, "created"),), queued=True)
         return task
 
@@ -4163,16 +4144,11 @@ class TaskStore:
         claim of a limited kind counts the kind's running tasks in its own
         transaction.  Tasks already running above a lowered limit run on.
         """
-        _check_str(kind, "kind", allow_none=False, max_len=200)
-        _check_int(max_running, "max_running", maximum=2**31 - 1)
-        now = int(self.clock() * 1000)
-        self._engine.write(lambda: self._engine.set_kind_limit(kind, max_running, now))
-        self._waiters.committed(queued=True)        # a raised limit: idle workers look again
+        self._queue.set_limit(kind, max_running)
 
     def kind_limits(self):
         """``{kind: max_running}``: every limit per kind stored."""
-        with self._engine.reading() as engine:
-            return engine.kind_limits()
+        return self._queue.limits()
 
     def start(self, task_id, *, attempt=None):
         """Move a queued or loading task to ``running`` (used by the runner)."""
@@ -4358,38 +4334,7 @@ class TaskStore:
         Raises:
             StoreClosed, StoreUnavailable: the store cannot be used.
         """
-        engine, waiters = self._engine, self._waiters
-        if not kinds:
-            return None
-        now = int(self.clock() * 1000)
-        due = (now >= self._due_at or waiters.delays_changed) and self._due(now)
-        if not due and not engine.may_have_queued(kinds, waiters.work_gen):
-            return None
-
-        def body():
-            if due:
-                engine.promote_due(now, PROMOTE_BATCH)
-            wanted, gen = kinds, waiters.work_gen
-            while wanted:
-                found = engine.oldest_queued(wanted, gen)
-                if found is None:
-                    return None
-                task, limit = found
-                # A limited kind: its running tasks counted in this very
-                # transaction (on PostgreSQL, its limit row locked first).
-                if limit is not None:
-                    running, limit = engine.running_of_kind(task.kind)
-                if limit is None or running < limit:
-                    return self._transition_locked(
-                        task, CLAIM if task.kind in loading_kinds else START, now,
-                        fields={"owner": owner})
-                wanted, gen = tuple(k for k in wanted if k != task.kind), None
-            return None
-        task = engine.write(body)
-        if due:
-            self._due_at = now        # more may be due: the next claim reads again
-        waiters.committed(() if task is None else (_Change(task, "status"),))
-        return task
+        return self._queue.claim(kinds, owner, loading_kinds)
 
     def wait_for_work(self, seen, timeout):
         """Block until a task may have become queued in this process; return a generation.
@@ -4402,8 +4347,7 @@ class TaskStore:
         at once once the store is closed (the next ``claim`` raises).  A
         delayed task this store knows of cuts the wait short at its time.
         """
-        due_in = (self._due_at - self.clock() * 1000) / 1000
-        return self._waiters.wait_for_work(seen, max(0.0, min(timeout, due_in)))
+        return self._waiters.wait_for_work(seen, self._queue.wait_s(timeout))
 
     def wake_workers(self):
         """End every ``wait_for_work`` now (a runner stopping): each returns a new generation.
@@ -4568,6 +4512,97 @@ class TaskStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _Queue:
+    """What a claim takes, and when: delays, priorities and limits per kind (``TaskStore.claim``).
+
+    The claim itself lives here: it makes due delayed tasks ready, takes
+    the oldest task of the highest priority among the kinds asked for, and
+    passes over a kind whose limit is reached, all in one transaction.  So
+    does the hint of when a delayed task may next be due, which spares a
+    claim (and an idle worker's sleep) a read of the delayed tasks while
+    none can be due, and the limits per kind (rows of ``kind_limits``).
+    """
+
+    def __init__(self, store):
+        self.store = store
+        # When a delayed task may next be due (epoch ms): a hint, never the
+        # rule (the claim reads run_at itself).  It is lowered by this
+        # process's own delayed creates and retries, and re-read from the
+        # database at most every poll_interval (other processes' delays).
+        self.due_at = 0
+
+    def delayed(self, run_at):
+        """A task of this process waits until *run_at*: the next due check comes no later."""
+        if run_at is not None and run_at < self.due_at:
+            self.due_at = run_at
+
+    def due(self, now):
+        """Whether a delayed task may be due at *now*; the hint re-read when it is stale."""
+        store = self.store
+        if now < self.due_at and not store._waiters.delays_changed:
+            return False
+        store._waiters.delays_changed = False
+        with store._engine.reading() as engine:
+            due = engine.next_due()
+        self.due_at = min(math.inf if due is None else due, now + int(store.poll_interval * 1000))
+        return due is not None and due <= now
+
+    def wait_s(self, timeout):
+        """How long ``wait_for_work`` may sleep: *timeout*, cut short by the next delayed task."""
+        due_in = (self.due_at - self.store.clock() * 1000) / 1000
+        return max(0.0, min(timeout, due_in))
+
+    def claim(self, kinds, owner, loading_kinds):
+        """``TaskStore.claim``: one transaction; the claimed Task, or None."""
+        store = self.store
+        engine, waiters = store._engine, store._waiters
+        if not kinds:
+            return None
+        now = int(store.clock() * 1000)
+        due = (now >= self.due_at or waiters.delays_changed) and self.due(now)
+        if not due and not engine.may_have_queued(kinds, waiters.work_gen):
+            return None
+
+        def body():
+            if due:
+                engine.promote_due(now, PROMOTE_BATCH)
+            wanted, gen = kinds, waiters.work_gen
+            while wanted:
+                found = engine.oldest_queued(wanted, gen)
+                if found is None:
+                    return None
+                task, limit = found
+                # A limited kind: its running tasks counted in this very
+                # transaction (on PostgreSQL, its limit row locked first).
+                if limit is not None:
+                    running, limit = engine.running_of_kind(task.kind)
+                if limit is None or running < limit:
+                    return store._transition_locked(
+                        task, CLAIM if task.kind in loading_kinds else START, now,
+                        fields={"owner": owner})
+                wanted, gen = tuple(k for k in wanted if k != task.kind), None
+            return None
+        task = engine.write(body)
+        if due:
+            self.due_at = now        # more may be due: the next claim reads again
+        waiters.committed(() if task is None else (_Change(task, "status"),))
+        return task
+
+    def set_limit(self, kind, max_running):
+        """``TaskStore.set_kind_limit``: store the limit, then wake idle workers of this process."""
+        store = self.store
+        _check_str(kind, "kind", allow_none=False, max_len=200)
+        _check_int(max_running, "max_running", maximum=2**31 - 1)
+        now = int(store.clock() * 1000)
+        store._engine.write(lambda: store._engine.set_kind_limit(kind, max_running, now))
+        store._waiters.committed(queued=True)        # a raised limit: idle workers look again
+
+    def limits(self):
+        """``{kind: max_running}``: every limit per kind stored."""
+        with self.store._engine.reading() as engine:
+            return engine.kind_limits()
 
 
 class _Recovery:
