@@ -3676,6 +3676,8 @@ class TaskStore:
         self._recovery = _Recovery(self)
         self.schedules = Schedules(self)    # periodic tasks: store.schedules.add(...)
         self._queue = _Queue(self)          # delays, priorities, limits per kind: the claim
+        self._retries = _Retries(self)      # a failure's retry, and dead letters run again
+        self._inputs = _Inputs(self)        # input requests, whole or in parts
         engine.on_remote(self._told)
         if recover_on_open and not self.readonly:
             self.recover()
@@ -4064,41 +4066,7 @@ class TaskStore:
                   "result": None if result is None else _json_param(result, "result")}
         if not retryable and retry is None:
             return self._move(task_id, FAIL, attempt=attempt, error=error, fields=fields)
-        default = _retry_param(retry)
-        now = int(self.clock() * 1000)
-
-        def body():
-            task = self._engine.read_task(task_id)
-            if task is None:
-                raise TaskNotFound(task_id)
-            policy = default if task.retry is None else Retry(**task.retry)
-            left = policy is not None and task.attempt < policy.max_attempts
-            event = FAILURE["retryable" if retryable else "no retry"][
-                "left" if left else "none left"]
-            if event == REQUEUE:
-                run_at = now + policy.delay_ms(task.attempt)
-                message = (f"attempt {task.attempt} of {policy.max_attempts} failed; "
-                           f"attempt {task.attempt + 1} not before {iso_time(run_at)}")
-                again = {"owner": None, "run_at": run_at, "attempt": task.attempt + 1,
-                         "input_request": None, "input_answer": None, "progress": None,
-                         "progress_total": None, "status_message": message}
-                if not RESTART_KEEPS_SNAPSHOT.get(task.policy, False):
-                    again["snapshot"] = None        # the next attempt starts from the beginning
-                return self._transition_locked(task, REQUEUE, now, attempt=attempt,
-                                               fields=again, message=message, error=error)
-            failed, shown = fields, error
-            if policy is not None and retryable:      # the last attempt: say how many there were
-                shown = dict(error, attempts=task.attempt)
-                failed = dict(fields, error=_json_param(shown, "error"))
-            return self._transition_locked(task, FAIL, now, attempt=attempt, fields=failed,
-                                           error=shown)
-        task = self._engine.write(body)
-        requeued = task.status == QUEUED
-        if requeued:
-            self._waiters.cancel_events.pop(task_id, None)    # not the next attempt's
-            self._queue.delayed(task.run_at)
-        self._waiters.committed((_Change(task, "status"),), requeued)
-        return task
+        return self._retries.fail(task_id, error, fields, attempt, retryable, retry)
 
     def rerun(self, task_id, *, principal=None, run_at=None, delay=None):
         """Dead letters: run a failed task again, as a new queued task; return it.
@@ -4114,26 +4082,7 @@ class TaskStore:
             InvalidTransition: the task did not fail.
             TaskNotFound, TaskExpired: as ``get``.
         """
-        now = int(self.clock() * 1000)
-        not_before = _not_before(now, run_at, delay)
-
-        def body():
-            old = self._get_locked(task_id, principal)
-            if old.status not in RERUNNABLE:
-                raise InvalidTransition(task_id, old.status, "rerun")
-            retry = None if old.retry is None else Retry(**old.retry)
-            spec = _NewTask(
-                old.kind, old.payload, dumps(old.payload), old.ttl_ms, old.retention_ms,
-                old.policy, old.principal, old.meta or None,
-                dumps(old.meta) if old.meta else None, old.id.rpartition("_")[0], None, None,
-                False, None if not_before is None or not_before <= now else not_before,
-                old.priority,
-                retry, None if retry is None else dumps(retry._asdict()), old.id)
-            return _insert_tasks_locked(self, (spec,), now, attempt=old.attempt + 1)[0]
-        task = self._engine.write(body)
-        self._queue.delayed(task.run_at)
-        self._waiters.committed((_Change(task, "created"),), queued=True)
-        return task
+        return self._retries.rerun(task_id, principal, run_at, delay)
 
     # -- limits per kind --------------------------------------------------------
 
@@ -4165,10 +4114,7 @@ class TaskStore:
 
     def require_input(self, task_id, request, *, attempt=None):
         """Park a running task in ``input_required`` with a JSON *request* for the requestor."""
-        if not isinstance(request, dict):
-            raise InvalidParams("request must be a JSON object", param="request")
-        return self._move(task_id, REQUIRE_INPUT, attempt=attempt, fields={
-            "input_request": _json_param(request, "request"), "input_answer": None})
+        return self._inputs.ask(task_id, request, attempt)
 
     def provide_input(self, task_id, answer, *, principal=None):
         """Answer the pending input request; the task goes back to ``running``.
@@ -4188,41 +4134,7 @@ class TaskStore:
             InvalidTransition: the task is not waiting for input (already
                 answered, cancelled, or finished).
         """
-        parts = answer.get("parts") if isinstance(answer, dict) else None
-        if isinstance(parts, dict):
-            return self._provide_parts(task_id, parts, principal)
-        return self._move(task_id, PROVIDE_INPUT, principal=principal, fields={
-            "input_answer": _json_param(answer, "answer"), "input_request": None})
-
-    def _provide_parts(self, task_id, parts, principal):
-        """``provide_input`` for a request in parts; one transaction."""
-        now = int(self.clock() * 1000)
-        engine = self._engine
-
-        def body():
-            task = self._get_locked(task_id, principal)
-            next_state(task.id, task.status, PROVIDE_INPUT)     # waiting for input, or refused
-            pending = (task.input_request or {}).get("parts")
-            if not isinstance(pending, dict):
-                raise InvalidParams("the task's input request is not in parts", param="answer")
-            given = {key: value for key, value in parts.items() if key in pending}
-            answered = {**((task.input_answer or {}).get("parts") or {}), **given}
-            left = {key: value for key, value in pending.items() if key not in given}
-            if not left:
-                task = self._transition_locked(task, PROVIDE_INPUT, now, fields={
-                    "input_answer": _json_param({"parts": answered}, "answer"),
-                    "input_request": None})
-                return task, (_Change(task, "status"),)
-            if given and engine.set_progress(task.id, {
-                    "input_request": _json_param({"parts": left}, "request"),
-                    "input_answer": _json_param({"parts": answered}, "answer")},
-                    _TAKES_INPUT, None, now):
-                task = engine.read_task(task.id)
-                return task, (_Change(task, "input"),)
-            return task, ()
-        task, changes = engine.write(body)
-        self._waiters.committed(changes)
-        return task
+        return self._inputs.answer(task_id, answer, principal)
 
     def set_progress(self, task_id, *, progress=None, total=None, message=_MISSING,
                      attempt=None):
@@ -4603,6 +4515,144 @@ class _Queue:
         """``{kind: max_running}``: every limit per kind stored."""
         with self.store._engine.reading() as engine:
             return engine.kind_limits()
+
+
+class _Retries:
+    """A failure that may run again: ``FAILURE``'s retry with backoff, and dead letters rerun.
+
+    ``TaskStore.fail`` for a handler that raised (or under a retry policy)
+    asks the table whether the task goes back to ``queued`` after a
+    backoff or fails for good; ``TaskStore.rerun`` runs a failed task (a
+    dead letter) again as a new task.  Either way the task that runs again
+    has the next attempt number and, when delayed, a not-before time that
+    the claim (``_Queue``) honours.
+    """
+
+    def __init__(self, store):
+        self.store = store
+
+    def fail(self, task_id, error, fields, attempt, retryable, retry):
+        """``TaskStore.fail`` with a retry to decide: one transaction; the Task as written."""
+        store = self.store
+        default = _retry_param(retry)
+        now = int(store.clock() * 1000)
+
+        def body():
+            task = store._engine.read_task(task_id)
+            if task is None:
+                raise TaskNotFound(task_id)
+            policy = default if task.retry is None else Retry(**task.retry)
+            left = policy is not None and task.attempt < policy.max_attempts
+            event = FAILURE["retryable" if retryable else "no retry"][
+                "left" if left else "none left"]
+            if event == REQUEUE:
+                run_at = now + policy.delay_ms(task.attempt)
+                message = (f"attempt {task.attempt} of {policy.max_attempts} failed; "
+                           f"attempt {task.attempt + 1} not before {iso_time(run_at)}")
+                again = {"owner": None, "run_at": run_at, "attempt": task.attempt + 1,
+                         "input_request": None, "input_answer": None, "progress": None,
+                         "progress_total": None, "status_message": message}
+                if not RESTART_KEEPS_SNAPSHOT.get(task.policy, False):
+                    again["snapshot"] = None        # the next attempt starts from the beginning
+                return store._transition_locked(task, REQUEUE, now, attempt=attempt,
+                                                fields=again, message=message, error=error)
+            failed, shown = fields, error
+            if policy is not None and retryable:      # the last attempt: say how many there were
+                shown = dict(error, attempts=task.attempt)
+                failed = dict(fields, error=_json_param(shown, "error"))
+            return store._transition_locked(task, FAIL, now, attempt=attempt, fields=failed,
+                                            error=shown)
+        task = store._engine.write(body)
+        requeued = task.status == QUEUED
+        if requeued:
+            store._waiters.cancel_events.pop(task_id, None)    # not the next attempt's
+            store._queue.delayed(task.run_at)
+        store._waiters.committed((_Change(task, "status"),), requeued)
+        return task
+
+    def rerun(self, task_id, principal, run_at, delay):
+        """``TaskStore.rerun``: the new queued Task, inserted in one transaction."""
+        store = self.store
+        now = int(store.clock() * 1000)
+        not_before = _not_before(now, run_at, delay)
+
+        def body():
+            old = store._get_locked(task_id, principal)
+            if old.status not in RERUNNABLE:
+                raise InvalidTransition(task_id, old.status, "rerun")
+            retry = None if old.retry is None else Retry(**old.retry)
+            spec = _NewTask(
+                old.kind, old.payload, dumps(old.payload), old.ttl_ms, old.retention_ms,
+                old.policy, old.principal, old.meta or None,
+                dumps(old.meta) if old.meta else None, old.id.rpartition("_")[0], None, None,
+                False, None if not_before is None or not_before <= now else not_before,
+                old.priority,
+                retry, None if retry is None else dumps(retry._asdict()), old.id)
+            return _insert_tasks_locked(store, (spec,), now, attempt=old.attempt + 1)[0]
+        task = store._engine.write(body)
+        store._queue.delayed(task.run_at)
+        store._waiters.committed((_Change(task, "created"),), queued=True)
+        return task
+
+
+class _Inputs:
+    """Input requests: a running task asks (``require_input``), the requestor answers.
+
+    An answer is whole, or, for a request in parts (``{"parts": {key:
+    request}}``), part by part: the task waits until its last part is
+    answered.  Whether a task takes an answer is the table's
+    ``provide_input``; a part answered before the last is a write, not a
+    status change.
+    """
+
+    def __init__(self, store):
+        self.store = store
+
+    def ask(self, task_id, request, attempt):
+        """``TaskStore.require_input``: park the running task with *request*; the Task."""
+        if not isinstance(request, dict):
+            raise InvalidParams("request must be a JSON object", param="request")
+        return self.store._move(task_id, REQUIRE_INPUT, attempt=attempt, fields={
+            "input_request": _json_param(request, "request"), "input_answer": None})
+
+    def answer(self, task_id, answer, principal):
+        """``TaskStore.provide_input``: answer the request, whole or some of its parts; the Task."""
+        parts = answer.get("parts") if isinstance(answer, dict) else None
+        if isinstance(parts, dict):
+            return self._answer_parts(task_id, parts, principal)
+        return self.store._move(task_id, PROVIDE_INPUT, principal=principal, fields={
+            "input_answer": _json_param(answer, "answer"), "input_request": None})
+
+    def _answer_parts(self, task_id, parts, principal):
+        """``provide_input`` for a request in parts; one transaction."""
+        store = self.store
+        engine = store._engine
+        now = int(store.clock() * 1000)
+
+        def body():
+            task = store._get_locked(task_id, principal)
+            next_state(task.id, task.status, PROVIDE_INPUT)     # waiting for input, or refused
+            pending = (task.input_request or {}).get("parts")
+            if not isinstance(pending, dict):
+                raise InvalidParams("the task's input request is not in parts", param="answer")
+            given = {key: value for key, value in parts.items() if key in pending}
+            answered = {**((task.input_answer or {}).get("parts") or {}), **given}
+            left = {key: value for key, value in pending.items() if key not in given}
+            if not left:
+                task = store._transition_locked(task, PROVIDE_INPUT, now, fields={
+                    "input_answer": _json_param({"parts": answered}, "answer"),
+                    "input_request": None})
+                return task, (_Change(task, "status"),)
+            if given and engine.set_progress(task.id, {
+                    "input_request": _json_param({"parts": left}, "request"),
+                    "input_answer": _json_param({"parts": answered}, "answer")},
+                    _TAKES_INPUT, None, now):
+                task = engine.read_task(task.id)
+                return task, (_Change(task, "input"),)
+            return task, ()
+        task, changes = engine.write(body)
+        store._waiters.committed(changes)
+        return task
 
 
 class _Recovery:
