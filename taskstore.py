@@ -3678,6 +3678,7 @@ class TaskStore:
         self._queue = _Queue(self)          # delays, priorities, limits per kind: the claim
         self._retries = _Retries(self)      # a failure's retry, and dead letters run again
         self._inputs = _Inputs(self)        # input requests, whole or in parts
+        self._log = _EventLog(self)         # events, snapshots, progress: no status change
         engine.on_remote(self._told)
         if recover_on_open and not self.readonly:
             self.recover()
@@ -3918,23 +3919,7 @@ class TaskStore:
             InvalidCursor: *after* is negative or beyond the last event.
             EventsExpired: the events asked for were pruned.
         """
-        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
-            raise InvalidCursor("after must be a non-negative integer", param="after")
-        limit = _check_int(limit, "limit", minimum=1)
-        with self._engine.reading() as engine:
-            row = engine.event_bounds(task_id, int(self.clock() * 1000))
-            if row is None or (principal is not None and row[0] != principal) or row[3]:
-                self._get_locked(task_id, principal)       # raises the right not-found error
-            _, last_seq, first_seq, _ = row
-            if after is not None and after > last_seq:
-                raise InvalidCursor(f"after {after} is beyond the last event {last_seq}",
-                                    param="after")
-            start = 0 if after is None else after + 1
-            if start < first_seq:
-                raise EventsExpired(task_id, first_seq)
-            rows = engine.read_events(task_id, start, limit)
-        # The data stays JSON text until someone reads Event.data.
-        return [_new_tuple(Event, (task_id, *row)) for row in rows]
+        return self._log.read(task_id, after, limit, principal)
 
     def wait(self, task_id, *, timeout, since_version=None, terminal=False, principal=None):
         """Block until the task changes or ends, then return it.
@@ -3988,11 +3973,7 @@ class TaskStore:
 
     def load_snapshot(self, task_id):
         """Return the task's last saved snapshot, or None."""
-        with self._engine.reading() as engine:
-            found, snapshot = engine.load_snapshot(task_id)
-        if not found:
-            raise TaskNotFound(task_id)
-        return None if snapshot is None else _loads(snapshot)
+        return self._log.load_snapshot(task_id)
 
     def secret(self, name):
         """Return the store's secret *name* (64 hex digits), made on first use.
@@ -4143,27 +4124,7 @@ class TaskStore:
         Not a status change, so it appends no event; it bumps ``version`` so
         waiters see it.  Returns False when the task has already ended.
         """
-        now = int(self.clock() * 1000)
-        values = {}
-        if progress is not None:
-            values["progress"] = float(progress)
-            values["progress_total"] = None if total is None else float(total)
-        if message is not _MISSING:
-            values["status_message"] = message
-
-        def body():
-            if self._engine.set_progress(task_id, values, UNFINISHED_STATES, attempt, now):
-                return True, self._as_written_locked(task_id, "progress")
-            return False, ()
-        changed, changes = self._engine.write(body)
-        self._waiters.committed(changes)
-        return changed
-
-    def _as_written_locked(self, task_id, change):
-        """The ``_Change`` of a write that did not build the Task: read back, if anyone listens."""
-        if not self._waiters.listeners:
-            return ()
-        return (_Change(self._engine.read_task(task_id), change),)
+        return self._log.progress(task_id, progress, total, message, attempt)
 
     def emit(self, task_id, etype, data=None, *, snapshot=_MISSING, attempt=None):
         """Append one event (and optionally save a snapshot) atomically; return its seq.
@@ -4175,32 +4136,11 @@ class TaskStore:
         Raises:
             InvalidTransition: the task has ended (or was requeued).
         """
-        _check_str(etype, "type", allow_none=False, max_len=200)
-        data_json = _json_param({} if data is None else data, "data")
-        snap = None if snapshot is _MISSING else _json_param(snapshot, "snapshot")
-        now = int(self.clock() * 1000)
-
-        def body():
-            row = self._engine.event_head(task_id)
-            if row is None:
-                raise TaskNotFound(task_id)
-            if row[0] not in ACTIVE_STATES or (attempt is not None and row[2] != attempt):
-                raise InvalidTransition(task_id, row[0], "emit")
-            self._engine.append_event(task_id, row[1] + 1, etype, data_json, snap, now)
-            return row[1] + 1, self._as_written_locked(task_id, "event")
-        seq, changes = self._engine.write(body)
-        self._waiters.committed(changes)
-        return seq
+        return self._log.append(task_id, etype, data, snapshot, attempt)
 
     def save_snapshot(self, task_id, snapshot, *, attempt=None):
         """Save a JSON snapshot the task can resume from after a restart."""
-        snap = _json_param(snapshot, "snapshot")
-
-        def body():
-            if not self._engine.save_snapshot(task_id, snap, ACTIVE_STATES, attempt):
-                raise InvalidTransition(task_id, "not active", "save_snapshot")
-        self._engine.write(body)
-        self._waiters.committed()
+        self._log.save_snapshot(task_id, snapshot, attempt)
 
     def cancel_event(self, task_id):
         """Return the ``threading.Event`` set when this task is cancelled (in this process)."""
@@ -4653,6 +4593,110 @@ class _Inputs:
         task, changes = engine.write(body)
         store._waiters.committed(changes)
         return task
+
+
+class _EventLog:
+    """The event log, and what work records beside its status: events, snapshots, progress.
+
+    None of these is a status change (those are ``_transition_locked``'s,
+    which appends their ``status`` events itself).  ``emit`` appends an
+    event with the task's next sequence number, a snapshot with it or alone
+    (``save_snapshot``), so that ``resume`` continues where the work was;
+    progress and the status message bump the task's ``version`` and append
+    nothing.  Each write is allowed only while the task is unfinished (an
+    event or a snapshot: while it is active) and, given an *attempt*, only
+    to that attempt.
+    """
+
+    def __init__(self, store):
+        self.store = store
+
+    def read(self, task_id, after, limit, principal):
+        """``TaskStore.events``: the task's events after *after*, in one read."""
+        store = self.store
+        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
+            raise InvalidCursor("after must be a non-negative integer", param="after")
+        limit = _check_int(limit, "limit", minimum=1)
+        with store._engine.reading() as engine:
+            row = engine.event_bounds(task_id, int(store.clock() * 1000))
+            if row is None or (principal is not None and row[0] != principal) or row[3]:
+                store._get_locked(task_id, principal)       # raises the right not-found error
+            _, last_seq, first_seq, _ = row
+            if after is not None and after > last_seq:
+                raise InvalidCursor(f"after {after} is beyond the last event {last_seq}",
+                                    param="after")
+            start = 0 if after is None else after + 1
+            if start < first_seq:
+                raise EventsExpired(task_id, first_seq)
+            rows = engine.read_events(task_id, start, limit)
+        # The data stays JSON text until someone reads Event.data.
+        return [_new_tuple(Event, (task_id, *row)) for row in rows]
+
+    def append(self, task_id, etype, data, snapshot, attempt):
+        """``TaskStore.emit``: one event (and the snapshot) in one transaction; its seq."""
+        store = self.store
+        _check_str(etype, "type", allow_none=False, max_len=200)
+        data_json = _json_param({} if data is None else data, "data")
+        snap = None if snapshot is _MISSING else _json_param(snapshot, "snapshot")
+        now = int(store.clock() * 1000)
+
+        def body():
+            row = store._engine.event_head(task_id)
+            if row is None:
+                raise TaskNotFound(task_id)
+            if row[0] not in ACTIVE_STATES or (attempt is not None and row[2] != attempt):
+                raise InvalidTransition(task_id, row[0], "emit")
+            store._engine.append_event(task_id, row[1] + 1, etype, data_json, snap, now)
+            return row[1] + 1, self._as_written_locked(task_id, "event")
+        seq, changes = store._engine.write(body)
+        store._waiters.committed(changes)
+        return seq
+
+    def save_snapshot(self, task_id, snapshot, attempt):
+        """``TaskStore.save_snapshot``: one transaction."""
+        store = self.store
+        snap = _json_param(snapshot, "snapshot")
+
+        def body():
+            if not store._engine.save_snapshot(task_id, snap, ACTIVE_STATES, attempt):
+                raise InvalidTransition(task_id, "not active", "save_snapshot")
+        store._engine.write(body)
+        store._waiters.committed()
+
+    def load_snapshot(self, task_id):
+        """``TaskStore.load_snapshot``: the snapshot, decoded, or None."""
+        store = self.store
+        with store._engine.reading() as engine:
+            found, snapshot = engine.load_snapshot(task_id)
+        if not found:
+            raise TaskNotFound(task_id)
+        return None if snapshot is None else _loads(snapshot)
+
+    def progress(self, task_id, progress, total, message, attempt):
+        """``TaskStore.set_progress``: one transaction; whether the task took it."""
+        store = self.store
+        now = int(store.clock() * 1000)
+        values = {}
+        if progress is not None:
+            values["progress"] = float(progress)
+            values["progress_total"] = None if total is None else float(total)
+        if message is not _MISSING:
+            values["status_message"] = message
+
+        def body():
+            if store._engine.set_progress(task_id, values, UNFINISHED_STATES, attempt, now):
+                return True, self._as_written_locked(task_id, "progress")
+            return False, ()
+        changed, changes = store._engine.write(body)
+        store._waiters.committed(changes)
+        return changed
+
+    def _as_written_locked(self, task_id, change):
+        """The ``_Change`` of a write that did not build the Task: read back, if anyone listens."""
+        store = self.store
+        if not store._waiters.listeners:
+            return ()
+        return (_Change(store._engine.read_task(task_id), change),)
 
 
 class _Recovery:
