@@ -3212,6 +3212,14 @@ def open_engine(path, **options):
 # - ``now`` arguments are epoch milliseconds; the clock is a ``time.time``-like
 #   function in seconds, injectable for tests.
 # - The reaper thread (at the end of this section) belongs to the store.
+# - ``TaskStore`` is the public verbs.  A verb whose rules are a job of their
+#   own hands it to the room that holds them, a class below the store with
+#   that one job: ``_Queue`` (delays, priorities and limits per kind: the
+#   claim), ``_Retries`` (a failure's retry, dead letters run again),
+#   ``_Inputs`` (input requests, whole or in parts), ``_EventLog`` (events,
+#   snapshots, progress), ``_Recovery`` (the tasks of owners that stopped),
+#   ``Schedules`` (periodic tasks; public, as ``store.schedules``); waiting
+#   is ``_Waiters``'s, retention ``_reap``'s.
 
 _MISSING = object()
 # The statuses that take an answer to an input request: the table's say.
@@ -3421,6 +3429,67 @@ def _insert_tasks_locked(store, specs, now=None, attempt=1):
     store._engine.insert_tasks(rows, events)
     return tasks
 
+
+
+def _transition_locked(store, task, event, now, *, attempt=None, fields=None, message=None,
+                       error=None):
+    """Move one task by *event*: the path of every single status change; return the new Task.
+
+    Every new task comes from ``_insert_tasks_locked``; every single
+    status change comes from here, whoever asks: the verbs, the claim, a
+    retry, an answer to an input request (recovery's set-based moves are
+    the same moves, made for many tasks at once: ``_Recovery``).
+
+    *task* is the task as read in the caller's transaction (so it is
+    current: nobody else can write meanwhile), or its id (then it is read
+    here).  The table decides; the engine's compare-and-set
+    (``move_task``: the row changes only if it is still in the status we
+    read) writes the move and appends the ``status`` event, whose
+    sequence number the row read already tells.  The returned Task is
+    the row as written.  *attempt* guards against a stale worker: a task
+    requeued since it claimed it is not its to move.
+    """
+    if isinstance(task, str):
+        task_id, task = task, store._engine.read_task(task)
+        if task is None:
+            raise TaskNotFound(task_id)
+    task_id, status = task.id, task.status
+    new = next_state(task_id, status, event)
+    if attempt is not None and attempt != task.attempt:
+        raise InvalidTransition(task_id, f"{status} (attempt {task.attempt})", event)
+    # The Task as written, built here rather than read back: the row read
+    # with what the move writes set over it by position (the JSON columns
+    # decoded: the Task's own copy), and the same values by name for the
+    # engine's compare-and-set.
+    row = list(task)
+    row[_STATUS_INDEX] = new
+    row[_UPDATED_AT_INDEX] = now
+    row[_LAST_SEQ_INDEX] = seq = task.last_seq + 1
+    row[_VERSION_INDEX] = task.version + 1
+    values = {"status": new, "updated_at": now, "last_seq": seq}
+    if fields:
+        values.update(fields)
+        for name, value in fields.items():
+            if name in _TASK_INDEX:      # not the snapshot: no Task field shows it
+                row[_TASK_INDEX[name]] = value if value is None or name not in _JSON_COLUMNS \
+                    else _loads(value)
+    if task.run_at is not None and new != QUEUED:
+        # Only a queued task has a not-before time (tasks_delayed holds no other).
+        values["run_at"] = row[_RUN_AT_INDEX] = None
+    terminal = new in TERMINAL_STATES
+    if terminal:
+        values["finished_at"] = row[_FINISHED_AT_INDEX] = now
+        values["input_request"] = row[_INPUT_REQUEST_INDEX] = None
+        values["purge_at"] = row[_PURGE_AT_INDEX] = _purge_at(
+            now, task.created_at, task.ttl_ms, task.retention_ms)
+    # The compare-and-set: cannot fail inside the transaction; the guard is the rule.
+    event_json = _plain_status_json(status, new) if message is None and error is None \
+        else dumps(_status_data(status, new, message, error))
+    if not store._engine.move_task(task_id, status, values, event_json, now):
+        raise InvalidTransition(task_id, status, event)
+    if terminal:
+        store._waiters.cancel_events.pop(task_id, None)
+    return _new_tuple(Task, row)
 
 class _IdSequence:
     """Task ids of one store: ids made in the same millisecond still sort in creation order.
@@ -3706,66 +3775,11 @@ class TaskStore:
             return row[:-1]
         return _summary_from_row(row[:-1]) if summary else _task_from_row(row[:-1])
 
-    def _transition_locked(self, task, event, now, *, attempt=None, fields=None, message=None,
-                           error=None):
-        """Move one task by *event*: the path of every single status change; return the new Task.
-
-        *task* is the task as read in the caller's transaction (so it is
-        current: nobody else can write meanwhile), or its id (then it is read
-        here).  The table decides; the engine's compare-and-set
-        (``move_task``: the row changes only if it is still in the status we
-        read) writes the move and appends the ``status`` event, whose
-        sequence number the row read already tells.  The returned Task is
-        the row as written.  *attempt* guards against a stale worker: a task
-        requeued since it claimed it is not its to move.
-        """
-        if isinstance(task, str):
-            task_id, task = task, self._engine.read_task(task)
-            if task is None:
-                raise TaskNotFound(task_id)
-        task_id, status = task.id, task.status
-        new = next_state(task_id, status, event)
-        if attempt is not None and attempt != task.attempt:
-            raise InvalidTransition(task_id, f"{status} (attempt {task.attempt})", event)
-        # The Task as written, built here rather than read back: the row read
-        # with what the move writes set over it by position (the JSON columns
-        # decoded: the Task's own copy), and the same values by name for the
-        # engine's compare-and-set.
-        row = list(task)
-        row[_STATUS_INDEX] = new
-        row[_UPDATED_AT_INDEX] = now
-        row[_LAST_SEQ_INDEX] = seq = task.last_seq + 1
-        row[_VERSION_INDEX] = task.version + 1
-        values = {"status": new, "updated_at": now, "last_seq": seq}
-        if fields:
-            values.update(fields)
-            for name, value in fields.items():
-                if name in _TASK_INDEX:      # not the snapshot: no Task field shows it
-                    row[_TASK_INDEX[name]] = value if value is None or name not in _JSON_COLUMNS \
-                        else _loads(value)
-        if task.run_at is not None and new != QUEUED:
-            # Only a queued task has a not-before time (tasks_delayed holds no other).
-            values["run_at"] = row[_RUN_AT_INDEX] = None
-        terminal = new in TERMINAL_STATES
-        if terminal:
-            values["finished_at"] = row[_FINISHED_AT_INDEX] = now
-            values["input_request"] = row[_INPUT_REQUEST_INDEX] = None
-            values["purge_at"] = row[_PURGE_AT_INDEX] = _purge_at(
-                now, task.created_at, task.ttl_ms, task.retention_ms)
-        # The compare-and-set: cannot fail inside the transaction; the guard is the rule.
-        event_json = _plain_status_json(status, new) if message is None and error is None \
-            else dumps(_status_data(status, new, message, error))
-        if not self._engine.move_task(task_id, status, values, event_json, now):
-            raise InvalidTransition(task_id, status, event)
-        if terminal:
-            self._waiters.cancel_events.pop(task_id, None)
-        return _new_tuple(Task, row)
-
     def _move(self, task_id, event, *, principal=None, attempt=None, fields=None, error=None):
         """Run one transition, committed before it returns; return the new Task."""
         now = int(self.clock() * 1000)
-        task = self._engine.write(lambda: self._transition_locked(
-            task_id if principal is None else self._get_locked(task_id, principal),
+        task = self._engine.write(lambda: _transition_locked(
+            self, task_id if principal is None else self._get_locked(task_id, principal),
             event, now, attempt=attempt, fields=fields, error=error))
         self._waiters.committed((_Change(task, "status"),), task.status == QUEUED)
         return task
@@ -4017,7 +4031,7 @@ class TaskStore:
         def body():
             task = self._get_locked(task_id, principal)
             if refuse_repeat or task.status not in CANCELLED_STATES:
-                return self._transition_locked(task, CANCEL, now, message=reason), True
+                return _transition_locked(self, task, CANCEL, now, message=reason), True
             return task, False
         task, moved = self._engine.write(body)
         self._waiters.committed((_Change(task, "status"),) if moved else ())
@@ -4431,8 +4445,8 @@ class _Queue:
                 if limit is not None:
                     running, limit = engine.running_of_kind(task.kind)
                 if limit is None or running < limit:
-                    return store._transition_locked(
-                        task, CLAIM if task.kind in loading_kinds else START, now,
+                    return _transition_locked(
+                        store, task, CLAIM if task.kind in loading_kinds else START, now,
                         fields={"owner": owner})
                 wanted, gen = tuple(k for k in wanted if k != task.kind), None
             return None
@@ -4494,14 +4508,14 @@ class _Retries:
                          "progress_total": None, "status_message": message}
                 if not RESTART_KEEPS_SNAPSHOT.get(task.policy, False):
                     again["snapshot"] = None        # the next attempt starts from the beginning
-                return store._transition_locked(task, REQUEUE, now, attempt=attempt,
-                                                fields=again, message=message, error=error)
+                return _transition_locked(store, task, REQUEUE, now, attempt=attempt,
+                                          fields=again, message=message, error=error)
             failed, shown = fields, error
             if policy is not None and retryable:      # the last attempt: say how many there were
                 shown = dict(error, attempts=task.attempt)
                 failed = dict(fields, error=_json_param(shown, "error"))
-            return store._transition_locked(task, FAIL, now, attempt=attempt, fields=failed,
-                                            error=shown)
+            return _transition_locked(store, task, FAIL, now, attempt=attempt, fields=failed,
+                                      error=shown)
         task = store._engine.write(body)
         requeued = task.status == QUEUED
         if requeued:
@@ -4579,7 +4593,7 @@ class _Inputs:
             answered = {**((task.input_answer or {}).get("parts") or {}), **given}
             left = {key: value for key, value in pending.items() if key not in given}
             if not left:
-                task = store._transition_locked(task, PROVIDE_INPUT, now, fields={
+                task = _transition_locked(store, task, PROVIDE_INPUT, now, fields={
                     "input_answer": _json_param({"parts": answered}, "answer"),
                     "input_request": None})
                 return task, (_Change(task, "status"),)

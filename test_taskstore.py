@@ -1794,9 +1794,9 @@ class GroupCommitTests(StoreTestCase):
         batch = [taskstore._GroupOp(body) for body in (
             plain,
             keyed,
-            lambda: self.store._transition_locked("task_missing", taskstore.START, 0),
+            lambda: taskstore._transition_locked(self.store, "task_missing", taskstore.START, 0),
             lambda: taskstore._insert_tasks_locked(self.store, [self.spec("c", [2])])[0],
-            lambda: self.store._transition_locked(existing.id, taskstore.START, 0))]
+            lambda: taskstore._transition_locked(self.store, existing.id, taskstore.START, 0))]
         commits = []
         self.store._engine.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
                                             else None)
@@ -4481,9 +4481,9 @@ blob = "x" * 40000
 def body():
     now = int(store.clock() * 1000)
     for task_id in ids:
-        store._transition_locked(task_id, taskstore.SUCCEED, now,
-                                 fields={"result": taskstore.dumps({"blob": blob})})
-    store._transition_locked(queued, taskstore.CANCEL, now)
+        taskstore._transition_locked(store, task_id, taskstore.SUCCEED, now,
+                                     fields={"result": taskstore.dumps({"blob": blob})})
+    taskstore._transition_locked(store, queued, taskstore.CANCEL, now)
     say("in-transaction", json.dumps({"ids": ids, "queued": queued, "state": state,
                                       "wal": os.path.getsize(DB + "-wal")}))
     sys.stdin.readline()
