@@ -3566,10 +3566,10 @@ class _Waiters:
         self.closed = False
         self.listeners = []
         # Another process queued a delayed task: the store's hint of when the
-        # next one is due (TaskStore._due) must be read again.
+        # next one is due (_Queue.due) must be read again.
         self.delays_changed = False
         # Plain dict operations, atomic without the lock: ``cancel_event``
-        # must never wait for a group-commit leader (see TaskStore.cancel_event).
+        # must never wait for a group-commit leader (its comment says why).
         self.cancel_events = {}
 
     def committed(self, changes=(), queued=False):
@@ -3613,6 +3613,11 @@ class _Waiters:
 
     def cancel_event(self, task_id):
         """The task's cancel event, made on first use."""
+        # Without the store's lock: dict.get and setdefault are atomic, and the
+        # lock would order nothing more (a cancel committed before the event
+        # exists is noticed by the runner's maintenance either way).  A runner
+        # asks for it between its claim and its write, and must not wait for a
+        # group-commit leader that holds the lock while it waits for that write.
         event = self.cancel_events.get(task_id)
         if event is None:
             event = self.cancel_events.setdefault(task_id, threading.Event())
@@ -3634,6 +3639,23 @@ class _Waiters:
         finally:
             with self.lock:
                 self.watchers -= 1
+
+    def until(self, read, done, timeout, poll_interval):
+        """The waiter's loop: ``read()`` until ``done(value)``, or *timeout* s; the last value.
+
+        Each read comes after the commit count was noted, and the sleep
+        between two reads ends at the next commit (``await_commit``), so
+        no commit between a read and the sleep is missed.  ``wait`` and
+        ``wait_any`` are this loop.  Raises StoreClosed when the store was
+        closed meanwhile.
+        """
+        deadline = time.monotonic() + timeout
+        with self.watching():
+            while True:
+                seen = self.commits          # before the read: see the class's docstring
+                value = read()
+                if done(value) or not self.await_commit(seen, deadline, poll_interval):
+                    return value
 
     def await_commit(self, seen, deadline, poll_interval):
         """Sleep until a commit after *seen* (a ``commits`` value), *poll_interval* or *deadline*.
@@ -3784,6 +3806,18 @@ class TaskStore:
         self._waiters.committed((_Change(task, "status"),), task.status == QUEUED)
         return task
 
+    def _told(self, kind, ids):
+        """Another process committed (the engine's ``on_remote``): tell who waits here.
+
+        A schedule's change wakes the runners' schedulers (``Schedules``);
+        the rest is the waiters' (``_Waiters.told``); ``lost`` news may have
+        been either.
+        """
+        if kind in ("schedules", "lost"):
+            self.schedules.written()
+        if kind != "schedules":
+            self._waiters.told(kind, ids)
+
     # -- creating and reading --------------------------------------------------
 
     def create(self, kind, payload=None, *, ttl_ms=None, retention_ms=None, policy="fail",
@@ -3925,6 +3959,16 @@ class TaskStore:
         tasks = [_task_from_row(r) for r in rows[:limit]]
         return tasks, (_encode_cursor(tasks[-1].id) if len(rows) > limit else None)
 
+    def unfinished(self):
+        """``[(kind, status, count, oldest created_at)]`` of the tasks not finished yet.
+
+        For monitoring (``/metrics``): read through the indexes of queued
+        tasks and of the work in flight, so it costs what is waiting and
+        running, never the finished tasks kept.
+        """
+        with self._engine.reading() as engine:
+            return engine.unfinished_counts()
+
     def events(self, task_id, *, after=None, limit=None, principal=None):
         """Return the task's events with ``seq > after`` (all when *after* is None), in order.
 
@@ -3948,19 +3992,15 @@ class TaskStore:
             TaskNotFound, TaskExpired: as ``get``.
             StoreClosed: the store was closed while waiting.
         """
-        deadline = time.monotonic() + timeout
-        waiters = self._waiters
-        with waiters.watching():
-            while True:
-                seen = waiters.commits          # before the read: see _Waiters
-                with self._engine.reading():
-                    task = self._get_locked(task_id, principal)
-                if (terminal and task.terminal) or (
-                        since_version is not None and task.version != since_version) or (
-                        since_version is None and not terminal):
-                    return task
-                if not waiters.await_commit(seen, deadline, self.poll_interval):
-                    return task
+        def read():
+            with self._engine.reading():
+                return self._get_locked(task_id, principal)
+
+        def done(task):
+            return (terminal and task.terminal) or (
+                since_version is not None and task.version != since_version) or (
+                since_version is None and not terminal)
+        return self._waiters.until(read, done, timeout, self.poll_interval)
 
     def wait_any(self, last_seqs, *, timeout):
         """Block until some of the tasks have events the caller has not seen; return them.
@@ -3976,14 +4016,8 @@ class TaskStore:
         Raises:
             StoreClosed: the store was closed while waiting.
         """
-        deadline = time.monotonic() + timeout
-        waiters = self._waiters
-        with waiters.watching():
-            while True:
-                seen = waiters.commits          # before the read: see _Waiters
-                moved = self._engine.tasks_past(last_seqs)
-                if moved or not waiters.await_commit(seen, deadline, self.poll_interval):
-                    return moved
+        return self._waiters.until(lambda: self._engine.tasks_past(last_seqs), bool, timeout,
+                                   self.poll_interval)
 
     def load_snapshot(self, task_id):
         """Return the task's last saved snapshot, or None."""
@@ -4079,21 +4113,6 @@ class TaskStore:
         """
         return self._retries.rerun(task_id, principal, run_at, delay)
 
-    # -- limits per kind --------------------------------------------------------
-
-    def set_kind_limit(self, kind, max_running):
-        """At most *max_running* tasks of *kind* run at once, in every process (None: no limit).
-
-        Stored in the database, so every process sharing it agrees; each
-        claim of a limited kind counts the kind's running tasks in its own
-        transaction.  Tasks already running above a lowered limit run on.
-        """
-        self._queue.set_limit(kind, max_running)
-
-    def kind_limits(self):
-        """``{kind: max_running}``: every limit per kind stored."""
-        return self._queue.limits()
-
     def start(self, task_id, *, attempt=None):
         """Move a queued or loading task to ``running`` (used by the runner)."""
         return self._move(task_id, START, attempt=attempt)
@@ -4131,6 +4150,8 @@ class TaskStore:
         """
         return self._inputs.answer(task_id, answer, principal)
 
+    # -- work's records, and listeners -----------------------------------------
+
     def set_progress(self, task_id, *, progress=None, total=None, message=_MISSING,
                      attempt=None):
         """Record progress and/or the status message of an unfinished task.
@@ -4158,11 +4179,6 @@ class TaskStore:
 
     def cancel_event(self, task_id):
         """Return the ``threading.Event`` set when this task is cancelled (in this process)."""
-        # Without the store's lock: dict.get and setdefault are atomic, and the
-        # lock would order nothing more (a cancel committed before the event
-        # exists is noticed by the runner's maintenance either way).  A runner
-        # asks for it between its claim and its write, and must not wait for a
-        # group-commit leader that holds the lock while it waits for that write.
         return self._waiters.cancel_event(task_id)
 
     def add_listener(self, listener):
@@ -4181,7 +4197,7 @@ class TaskStore:
         with contextlib.suppress(ValueError):
             self._waiters.listeners.remove(listener)
 
-    # -- runners: claiming, ownership -------------------------------------------
+    # -- runners: claiming, limits per kind, ownership -------------------------
 
     def claim(self, kinds, *, owner, loading_kinds=()):
         """Claim the oldest queued task of *kinds* for *owner*; return it, or None when there is none.
@@ -4221,6 +4237,19 @@ class TaskStore:
         The generation moves on, so a worker about to wait returns at once too.
         """
         self._waiters.wake_workers()
+
+    def set_kind_limit(self, kind, max_running):
+        """At most *max_running* tasks of *kind* run at once, in every process (None: no limit).
+
+        Stored in the database, so every process sharing it agrees; each
+        claim of a limited kind counts the kind's running tasks in its own
+        transaction.  Tasks already running above a lowered limit run on.
+        """
+        self._queue.set_limit(kind, max_running)
+
+    def kind_limits(self):
+        """``{kind: max_running}``: every limit per kind stored."""
+        return self._queue.limits()
 
     def register_process(self):
         """Register this process as a task owner; return its registration id."""
@@ -4332,29 +4361,6 @@ class TaskStore:
                 self._reaper = Reaper(self, interval)
                 self._reaper.start()
             return self._reaper
-
-    # -- monitoring and telling ------------------------------------------------
-
-    def unfinished(self):
-        """``[(kind, status, count, oldest created_at)]`` of the tasks not finished yet.
-
-        For monitoring (``/metrics``): read through the indexes of queued
-        tasks and of the work in flight, so it costs what is waiting and
-        running, never the finished tasks kept.
-        """
-        with self._engine.reading() as engine:
-            return engine.unfinished_counts()
-
-    def _told(self, kind, ids):
-        """Another process committed (the engine's ``on_remote``): tell who waits here.
-
-        A schedule's change wakes the runners' schedulers (``Schedules``); the rest is the
-        waiters' (``_Waiters.told``); ``lost`` news may have been either.
-        """
-        if kind in ("schedules", "lost"):
-            self.schedules.written()
-        if kind != "schedules":
-            self._waiters.told(kind, ids)
 
     # -- closing ---------------------------------------------------------------
 
