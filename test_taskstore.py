@@ -3143,7 +3143,11 @@ class PgPublicWorkerLoopTests(PostgresStoreMixin, PublicWorkerLoopTests):
 
 
 class EngineSeamTests(unittest.TestCase):
-    """``Engine`` is the seam: the store calls only its names; both engines implement all of it."""
+    """``Engine`` is the seam: the store calls only its names; both engines implement all of it.
+
+    And the file's other seams hold: the store holds no SQL, and no class
+    outgrows a room a reader can hold (``test_no_class_outgrows_its_room``).
+    """
 
     ENGINES = (taskstore.SQLiteEngine, taskstore.PostgresEngine)
     ATTRIBUTES = {"lock", "readonly", "shared", "path"}     # read, not called
@@ -3228,6 +3232,32 @@ class EngineSeamTests(unittest.TestCase):
                           if name not in self.declared | self.ATTRIBUTES}, {})
         self.assertNotIn("sqlite3", "\n".join(ast.get_source_segment(self.source, node)
                                                for node in self.store.body))
+
+    # Sizes, in lines of a class statement (docstrings and comments count:
+    # they are what a reader reads).  A class past its limit has a job that
+    # wants a room of its own (as recovery has _Recovery, schedules
+    # Schedules), not shorter docstrings.
+    CLASS_LINES = 600
+    CLASS_LINES_OF = {"TaskStore": 700}     # the verbs' docstrings are the API's reference
+    MCP_CLASS_LINES = 400
+
+    def test_no_class_outgrows_its_room(self):
+        import ast
+        start = re.search(r"^# \d+\. MCP server", self.source, re.M).start()
+        end = start + re.search(r"^# \d+\. ", self.source[start + 1:], re.M).start()
+        mcp_first, mcp_last = (self.source[:at].count("\n") + 1 for at in (start, end))
+        sizes = {}
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.ClassDef):
+                sizes[node.name] = size = node.end_lineno - node.lineno + 1
+                mcp = node.name.startswith("Mcp") or mcp_first < node.lineno < mcp_last
+                most = self.CLASS_LINES_OF.get(
+                    node.name, self.MCP_CLASS_LINES if mcp else self.CLASS_LINES)
+                with self.subTest(cls=node.name):
+                    self.assertLessEqual(size, most, f"{node.name} is {size} lines, more than "
+                                         f"{most}: give one of its jobs a room of its own")
+        self.assertGreater(sizes["TaskStore"], 300)     # measured the class, not a stub
+        self.assertGreater(sizes["McpHttp"], 200)
 
     def test_the_store_holds_no_sql(self):
         import ast
