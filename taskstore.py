@@ -3430,7 +3430,6 @@ def _insert_tasks_locked(store, specs, now=None, attempt=1):
     return tasks
 
 
-
 def _transition_locked(store, task, event, now, *, attempt=None, fields=None, message=None,
                        error=None):
     """Move one task by *event*: the path of every single status change; return the new Task.
@@ -3490,6 +3489,7 @@ def _transition_locked(store, task, event, now, *, attempt=None, fields=None, me
     if terminal:
         store._waiters.cancel_events.pop(task_id, None)
     return _new_tuple(Task, row)
+
 
 class _IdSequence:
     """Task ids of one store: ids made in the same millisecond still sort in creation order.
