@@ -4392,9 +4392,9 @@ class _Queue:
     The claim itself lives here: it makes due delayed tasks ready, takes
     the oldest task of the highest priority among the kinds asked for, and
     passes over a kind whose limit is reached, all in one transaction.  So
-    does the hint of when a delayed task may next be due, which spares a
-    claim (and an idle worker's sleep) a read of the delayed tasks while
-    none can be due, and the limits per kind (rows of ``kind_limits``).
+    do the limits per kind (rows of ``kind_limits``) and the hint of when a
+    delayed task may next be due (``due_at``): a claim reads the delayed
+    tasks only once one may be due, and an idle worker's sleep ends by then.
     """
 
     def __init__(self, store):
