@@ -84,7 +84,7 @@ __all__ = [
     "QUEUED", "LOADING", "RUNNING", "INPUT_REQUIRED", "CANCELLING", "SUCCEEDED",
     "FAILED", "CANCELLED",
     # Periodic tasks and metrics
-    "Schedule", "Cron", "Metrics", "METRICS_PATH",
+    "Schedules", "Schedule", "Cron", "Metrics", "METRICS_PATH",
     # MCP server (section 9)
     "McpServer", "McpDispatcher", "McpWork", "McpTool", "ToolContext", "McpError",
     "ParseError", "InvalidRequest", "MethodNotFound", "ServerBusy", "add_demo_tools",
@@ -1028,7 +1028,7 @@ def _purge_at(now, created_at, ttl_ms, retention_ms):
 
 
 class Schedule(typing.NamedTuple):
-    """A periodic task, as ``TaskStore.schedules()`` lists it.  Times are epoch ms."""
+    """A periodic task, as ``store.schedules.list()`` lists it.  Times are epoch ms."""
 
     name: str
     kind: str
@@ -1678,7 +1678,7 @@ SCHEMA = {
     # every process and replica on the database.  MCP signs the requestState
     # of its input rounds with one ("mcp.request_state"), so any replica can
     # verify a state another issued.  Never shown, never rotated by the store.
-    # schedules: periodic tasks (TaskStore.schedule).  One row per schedule;
+    # schedules: periodic tasks (Schedules.add).  One row per schedule;
     # next_at is the start of the next period to fire, and schedules_due
     # finds the due ones, and the next time a runner wakes, without reading
     # paused schedules.
@@ -3215,6 +3215,14 @@ def open_engine(path, **options):
 # - ``now`` arguments are epoch milliseconds; the clock is a ``time.time``-like
 #   function in seconds, injectable for tests.
 # - The reaper thread (at the end of this section) belongs to the store.
+# - ``TaskStore`` is the public verbs.  A verb whose rules are a job of their
+#   own hands it to the room that holds them, a class below the store with
+#   that one job: ``_Queue`` (delays, priorities and limits per kind: the
+#   claim), ``_Retries`` (a failure's retry, dead letters run again),
+#   ``_Inputs`` (input requests, whole or in parts), ``_EventLog`` (events,
+#   snapshots, progress), ``_Recovery`` (the tasks of owners that stopped),
+#   ``Schedules`` (periodic tasks; public, as ``store.schedules``); waiting
+#   is ``_Waiters``'s, retention ``_reap``'s.
 
 _MISSING = object()
 # The statuses that take an answer to an input request: the table's say.
@@ -3425,6 +3433,67 @@ def _insert_tasks_locked(store, specs, now=None, attempt=1):
     return tasks
 
 
+def _transition_locked(store, task, event, now, *, attempt=None, fields=None, message=None,
+                       error=None):
+    """Move one task by *event*: the path of every single status change; return the new Task.
+
+    Every new task comes from ``_insert_tasks_locked``; every single
+    status change comes from here, whoever asks: the verbs, the claim, a
+    retry, an answer to an input request (recovery's set-based moves are
+    the same moves, made for many tasks at once: ``_Recovery``).
+
+    *task* is the task as read in the caller's transaction (so it is
+    current: nobody else can write meanwhile), or its id (then it is read
+    here).  The table decides; the engine's compare-and-set
+    (``move_task``: the row changes only if it is still in the status we
+    read) writes the move and appends the ``status`` event, whose
+    sequence number the row read already tells.  The returned Task is
+    the row as written.  *attempt* guards against a stale worker: a task
+    requeued since it claimed it is not its to move.
+    """
+    if isinstance(task, str):
+        task_id, task = task, store._engine.read_task(task)
+        if task is None:
+            raise TaskNotFound(task_id)
+    task_id, status = task.id, task.status
+    new = next_state(task_id, status, event)
+    if attempt is not None and attempt != task.attempt:
+        raise InvalidTransition(task_id, f"{status} (attempt {task.attempt})", event)
+    # The Task as written, built here rather than read back: the row read
+    # with what the move writes set over it by position (the JSON columns
+    # decoded: the Task's own copy), and the same values by name for the
+    # engine's compare-and-set.
+    row = list(task)
+    row[_STATUS_INDEX] = new
+    row[_UPDATED_AT_INDEX] = now
+    row[_LAST_SEQ_INDEX] = seq = task.last_seq + 1
+    row[_VERSION_INDEX] = task.version + 1
+    values = {"status": new, "updated_at": now, "last_seq": seq}
+    if fields:
+        values.update(fields)
+        for name, value in fields.items():
+            if name in _TASK_INDEX:      # not the snapshot: no Task field shows it
+                row[_TASK_INDEX[name]] = value if value is None or name not in _JSON_COLUMNS \
+                    else _loads(value)
+    if task.run_at is not None and new != QUEUED:
+        # Only a queued task has a not-before time (tasks_delayed holds no other).
+        values["run_at"] = row[_RUN_AT_INDEX] = None
+    terminal = new in TERMINAL_STATES
+    if terminal:
+        values["finished_at"] = row[_FINISHED_AT_INDEX] = now
+        values["input_request"] = row[_INPUT_REQUEST_INDEX] = None
+        values["purge_at"] = row[_PURGE_AT_INDEX] = _purge_at(
+            now, task.created_at, task.ttl_ms, task.retention_ms)
+    # The compare-and-set: cannot fail inside the transaction; the guard is the rule.
+    event_json = _plain_status_json(status, new) if message is None and error is None \
+        else dumps(_status_data(status, new, message, error))
+    if not store._engine.move_task(task_id, status, values, event_json, now):
+        raise InvalidTransition(task_id, status, event)
+    if terminal:
+        store._waiters.cancel_events.pop(task_id, None)
+    return _new_tuple(Task, row)
+
+
 class _IdSequence:
     """Task ids of one store: ids made in the same millisecond still sort in creation order.
 
@@ -3500,10 +3569,10 @@ class _Waiters:
         self.closed = False
         self.listeners = []
         # Another process queued a delayed task: the store's hint of when the
-        # next one is due (TaskStore._due) must be read again.
+        # next one is due (_Queue.due) must be read again.
         self.delays_changed = False
         # Plain dict operations, atomic without the lock: ``cancel_event``
-        # must never wait for a group-commit leader (see TaskStore.cancel_event).
+        # must never wait for a group-commit leader (its comment says why).
         self.cancel_events = {}
 
     def committed(self, changes=(), queued=False):
@@ -3547,6 +3616,11 @@ class _Waiters:
 
     def cancel_event(self, task_id):
         """The task's cancel event, made on first use."""
+        # Without the store's lock: dict.get and setdefault are atomic, and the
+        # lock would order nothing more (a cancel committed before the event
+        # exists is noticed by the runner's maintenance either way).  A runner
+        # asks for it between its claim and its write, and must not wait for a
+        # group-commit leader that holds the lock while it waits for that write.
         event = self.cancel_events.get(task_id)
         if event is None:
             event = self.cancel_events.setdefault(task_id, threading.Event())
@@ -3568,6 +3642,23 @@ class _Waiters:
         finally:
             with self.lock:
                 self.watchers -= 1
+
+    def until(self, read, done, timeout, poll_interval):
+        """The waiter's loop: ``read()`` until ``done(value)``, or *timeout* s; the last value.
+
+        Each read comes after the commit count was noted, and the sleep
+        between two reads ends at the next commit (``await_commit``), so
+        no commit between a read and the sleep is missed.  ``wait`` and
+        ``wait_any`` are this loop.  Raises StoreClosed when the store was
+        closed meanwhile.
+        """
+        deadline = time.monotonic() + timeout
+        with self.watching():
+            while True:
+                seen = self.commits          # before the read: see the class's docstring
+                value = read()
+                if done(value) or not self.await_commit(seen, deadline, poll_interval):
+                    return value
 
     def await_commit(self, seen, deadline, poll_interval):
         """Sleep until a commit after *seen* (a ``commits`` value), *poll_interval* or *deadline*.
@@ -3677,12 +3768,11 @@ class TaskStore:
         self._reap_batches = {}     # kind of reap step: the batch size it last reached (_reap)
         self._ids = _IdSequence()
         self._recovery = _Recovery(self)
-        self._schedule_watchers = []    # watch_schedules: runners' scheduler threads
-        # When a delayed task may next be due (epoch ms): a hint, never the
-        # rule (the claim reads run_at itself).  It is lowered by this
-        # process's own delayed creates and retries, and re-read from the
-        # database at most every poll_interval (other processes' delays).
-        self._due_at = 0
+        self.schedules = Schedules(self)    # periodic tasks: store.schedules.add(...)
+        self._queue = _Queue(self)          # delays, priorities, limits per kind: the claim
+        self._retries = _Retries(self)      # a failure's retry, and dead letters run again
+        self._inputs = _Inputs(self)        # input requests, whole or in parts
+        self._log = _EventLog(self)         # events, snapshots, progress: no status change
         engine.on_remote(self._told)
         if recover_on_open and not self.readonly:
             self.recover()
@@ -3710,86 +3800,28 @@ class TaskStore:
             return row[:-1]
         return _summary_from_row(row[:-1]) if summary else _task_from_row(row[:-1])
 
-    def _transition_locked(self, task, event, now, *, attempt=None, fields=None, message=None,
-                           error=None):
-        """Move one task by *event*: the path of every single status change; return the new Task.
-
-        *task* is the task as read in the caller's transaction (so it is
-        current: nobody else can write meanwhile), or its id (then it is read
-        here).  The table decides; the engine's compare-and-set
-        (``move_task``: the row changes only if it is still in the status we
-        read) writes the move and appends the ``status`` event, whose
-        sequence number the row read already tells.  The returned Task is
-        the row as written.  *attempt* guards against a stale worker: a task
-        requeued since it claimed it is not its to move.
-        """
-        if isinstance(task, str):
-            task_id, task = task, self._engine.read_task(task)
-            if task is None:
-                raise TaskNotFound(task_id)
-        task_id, status = task.id, task.status
-        new = next_state(task_id, status, event)
-        if attempt is not None and attempt != task.attempt:
-            raise InvalidTransition(task_id, f"{status} (attempt {task.attempt})", event)
-        # The Task as written, built here rather than read back: the row read
-        # with what the move writes set over it by position (the JSON columns
-        # decoded: the Task's own copy), and the same values by name for the
-        # engine's compare-and-set.
-        row = list(task)
-        row[_STATUS_INDEX] = new
-        row[_UPDATED_AT_INDEX] = now
-        row[_LAST_SEQ_INDEX] = seq = task.last_seq + 1
-        row[_VERSION_INDEX] = task.version + 1
-        values = {"status": new, "updated_at": now, "last_seq": seq}
-        if fields:
-            values.update(fields)
-            for name, value in fields.items():
-                if name in _TASK_INDEX:      # not the snapshot: no Task field shows it
-                    row[_TASK_INDEX[name]] = value if value is None or name not in _JSON_COLUMNS \
-                        else _loads(value)
-        if task.run_at is not None and new != QUEUED:
-            # Only a queued task has a not-before time (tasks_delayed holds no other).
-            values["run_at"] = row[_RUN_AT_INDEX] = None
-        terminal = new in TERMINAL_STATES
-        if terminal:
-            values["finished_at"] = row[_FINISHED_AT_INDEX] = now
-            values["input_request"] = row[_INPUT_REQUEST_INDEX] = None
-            values["purge_at"] = row[_PURGE_AT_INDEX] = _purge_at(
-                now, task.created_at, task.ttl_ms, task.retention_ms)
-        # The compare-and-set: cannot fail inside the transaction; the guard is the rule.
-        event_json = _plain_status_json(status, new) if message is None and error is None \
-            else dumps(_status_data(status, new, message, error))
-        if not self._engine.move_task(task_id, status, values, event_json, now):
-            raise InvalidTransition(task_id, status, event)
-        if terminal:
-            self._waiters.cancel_events.pop(task_id, None)
-        return _new_tuple(Task, row)
-
     def _move(self, task_id, event, *, principal=None, attempt=None, fields=None, error=None):
         """Run one transition, committed before it returns; return the new Task."""
         now = int(self.clock() * 1000)
-        task = self._engine.write(lambda: self._transition_locked(
-            task_id if principal is None else self._get_locked(task_id, principal),
+        task = self._engine.write(lambda: _transition_locked(
+            self, task_id if principal is None else self._get_locked(task_id, principal),
             event, now, attempt=attempt, fields=fields, error=error))
         self._waiters.committed((_Change(task, "status"),), task.status == QUEUED)
         return task
 
+    def _told(self, kind, ids):
+        """Another process committed (the engine's ``on_remote``): tell who waits here.
+
+        A schedule's change wakes the runners' schedulers (``Schedules``);
+        the rest is the waiters' (``_Waiters.told``); ``lost`` news may have
+        been either.
+        """
+        if kind in ("schedules", "lost"):
+            self.schedules.written()
+        if kind != "schedules":
+            self._waiters.told(kind, ids)
+
     # -- creating and reading --------------------------------------------------
-
-    def _delayed(self, run_at):
-        """A task of this process waits until *run_at*: the next due check comes no later."""
-        if run_at is not None and run_at < self._due_at:
-            self._due_at = run_at
-
-    def _due(self, now):
-        """Whether a delayed task may be due at *now*; the hint re-read when it is stale."""
-        if now < self._due_at and not self._waiters.delays_changed:
-            return False
-        self._waiters.delays_changed = False
-        with self._engine.reading() as engine:
-            due = engine.next_due()
-        self._due_at = min(math.inf if due is None else due, now + int(self.poll_interval * 1000))
-        return due is not None and due <= now
 
     def create(self, kind, payload=None, *, ttl_ms=None, retention_ms=None, policy="fail",
                principal=None, meta=None, idempotency=None, prefix="task", status_message=None,
@@ -3838,7 +3870,7 @@ class TaskStore:
             if isinstance(task, str):
                 return _replayed(self, task)        # nothing written
         if task.run_at is not None:
-            self._delayed(task.run_at)
+            self._queue.delayed(task.run_at)
         self._waiters.committed((_Change(task, "created"),), queued=True)
         return task
 
@@ -3872,7 +3904,7 @@ class TaskStore:
             payload_json, payload = _payload(payload, f"payloads[{i}]")
             specs.append(first._replace(payload=payload, payload_json=payload_json))
         tasks = self._engine.write(lambda: _insert_tasks_locked(self, specs))
-        self._delayed(first.run_at)
+        self._queue.delayed(first.run_at)
         self._waiters.committed((_Change(task, "created") for task in tasks), queued=True)
         return tasks
 
@@ -3930,6 +3962,16 @@ class TaskStore:
         tasks = [_task_from_row(r) for r in rows[:limit]]
         return tasks, (_encode_cursor(tasks[-1].id) if len(rows) > limit else None)
 
+    def unfinished(self):
+        """``[(kind, status, count, oldest created_at)]`` of the tasks not finished yet.
+
+        For monitoring (``/metrics``): read through the indexes of queued
+        tasks and of the work in flight, so it costs what is waiting and
+        running, never the finished tasks kept.
+        """
+        with self._engine.reading() as engine:
+            return engine.unfinished_counts()
+
     def events(self, task_id, *, after=None, limit=None, principal=None):
         """Return the task's events with ``seq > after`` (all when *after* is None), in order.
 
@@ -3938,23 +3980,7 @@ class TaskStore:
             InvalidCursor: *after* is negative or beyond the last event.
             EventsExpired: the events asked for were pruned.
         """
-        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
-            raise InvalidCursor("after must be a non-negative integer", param="after")
-        limit = _check_int(limit, "limit", minimum=1)
-        with self._engine.reading() as engine:
-            row = engine.event_bounds(task_id, int(self.clock() * 1000))
-            if row is None or (principal is not None and row[0] != principal) or row[3]:
-                self._get_locked(task_id, principal)       # raises the right not-found error
-            _, last_seq, first_seq, _ = row
-            if after is not None and after > last_seq:
-                raise InvalidCursor(f"after {after} is beyond the last event {last_seq}",
-                                    param="after")
-            start = 0 if after is None else after + 1
-            if start < first_seq:
-                raise EventsExpired(task_id, first_seq)
-            rows = engine.read_events(task_id, start, limit)
-        # The data stays JSON text until someone reads Event.data.
-        return [_new_tuple(Event, (task_id, *row)) for row in rows]
+        return self._log.read(task_id, after, limit, principal)
 
     def wait(self, task_id, *, timeout, since_version=None, terminal=False, principal=None):
         """Block until the task changes or ends, then return it.
@@ -3969,19 +3995,15 @@ class TaskStore:
             TaskNotFound, TaskExpired: as ``get``.
             StoreClosed: the store was closed while waiting.
         """
-        deadline = time.monotonic() + timeout
-        waiters = self._waiters
-        with waiters.watching():
-            while True:
-                seen = waiters.commits          # before the read: see _Waiters
-                with self._engine.reading():
-                    task = self._get_locked(task_id, principal)
-                if (terminal and task.terminal) or (
-                        since_version is not None and task.version != since_version) or (
-                        since_version is None and not terminal):
-                    return task
-                if not waiters.await_commit(seen, deadline, self.poll_interval):
-                    return task
+        def read():
+            with self._engine.reading():
+                return self._get_locked(task_id, principal)
+
+        def done(task):
+            return (terminal and task.terminal) or (
+                since_version is not None and task.version != since_version) or (
+                since_version is None and not terminal)
+        return self._waiters.until(read, done, timeout, self.poll_interval)
 
     def wait_any(self, last_seqs, *, timeout):
         """Block until some of the tasks have events the caller has not seen; return them.
@@ -3997,22 +4019,12 @@ class TaskStore:
         Raises:
             StoreClosed: the store was closed while waiting.
         """
-        deadline = time.monotonic() + timeout
-        waiters = self._waiters
-        with waiters.watching():
-            while True:
-                seen = waiters.commits          # before the read: see _Waiters
-                moved = self._engine.tasks_past(last_seqs)
-                if moved or not waiters.await_commit(seen, deadline, self.poll_interval):
-                    return moved
+        return self._waiters.until(lambda: self._engine.tasks_past(last_seqs), bool, timeout,
+                                   self.poll_interval)
 
     def load_snapshot(self, task_id):
         """Return the task's last saved snapshot, or None."""
-        with self._engine.reading() as engine:
-            found, snapshot = engine.load_snapshot(task_id)
-        if not found:
-            raise TaskNotFound(task_id)
-        return None if snapshot is None else _loads(snapshot)
+        return self._log.load_snapshot(task_id)
 
     def secret(self, name):
         """Return the store's secret *name* (64 hex digits), made on first use.
@@ -4056,7 +4068,7 @@ class TaskStore:
         def body():
             task = self._get_locked(task_id, principal)
             if refuse_repeat or task.status not in CANCELLED_STATES:
-                return self._transition_locked(task, CANCEL, now, message=reason), True
+                return _transition_locked(self, task, CANCEL, now, message=reason), True
             return task, False
         task, moved = self._engine.write(body)
         self._waiters.committed((_Change(task, "status"),) if moved else ())
@@ -4086,41 +4098,7 @@ class TaskStore:
                   "result": None if result is None else _json_param(result, "result")}
         if not retryable and retry is None:
             return self._move(task_id, FAIL, attempt=attempt, error=error, fields=fields)
-        default = _retry_param(retry)
-        now = int(self.clock() * 1000)
-
-        def body():
-            task = self._engine.read_task(task_id)
-            if task is None:
-                raise TaskNotFound(task_id)
-            policy = default if task.retry is None else Retry(**task.retry)
-            left = policy is not None and task.attempt < policy.max_attempts
-            event = FAILURE["retryable" if retryable else "no retry"][
-                "left" if left else "none left"]
-            if event == REQUEUE:
-                run_at = now + policy.delay_ms(task.attempt)
-                message = (f"attempt {task.attempt} of {policy.max_attempts} failed; "
-                           f"attempt {task.attempt + 1} not before {iso_time(run_at)}")
-                again = {"owner": None, "run_at": run_at, "attempt": task.attempt + 1,
-                         "input_request": None, "input_answer": None, "progress": None,
-                         "progress_total": None, "status_message": message}
-                if not RESTART_KEEPS_SNAPSHOT.get(task.policy, False):
-                    again["snapshot"] = None        # the next attempt starts from the beginning
-                return self._transition_locked(task, REQUEUE, now, attempt=attempt,
-                                               fields=again, message=message, error=error)
-            failed, shown = fields, error
-            if policy is not None and retryable:      # the last attempt: say how many there were
-                shown = dict(error, attempts=task.attempt)
-                failed = dict(fields, error=_json_param(shown, "error"))
-            return self._transition_locked(task, FAIL, now, attempt=attempt, fields=failed,
-                                           error=shown)
-        task = self._engine.write(body)
-        requeued = task.status == QUEUED
-        if requeued:
-            self._waiters.cancel_events.pop(task_id, None)    # not the next attempt's
-            self._delayed(task.run_at)
-        self._waiters.committed((_Change(task, "status"),), requeued)
-        return task
+        return self._retries.fail(task_id, error, fields, attempt, retryable, retry)
 
     def rerun(self, task_id, *, principal=None, run_at=None, delay=None):
         """Dead letters: run a failed task again, as a new queued task; return it.
@@ -4136,46 +4114,7 @@ class TaskStore:
             InvalidTransition: the task did not fail.
             TaskNotFound, TaskExpired: as ``get``.
         """
-        now = int(self.clock() * 1000)
-        not_before = _not_before(now, run_at, delay)
-
-        def body():
-            old = self._get_locked(task_id, principal)
-            if old.status not in RERUNNABLE:
-                raise InvalidTransition(task_id, old.status, "rerun")
-            retry = None if old.retry is None else Retry(**old.retry)
-            spec = _NewTask(
-                old.kind, old.payload, dumps(old.payload), old.ttl_ms, old.retention_ms,
-                old.policy, old.principal, old.meta or None,
-                dumps(old.meta) if old.meta else None, old.id.rpartition("_")[0], None, None,
-                False, None if not_before is None or not_before <= now else not_before,
-                old.priority,
-                retry, None if retry is None else dumps(retry._asdict()), old.id)
-            return _insert_tasks_locked(self, (spec,), now, attempt=old.attempt + 1)[0]
-        task = self._engine.write(body)
-        self._delayed(task.run_at)
-        self._waiters.committed((_Change(task, "created"),), queued=True)
-        return task
-
-    # -- limits per kind --------------------------------------------------------
-
-    def set_kind_limit(self, kind, max_running):
-        """At most *max_running* tasks of *kind* run at once, in every process (None: no limit).
-
-        Stored in the database, so every process sharing it agrees; each
-        claim of a limited kind counts the kind's running tasks in its own
-        transaction.  Tasks already running above a lowered limit run on.
-        """
-        _check_str(kind, "kind", allow_none=False, max_len=200)
-        _check_int(max_running, "max_running", maximum=2**31 - 1)
-        now = int(self.clock() * 1000)
-        self._engine.write(lambda: self._engine.set_kind_limit(kind, max_running, now))
-        self._waiters.committed(queued=True)        # a raised limit: idle workers look again
-
-    def kind_limits(self):
-        """``{kind: max_running}``: every limit per kind stored."""
-        with self._engine.reading() as engine:
-            return engine.kind_limits()
+        return self._retries.rerun(task_id, principal, run_at, delay)
 
     def start(self, task_id, *, attempt=None):
         """Move a queued or loading task to ``running`` (used by the runner)."""
@@ -4192,10 +4131,7 @@ class TaskStore:
 
     def require_input(self, task_id, request, *, attempt=None):
         """Park a running task in ``input_required`` with a JSON *request* for the requestor."""
-        if not isinstance(request, dict):
-            raise InvalidParams("request must be a JSON object", param="request")
-        return self._move(task_id, REQUIRE_INPUT, attempt=attempt, fields={
-            "input_request": _json_param(request, "request"), "input_answer": None})
+        return self._inputs.ask(task_id, request, attempt)
 
     def provide_input(self, task_id, answer, *, principal=None):
         """Answer the pending input request; the task goes back to ``running``.
@@ -4215,41 +4151,9 @@ class TaskStore:
             InvalidTransition: the task is not waiting for input (already
                 answered, cancelled, or finished).
         """
-        parts = answer.get("parts") if isinstance(answer, dict) else None
-        if isinstance(parts, dict):
-            return self._provide_parts(task_id, parts, principal)
-        return self._move(task_id, PROVIDE_INPUT, principal=principal, fields={
-            "input_answer": _json_param(answer, "answer"), "input_request": None})
+        return self._inputs.answer(task_id, answer, principal)
 
-    def _provide_parts(self, task_id, parts, principal):
-        """``provide_input`` for a request in parts; one transaction."""
-        now = int(self.clock() * 1000)
-        engine = self._engine
-
-        def body():
-            task = self._get_locked(task_id, principal)
-            next_state(task.id, task.status, PROVIDE_INPUT)     # waiting for input, or refused
-            pending = (task.input_request or {}).get("parts")
-            if not isinstance(pending, dict):
-                raise InvalidParams("the task's input request is not in parts", param="answer")
-            given = {key: value for key, value in parts.items() if key in pending}
-            answered = {**((task.input_answer or {}).get("parts") or {}), **given}
-            left = {key: value for key, value in pending.items() if key not in given}
-            if not left:
-                task = self._transition_locked(task, PROVIDE_INPUT, now, fields={
-                    "input_answer": _json_param({"parts": answered}, "answer"),
-                    "input_request": None})
-                return task, (_Change(task, "status"),)
-            if given and engine.set_progress(task.id, {
-                    "input_request": _json_param({"parts": left}, "request"),
-                    "input_answer": _json_param({"parts": answered}, "answer")},
-                    _TAKES_INPUT, None, now):
-                task = engine.read_task(task.id)
-                return task, (_Change(task, "input"),)
-            return task, ()
-        task, changes = engine.write(body)
-        self._waiters.committed(changes)
-        return task
+    # -- work's records, and listeners -----------------------------------------
 
     def set_progress(self, task_id, *, progress=None, total=None, message=_MISSING,
                      attempt=None):
@@ -4258,27 +4162,7 @@ class TaskStore:
         Not a status change, so it appends no event; it bumps ``version`` so
         waiters see it.  Returns False when the task has already ended.
         """
-        now = int(self.clock() * 1000)
-        values = {}
-        if progress is not None:
-            values["progress"] = float(progress)
-            values["progress_total"] = None if total is None else float(total)
-        if message is not _MISSING:
-            values["status_message"] = message
-
-        def body():
-            if self._engine.set_progress(task_id, values, UNFINISHED_STATES, attempt, now):
-                return True, self._as_written_locked(task_id, "progress")
-            return False, ()
-        changed, changes = self._engine.write(body)
-        self._waiters.committed(changes)
-        return changed
-
-    def _as_written_locked(self, task_id, change):
-        """The ``_Change`` of a write that did not build the Task: read back, if anyone listens."""
-        if not self._waiters.listeners:
-            return ()
-        return (_Change(self._engine.read_task(task_id), change),)
+        return self._log.progress(task_id, progress, total, message, attempt)
 
     def emit(self, task_id, etype, data=None, *, snapshot=_MISSING, attempt=None):
         """Append one event (and optionally save a snapshot) atomically; return its seq.
@@ -4290,40 +4174,14 @@ class TaskStore:
         Raises:
             InvalidTransition: the task has ended (or was requeued).
         """
-        _check_str(etype, "type", allow_none=False, max_len=200)
-        data_json = _json_param({} if data is None else data, "data")
-        snap = None if snapshot is _MISSING else _json_param(snapshot, "snapshot")
-        now = int(self.clock() * 1000)
-
-        def body():
-            row = self._engine.event_head(task_id)
-            if row is None:
-                raise TaskNotFound(task_id)
-            if row[0] not in ACTIVE_STATES or (attempt is not None and row[2] != attempt):
-                raise InvalidTransition(task_id, row[0], "emit")
-            self._engine.append_event(task_id, row[1] + 1, etype, data_json, snap, now)
-            return row[1] + 1, self._as_written_locked(task_id, "event")
-        seq, changes = self._engine.write(body)
-        self._waiters.committed(changes)
-        return seq
+        return self._log.append(task_id, etype, data, snapshot, attempt)
 
     def save_snapshot(self, task_id, snapshot, *, attempt=None):
         """Save a JSON snapshot the task can resume from after a restart."""
-        snap = _json_param(snapshot, "snapshot")
-
-        def body():
-            if not self._engine.save_snapshot(task_id, snap, ACTIVE_STATES, attempt):
-                raise InvalidTransition(task_id, "not active", "save_snapshot")
-        self._engine.write(body)
-        self._waiters.committed()
+        self._log.save_snapshot(task_id, snapshot, attempt)
 
     def cancel_event(self, task_id):
         """Return the ``threading.Event`` set when this task is cancelled (in this process)."""
-        # Without the store's lock: dict.get and setdefault are atomic, and the
-        # lock would order nothing more (a cancel committed before the event
-        # exists is noticed by the runner's maintenance either way).  A runner
-        # asks for it between its claim and its write, and must not wait for a
-        # group-commit leader that holds the lock while it waits for that write.
         return self._waiters.cancel_event(task_id)
 
     def add_listener(self, listener):
@@ -4342,7 +4200,7 @@ class TaskStore:
         with contextlib.suppress(ValueError):
             self._waiters.listeners.remove(listener)
 
-    # -- runners: claiming, ownership -------------------------------------------
+    # -- runners: claiming, limits per kind, ownership -------------------------
 
     def claim(self, kinds, *, owner, loading_kinds=()):
         """Claim the oldest queued task of *kinds* for *owner*; return it, or None when there is none.
@@ -4361,38 +4219,7 @@ class TaskStore:
         Raises:
             StoreClosed, StoreUnavailable: the store cannot be used.
         """
-        engine, waiters = self._engine, self._waiters
-        if not kinds:
-            return None
-        now = int(self.clock() * 1000)
-        due = (now >= self._due_at or waiters.delays_changed) and self._due(now)
-        if not due and not engine.may_have_queued(kinds, waiters.work_gen):
-            return None
-
-        def body():
-            if due:
-                engine.promote_due(now, PROMOTE_BATCH)
-            wanted, gen = kinds, waiters.work_gen
-            while wanted:
-                found = engine.oldest_queued(wanted, gen)
-                if found is None:
-                    return None
-                task, limit = found
-                # A limited kind: its running tasks counted in this very
-                # transaction (on PostgreSQL, its limit row locked first).
-                if limit is not None:
-                    running, limit = engine.running_of_kind(task.kind)
-                if limit is None or running < limit:
-                    return self._transition_locked(
-                        task, CLAIM if task.kind in loading_kinds else START, now,
-                        fields={"owner": owner})
-                wanted, gen = tuple(k for k in wanted if k != task.kind), None
-            return None
-        task = engine.write(body)
-        if due:
-            self._due_at = now        # more may be due: the next claim reads again
-        waiters.committed(() if task is None else (_Change(task, "status"),))
-        return task
+        return self._queue.claim(kinds, owner, loading_kinds)
 
     def wait_for_work(self, seen, timeout):
         """Block until a task may have become queued in this process; return a generation.
@@ -4405,8 +4232,7 @@ class TaskStore:
         at once once the store is closed (the next ``claim`` raises).  A
         delayed task this store knows of cuts the wait short at its time.
         """
-        due_in = (self._due_at - self.clock() * 1000) / 1000
-        return self._waiters.wait_for_work(seen, max(0.0, min(timeout, due_in)))
+        return self._waiters.wait_for_work(seen, self._queue.wait_s(timeout))
 
     def wake_workers(self):
         """End every ``wait_for_work`` now (a runner stopping): each returns a new generation.
@@ -4414,6 +4240,19 @@ class TaskStore:
         The generation moves on, so a worker about to wait returns at once too.
         """
         self._waiters.wake_workers()
+
+    def set_kind_limit(self, kind, max_running):
+        """At most *max_running* tasks of *kind* run at once, in every process (None: no limit).
+
+        Stored in the database, so every process sharing it agrees; each
+        claim of a limited kind counts the kind's running tasks in its own
+        transaction.  Tasks already running above a lowered limit run on.
+        """
+        self._queue.set_limit(kind, max_running)
+
+    def kind_limits(self):
+        """``{kind: max_running}``: every limit per kind stored."""
+        return self._queue.limits()
 
     def register_process(self):
         """Register this process as a task owner; return its registration id."""
@@ -4526,164 +4365,6 @@ class TaskStore:
                 self._reaper.start()
             return self._reaper
 
-    # -- schedules (periodic tasks) ---------------------------------------------
-
-    def schedule(self, name, kind, payload=None, *, every=None, cron=None, policy="fail",
-                 ttl_ms=None, retention_ms=None):
-        """Create a task of *kind* with *payload* once per period, from now on; return the Schedule.
-
-        Give *every* (seconds, or a ``timedelta``: periods start at its
-        multiples since the epoch) or *cron* (5 fields, UTC, see ``Cron``).
-        A runner creates each period's task at the period's start (see
-        ``fire_schedules``): exactly one task per period, however many
-        processes run.  *policy*, *ttl_ms* and *retention_ms* are the
-        tasks' ``create`` options.  Defining an existing name again replaces
-        its kind, payload and options and keeps its paused state; its next
-        period stays unless the period itself changed.
-
-        Raises:
-            InvalidParams: a bad argument (``param`` names it): both or
-                neither of *every* and *cron*, ``every <= 0``, a malformed
-                cron expression or a field out of range.  Nothing is written.
-        """
-        _check_str(name, "name", allow_none=False, max_len=200)
-        every_ms, cron_text = _schedule_period(every, cron)
-        spec = _new_task(self.max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, None,
-                         None, "task", None, None)
-        options = {key: value for key, value in (("policy", policy), ("ttl_ms", ttl_ms),
-                                                 ("retention_ms", retention_ms))
-                   if value is not None and (key, value) != ("policy", "fail")}
-
-        def body():
-            now = int(self.clock() * 1000)
-            rows = self._engine.schedule_rows(name)
-            old = _schedule_from_row(rows[0]) if rows else None
-            if old is not None and (old.every_ms, old.cron) == (every_ms, cron_text):
-                next_at = old.next_at
-            else:
-                next_at = _schedule_next(every_ms, cron_text, now)
-            row = (name, kind, spec.payload_json, every_ms, cron_text,
-                   int(old is not None and old.paused), next_at,
-                   *(old[7:11] if old else (None, None, None, 0)),
-                   now if old is None else old.created_at, now, dumps(options))
-            self._engine.schedule_put(row)
-            return _schedule_from_row(row)
-        return self._schedules_written(self._engine.write(body))
-
-    def schedules(self):
-        """Every schedule (``Schedule``), by name."""
-        with self._engine.reading() as engine:
-            rows = engine.schedule_rows(None)
-        return [_schedule_from_row(row) for row in rows]
-
-    def pause_schedule(self, name):
-        """Stop firing schedule *name* (its periods pass unfired); return the Schedule.
-
-        Raises:
-            InvalidParams: no schedule has that name (``param="name"``).
-        """
-        return self._set_schedule(name, lambda old, now: {"paused": 1, "updated_at": now})
-
-    def resume_schedule(self, name):
-        """Fire schedule *name* again, from its next period after now; return the Schedule.
-
-        The periods that passed while it was paused are not fired.  A
-        schedule that is not paused is left as it is.
-
-        Raises:
-            InvalidParams: no schedule has that name (``param="name"``).
-        """
-        return self._set_schedule(name, lambda old, now: {} if not old.paused else {
-            "paused": 0, "updated_at": now,
-            "next_at": _schedule_next(old.every_ms, old.cron, now)})
-
-    def remove_schedule(self, name):
-        """Delete schedule *name* (the tasks it created stay).
-
-        Raises:
-            InvalidParams: no schedule has that name (``param="name"``).
-        """
-        _check_str(name, "name", allow_none=False, max_len=200)
-        if not self._engine.write(lambda: self._engine.schedule_delete(name)):
-            raise InvalidParams(f"no schedule named {_echo(repr(name))}", param="name")
-        self._schedules_written(None)
-
-    def _set_schedule(self, name, change):
-        _check_str(name, "name", allow_none=False, max_len=200)
-
-        def body():
-            rows = self._engine.schedule_rows(name)
-            if not rows:
-                raise InvalidParams(f"no schedule named {_echo(repr(name))}", param="name")
-            old = _schedule_from_row(rows[0])
-            values = change(old, int(self.clock() * 1000))
-            if values:
-                self._engine.schedule_update(name, values, None)
-            return _schedule_from_row(self._engine.schedule_rows(name)[0])
-        return self._schedules_written(self._engine.write(body))
-
-    def _schedules_written(self, result):
-        """A schedule changed: runners of this process wake to read the next fire time."""
-        for callback in list(self._schedule_watchers):
-            callback()
-        return result
-
-    def _told(self, kind, ids):
-        """Another process committed (the engine's ``on_remote``): tell who waits here.
-
-        A schedule's change wakes the runners' schedulers; the rest is the
-        waiters' (``_Waiters.told``); ``lost`` news may have been either.
-        """
-        if kind in ("schedules", "lost"):
-            self._schedules_written(None)
-        if kind != "schedules":
-            self._waiters.told(kind, ids)
-
-    def watch_schedules(self, callback):
-        """Call ``callback()`` after each change of a schedule made through this store.
-
-        A runner's scheduler thread uses it to wake when the next fire time
-        may have moved.  ``unwatch_schedules`` undoes it.
-        """
-        self._schedule_watchers.append(callback)
-
-    def unwatch_schedules(self, callback):
-        """Stop calling *callback* (``watch_schedules``)."""
-        with contextlib.suppress(ValueError):
-            self._schedule_watchers.remove(callback)
-
-    def unfinished(self):
-        """``[(kind, status, count, oldest created_at)]`` of the tasks not finished yet.
-
-        For monitoring (``/metrics``): read through the indexes of queued
-        tasks and of the work in flight, so it costs what is waiting and
-        running, never the finished tasks kept.
-        """
-        with self._engine.reading() as engine:
-            return engine.unfinished_counts()
-
-    def next_schedule_at(self):
-        """The start (epoch ms) of the soonest period of an unpaused schedule, or None."""
-        with self._engine.reading() as engine:
-            return engine.next_schedule_at()
-
-    def fire_schedules(self, now=None):
-        """Create the task of every schedule whose period has started; return the new Tasks.
-
-        One transaction.  Each due schedule fires once, for the period its
-        ``next_at`` names, and moves on to its first period after *now*:
-        after downtime the missed periods run once, not once each.  Another
-        process firing the same schedule at the same time creates nothing
-        (the compare-and-set on ``next_at``, then the period's idempotency
-        key ``schedule``/``name@period``).  *now*: epoch ms, else the clock.
-        Runners call this at each fire time (``Runner``).
-        """
-        now = int(self.clock() * 1000) if now is None else now
-        tasks = self._engine.write(lambda: _fire_due(self, now))
-        if tasks:
-            self._waiters.committed((_Change(task, "created") for task in tasks), queued=True)
-        return tasks
-
     # -- closing ---------------------------------------------------------------
 
     def close(self):
@@ -4706,6 +4387,339 @@ class TaskStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _Queue:
+    """What a claim takes, and when: delays, priorities and limits per kind (``TaskStore.claim``).
+
+    The claim itself lives here: it makes due delayed tasks ready, takes
+    the oldest task of the highest priority among the kinds asked for, and
+    passes over a kind whose limit is reached, all in one transaction.  So
+    do the limits per kind (rows of ``kind_limits``) and the hint of when a
+    delayed task may next be due (``due_at``): a claim reads the delayed
+    tasks only once one may be due, and an idle worker's sleep ends by then.
+    """
+
+    def __init__(self, store):
+        self.store = store
+        # When a delayed task may next be due (epoch ms): a hint, never the
+        # rule (the claim reads run_at itself).  It is lowered by this
+        # process's own delayed creates and retries, and re-read from the
+        # database at most every poll_interval (other processes' delays).
+        self.due_at = 0
+
+    def delayed(self, run_at):
+        """A task of this process waits until *run_at*: the next due check comes no later."""
+        if run_at is not None and run_at < self.due_at:
+            self.due_at = run_at
+
+    def due(self, now):
+        """Whether a delayed task may be due at *now*; the hint re-read when it is stale."""
+        store = self.store
+        if now < self.due_at and not store._waiters.delays_changed:
+            return False
+        store._waiters.delays_changed = False
+        with store._engine.reading() as engine:
+            due = engine.next_due()
+        self.due_at = min(math.inf if due is None else due, now + int(store.poll_interval * 1000))
+        return due is not None and due <= now
+
+    def wait_s(self, timeout):
+        """How long ``wait_for_work`` may sleep: *timeout*, cut short by the next delayed task."""
+        due_in = (self.due_at - self.store.clock() * 1000) / 1000
+        return max(0.0, min(timeout, due_in))
+
+    def claim(self, kinds, owner, loading_kinds):
+        """``TaskStore.claim``: one transaction; the claimed Task, or None."""
+        store = self.store
+        engine, waiters = store._engine, store._waiters
+        if not kinds:
+            return None
+        now = int(store.clock() * 1000)
+        due = (now >= self.due_at or waiters.delays_changed) and self.due(now)
+        if not due and not engine.may_have_queued(kinds, waiters.work_gen):
+            return None
+
+        def body():
+            if due:
+                engine.promote_due(now, PROMOTE_BATCH)
+            wanted, gen = kinds, waiters.work_gen
+            while wanted:
+                found = engine.oldest_queued(wanted, gen)
+                if found is None:
+                    return None
+                task, limit = found
+                # A limited kind: its running tasks counted in this very
+                # transaction (on PostgreSQL, its limit row locked first).
+                if limit is not None:
+                    running, limit = engine.running_of_kind(task.kind)
+                if limit is None or running < limit:
+                    return _transition_locked(
+                        store, task, CLAIM if task.kind in loading_kinds else START, now,
+                        fields={"owner": owner})
+                wanted, gen = tuple(k for k in wanted if k != task.kind), None
+            return None
+        task = engine.write(body)
+        if due:
+            self.due_at = now        # more may be due: the next claim reads again
+        waiters.committed(() if task is None else (_Change(task, "status"),))
+        return task
+
+    def set_limit(self, kind, max_running):
+        """``TaskStore.set_kind_limit``: store the limit, then wake idle workers of this process."""
+        store = self.store
+        _check_str(kind, "kind", allow_none=False, max_len=200)
+        _check_int(max_running, "max_running", maximum=2**31 - 1)
+        now = int(store.clock() * 1000)
+        store._engine.write(lambda: store._engine.set_kind_limit(kind, max_running, now))
+        store._waiters.committed(queued=True)        # a raised limit: idle workers look again
+
+    def limits(self):
+        """``{kind: max_running}``: every limit per kind stored."""
+        with self.store._engine.reading() as engine:
+            return engine.kind_limits()
+
+
+class _Retries:
+    """A failure that may run again: ``FAILURE``'s retry with backoff, and dead letters rerun.
+
+    ``TaskStore.fail`` for a handler that raised (or under a retry policy)
+    asks the table whether the task goes back to ``queued`` after a
+    backoff or fails for good; ``TaskStore.rerun`` runs a failed task (a
+    dead letter) again as a new task.  Either way the task that runs again
+    has the next attempt number and, when delayed, a not-before time that
+    the claim (``_Queue``) honours.
+    """
+
+    def __init__(self, store):
+        self.store = store
+
+    def fail(self, task_id, error, fields, attempt, retryable, retry):
+        """``TaskStore.fail`` with a retry to decide: one transaction; the Task as written."""
+        store = self.store
+        default = _retry_param(retry)
+        now = int(store.clock() * 1000)
+
+        def body():
+            task = store._engine.read_task(task_id)
+            if task is None:
+                raise TaskNotFound(task_id)
+            policy = default if task.retry is None else Retry(**task.retry)
+            left = policy is not None and task.attempt < policy.max_attempts
+            event = FAILURE["retryable" if retryable else "no retry"][
+                "left" if left else "none left"]
+            if event == REQUEUE:
+                run_at = now + policy.delay_ms(task.attempt)
+                message = (f"attempt {task.attempt} of {policy.max_attempts} failed; "
+                           f"attempt {task.attempt + 1} not before {iso_time(run_at)}")
+                again = {"owner": None, "run_at": run_at, "attempt": task.attempt + 1,
+                         "input_request": None, "input_answer": None, "progress": None,
+                         "progress_total": None, "status_message": message}
+                if not RESTART_KEEPS_SNAPSHOT.get(task.policy, False):
+                    again["snapshot"] = None        # the next attempt starts from the beginning
+                return _transition_locked(store, task, REQUEUE, now, attempt=attempt,
+                                          fields=again, message=message, error=error)
+            failed, shown = fields, error
+            if policy is not None and retryable:      # the last attempt: say how many there were
+                shown = dict(error, attempts=task.attempt)
+                failed = dict(fields, error=_json_param(shown, "error"))
+            return _transition_locked(store, task, FAIL, now, attempt=attempt, fields=failed,
+                                      error=shown)
+        task = store._engine.write(body)
+        requeued = task.status == QUEUED
+        if requeued:
+            store._waiters.cancel_events.pop(task_id, None)    # not the next attempt's
+            store._queue.delayed(task.run_at)
+        store._waiters.committed((_Change(task, "status"),), requeued)
+        return task
+
+    def rerun(self, task_id, principal, run_at, delay):
+        """``TaskStore.rerun``: the new queued Task, inserted in one transaction."""
+        store = self.store
+        now = int(store.clock() * 1000)
+        not_before = _not_before(now, run_at, delay)
+
+        def body():
+            old = store._get_locked(task_id, principal)
+            if old.status not in RERUNNABLE:
+                raise InvalidTransition(task_id, old.status, "rerun")
+            retry = None if old.retry is None else Retry(**old.retry)
+            spec = _NewTask(
+                old.kind, old.payload, dumps(old.payload), old.ttl_ms, old.retention_ms,
+                old.policy, old.principal, old.meta or None,
+                dumps(old.meta) if old.meta else None, old.id.rpartition("_")[0], None, None,
+                False, None if not_before is None or not_before <= now else not_before,
+                old.priority,
+                retry, None if retry is None else dumps(retry._asdict()), old.id)
+            return _insert_tasks_locked(store, (spec,), now, attempt=old.attempt + 1)[0]
+        task = store._engine.write(body)
+        store._queue.delayed(task.run_at)
+        store._waiters.committed((_Change(task, "created"),), queued=True)
+        return task
+
+
+class _Inputs:
+    """Input requests: a running task asks (``require_input``), the requestor answers.
+
+    An answer is whole, or, for a request in parts (``{"parts": {key:
+    request}}``), part by part: the task waits until its last part is
+    answered.  Whether a task takes an answer is the table's
+    ``provide_input``; a part answered before the last is a write, not a
+    status change.
+    """
+
+    def __init__(self, store):
+        self.store = store
+
+    def ask(self, task_id, request, attempt):
+        """``TaskStore.require_input``: park the running task with *request*; the Task."""
+        if not isinstance(request, dict):
+            raise InvalidParams("request must be a JSON object", param="request")
+        return self.store._move(task_id, REQUIRE_INPUT, attempt=attempt, fields={
+            "input_request": _json_param(request, "request"), "input_answer": None})
+
+    def answer(self, task_id, answer, principal):
+        """``TaskStore.provide_input``: answer the request, whole or some of its parts; the Task."""
+        parts = answer.get("parts") if isinstance(answer, dict) else None
+        if isinstance(parts, dict):
+            return self._answer_parts(task_id, parts, principal)
+        return self.store._move(task_id, PROVIDE_INPUT, principal=principal, fields={
+            "input_answer": _json_param(answer, "answer"), "input_request": None})
+
+    def _answer_parts(self, task_id, parts, principal):
+        """``provide_input`` for a request in parts; one transaction."""
+        store = self.store
+        engine = store._engine
+        now = int(store.clock() * 1000)
+
+        def body():
+            task = store._get_locked(task_id, principal)
+            next_state(task.id, task.status, PROVIDE_INPUT)     # waiting for input, or refused
+            pending = (task.input_request or {}).get("parts")
+            if not isinstance(pending, dict):
+                raise InvalidParams("the task's input request is not in parts", param="answer")
+            given = {key: value for key, value in parts.items() if key in pending}
+            answered = {**((task.input_answer or {}).get("parts") or {}), **given}
+            left = {key: value for key, value in pending.items() if key not in given}
+            if not left:
+                task = _transition_locked(store, task, PROVIDE_INPUT, now, fields={
+                    "input_answer": _json_param({"parts": answered}, "answer"),
+                    "input_request": None})
+                return task, (_Change(task, "status"),)
+            if given and engine.set_progress(task.id, {
+                    "input_request": _json_param({"parts": left}, "request"),
+                    "input_answer": _json_param({"parts": answered}, "answer")},
+                    _TAKES_INPUT, None, now):
+                task = engine.read_task(task.id)
+                return task, (_Change(task, "input"),)
+            return task, ()
+        task, changes = engine.write(body)
+        store._waiters.committed(changes)
+        return task
+
+
+class _EventLog:
+    """The event log, and what work records beside its status: events, snapshots, progress.
+
+    None of these is a status change (those are ``_transition_locked``'s,
+    which appends their ``status`` events itself).  ``emit`` appends an
+    event with the task's next sequence number, a snapshot with it or alone
+    (``save_snapshot``), so that ``resume`` continues where the work was;
+    progress and the status message bump the task's ``version`` and append
+    nothing.  Each write is allowed only while the task is unfinished (an
+    event or a snapshot: while it is active) and, given an *attempt*, only
+    to that attempt.
+    """
+
+    def __init__(self, store):
+        self.store = store
+
+    def read(self, task_id, after, limit, principal):
+        """``TaskStore.events``: the task's events after *after*, in one read."""
+        store = self.store
+        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
+            raise InvalidCursor("after must be a non-negative integer", param="after")
+        limit = _check_int(limit, "limit", minimum=1)
+        with store._engine.reading() as engine:
+            row = engine.event_bounds(task_id, int(store.clock() * 1000))
+            if row is None or (principal is not None and row[0] != principal) or row[3]:
+                store._get_locked(task_id, principal)       # raises the right not-found error
+            _, last_seq, first_seq, _ = row
+            if after is not None and after > last_seq:
+                raise InvalidCursor(f"after {after} is beyond the last event {last_seq}",
+                                    param="after")
+            start = 0 if after is None else after + 1
+            if start < first_seq:
+                raise EventsExpired(task_id, first_seq)
+            rows = engine.read_events(task_id, start, limit)
+        # The data stays JSON text until someone reads Event.data.
+        return [_new_tuple(Event, (task_id, *row)) for row in rows]
+
+    def append(self, task_id, etype, data, snapshot, attempt):
+        """``TaskStore.emit``: one event (and the snapshot) in one transaction; its seq."""
+        store = self.store
+        _check_str(etype, "type", allow_none=False, max_len=200)
+        data_json = _json_param({} if data is None else data, "data")
+        snap = None if snapshot is _MISSING else _json_param(snapshot, "snapshot")
+        now = int(store.clock() * 1000)
+
+        def body():
+            row = store._engine.event_head(task_id)
+            if row is None:
+                raise TaskNotFound(task_id)
+            if row[0] not in ACTIVE_STATES or (attempt is not None and row[2] != attempt):
+                raise InvalidTransition(task_id, row[0], "emit")
+            store._engine.append_event(task_id, row[1] + 1, etype, data_json, snap, now)
+            return row[1] + 1, self._as_written_locked(task_id, "event")
+        seq, changes = store._engine.write(body)
+        store._waiters.committed(changes)
+        return seq
+
+    def save_snapshot(self, task_id, snapshot, attempt):
+        """``TaskStore.save_snapshot``: one transaction."""
+        store = self.store
+        snap = _json_param(snapshot, "snapshot")
+
+        def body():
+            if not store._engine.save_snapshot(task_id, snap, ACTIVE_STATES, attempt):
+                raise InvalidTransition(task_id, "not active", "save_snapshot")
+        store._engine.write(body)
+        store._waiters.committed()
+
+    def load_snapshot(self, task_id):
+        """``TaskStore.load_snapshot``: the snapshot, decoded, or None."""
+        store = self.store
+        with store._engine.reading() as engine:
+            found, snapshot = engine.load_snapshot(task_id)
+        if not found:
+            raise TaskNotFound(task_id)
+        return None if snapshot is None else _loads(snapshot)
+
+    def progress(self, task_id, progress, total, message, attempt):
+        """``TaskStore.set_progress``: one transaction; whether the task took it."""
+        store = self.store
+        now = int(store.clock() * 1000)
+        values = {}
+        if progress is not None:
+            values["progress"] = float(progress)
+            values["progress_total"] = None if total is None else float(total)
+        if message is not _MISSING:
+            values["status_message"] = message
+
+        def body():
+            if store._engine.set_progress(task_id, values, UNFINISHED_STATES, attempt, now):
+                return True, self._as_written_locked(task_id, "progress")
+            return False, ()
+        changed, changes = store._engine.write(body)
+        store._waiters.committed(changes)
+        return changed
+
+    def _as_written_locked(self, task_id, change):
+        """The ``_Change`` of a write that did not build the Task: read back, if anyone listens."""
+        store = self.store
+        if not store._waiters.listeners:
+            return ()
+        return (_Change(store._engine.read_task(task_id), change),)
 
 
 class _Recovery:
@@ -4977,7 +4991,7 @@ class Reaper(threading.Thread):
 
 
 # -- schedules: cron, periods, and firing -------------------------------------
-# A schedule (``TaskStore.schedule``) is a row of the ``schedules`` table: a
+# A schedule (``Schedules.add``) is a row of the ``schedules`` table: a
 # kind, a payload and either a fixed period (``every``) or a standard 5-field
 # cron expression, with ``next_at``, the start of the next period to fire.
 # Periods are UTC: a cron expression is read in UTC, and ``every=N`` periods
@@ -5151,36 +5165,191 @@ def _schedule_period(every, cron):
     return every_ms, None
 
 
-def _fire_due(store, now):
-    """The body of one firing transaction: fire every schedule due at *now*; its new Tasks.
+class Schedules:
+    """The store's periodic tasks (``store.schedules``): define, list, pause, resume, remove, fire.
 
-    Per due schedule: the compare-and-set on ``next_at`` first, so that of
-    two processes that read the same period one fires and the other writes
-    nothing; then the task, through ``create``'s idempotency path, keyed
-    by the schedule's name and the period; then the task's id on the row.
+    One room for everything a schedule is: its verbs, the firing of due
+    periods (``fire``: what runners call at each period's start), and who in
+    this process waits for a schedule to change (``watch``).  The rows live
+    in the database (the ``schedules`` table), so every process sharing it
+    sees the same schedules and fires each period once between them.
     """
-    engine, created = store._engine, []
-    for row in engine.schedules_due(now, SCHEDULE_FIRE_BATCH):
-        schedule = _schedule_from_row(row)
-        after = _schedule_next(schedule.every_ms, schedule.cron, now)
-        if not engine.schedule_update(schedule.name, {
-                "next_at": after, "last_due": schedule.next_at, "last_fired_at": now,
-                "fired": schedule.fired + 1, "updated_at": now}, schedule.next_at):
-            continue
-        options = schedule.options
-        spec = _new_task(store.max_ttl_ms, schedule.kind, schedule.payload,
-                         options.get("ttl_ms"), options.get("retention_ms"),
-                         options.get("policy", "fail"), None,
-                         {"schedule": schedule.name, "due_at": schedule.next_at}, "task",
-                         None, None)
-        key = f"{schedule.name}@{schedule.next_at}"
-        task = _create_once(store, spec, ("schedule", key, fingerprint(key),
-                                          SCHEDULE_KEY_MS))()
-        engine.schedule_update(schedule.name, {
-            "last_task": task if isinstance(task, str) else task.id}, None)
-        if not isinstance(task, str):
-            created.append(task)
-    return created
+
+    def __init__(self, store):
+        self._store = store
+        self._watchers = []     # watch: runners' scheduler threads
+
+    def add(self, name, kind, payload=None, *, every=None, cron=None, policy="fail",
+            ttl_ms=None, retention_ms=None):
+        """Create a task of *kind* with *payload* once per period, from now on; return the Schedule.
+
+        Give *every* (seconds, or a ``timedelta``: periods start at its
+        multiples since the epoch) or *cron* (5 fields, UTC, see ``Cron``).
+        A runner creates each period's task at the period's start (see
+        ``fire``): exactly one task per period, however many
+        processes run.  *policy*, *ttl_ms* and *retention_ms* are the
+        tasks' ``create`` options.  Defining an existing name again replaces
+        its kind, payload and options and keeps its paused state; its next
+        period stays unless the period itself changed.
+
+        Raises:
+            InvalidParams: a bad argument (``param`` names it): both or
+                neither of *every* and *cron*, ``every <= 0``, a malformed
+                cron expression or a field out of range.  Nothing is written.
+        """
+        store = self._store
+        _check_str(name, "name", allow_none=False, max_len=200)
+        every_ms, cron_text = _schedule_period(every, cron)
+        spec = _new_task(store.max_ttl_ms, kind, payload, ttl_ms, retention_ms, policy, None,
+                         None, "task", None, None)
+        options = {key: value for key, value in (("policy", policy), ("ttl_ms", ttl_ms),
+                                                 ("retention_ms", retention_ms))
+                   if value is not None and (key, value) != ("policy", "fail")}
+
+        def body():
+            now = int(store.clock() * 1000)
+            rows = store._engine.schedule_rows(name)
+            old = _schedule_from_row(rows[0]) if rows else None
+            if old is not None and (old.every_ms, old.cron) == (every_ms, cron_text):
+                next_at = old.next_at
+            else:
+                next_at = _schedule_next(every_ms, cron_text, now)
+            row = (name, kind, spec.payload_json, every_ms, cron_text,
+                   int(old is not None and old.paused), next_at,
+                   *(old[7:11] if old else (None, None, None, 0)),
+                   now if old is None else old.created_at, now, dumps(options))
+            store._engine.schedule_put(row)
+            return _schedule_from_row(row)
+        return self.written(store._engine.write(body))
+
+    def list(self):
+        """Every schedule (``Schedule``), by name."""
+        with self._store._engine.reading() as engine:
+            rows = engine.schedule_rows(None)
+        return [_schedule_from_row(row) for row in rows]
+
+    def pause(self, name):
+        """Stop firing schedule *name* (its periods pass unfired); return the Schedule.
+
+        Raises:
+            InvalidParams: no schedule has that name (``param="name"``).
+        """
+        return self._set(name, lambda old, now: {"paused": 1, "updated_at": now})
+
+    def resume(self, name):
+        """Fire schedule *name* again, from its next period after now; return the Schedule.
+
+        The periods that passed while it was paused are not fired.  A
+        schedule that is not paused is left as it is.
+
+        Raises:
+            InvalidParams: no schedule has that name (``param="name"``).
+        """
+        return self._set(name, lambda old, now: {} if not old.paused else {
+            "paused": 0, "updated_at": now,
+            "next_at": _schedule_next(old.every_ms, old.cron, now)})
+
+    def remove(self, name):
+        """Delete schedule *name* (the tasks it created stay).
+
+        Raises:
+            InvalidParams: no schedule has that name (``param="name"``).
+        """
+        engine = self._store._engine
+        _check_str(name, "name", allow_none=False, max_len=200)
+        if not engine.write(lambda: engine.schedule_delete(name)):
+            raise InvalidParams(f"no schedule named {_echo(repr(name))}", param="name")
+        self.written()
+
+    def _set(self, name, change):
+        """Change schedule *name* by ``change(old, now) -> values`` in one write; the Schedule."""
+        store, engine = self._store, self._store._engine
+        _check_str(name, "name", allow_none=False, max_len=200)
+
+        def body():
+            rows = engine.schedule_rows(name)
+            if not rows:
+                raise InvalidParams(f"no schedule named {_echo(repr(name))}", param="name")
+            old = _schedule_from_row(rows[0])
+            values = change(old, int(store.clock() * 1000))
+            if values:
+                engine.schedule_update(name, values, None)
+            return _schedule_from_row(engine.schedule_rows(name)[0])
+        return self.written(engine.write(body))
+
+    def next_at(self):
+        """The start (epoch ms) of the soonest period of an unpaused schedule, or None."""
+        with self._store._engine.reading() as engine:
+            return engine.next_schedule_at()
+
+    def fire(self, now=None):
+        """Create the task of every schedule whose period has started; return the new Tasks.
+
+        One transaction.  Each due schedule fires once, for the period its
+        ``next_at`` names, and moves on to its first period after *now*:
+        after downtime the missed periods run once, not once each.  Another
+        process firing the same schedule at the same time creates nothing
+        (the compare-and-set on ``next_at``, then the period's idempotency
+        key ``schedule``/``name@period``).  *now*: epoch ms, else the clock.
+        Runners call this at each fire time (``Runner``).
+        """
+        store = self._store
+        now = int(store.clock() * 1000) if now is None else now
+        tasks = store._engine.write(lambda: self._fire_due(now))
+        if tasks:
+            store._waiters.committed((_Change(task, "created") for task in tasks), queued=True)
+        return tasks
+
+    def _fire_due(self, now):
+        """The body of one firing transaction: fire every schedule due at *now*; its new Tasks.
+
+        Per due schedule: the compare-and-set on ``next_at`` first, so that of
+        two processes that read the same period one fires and the other writes
+        nothing; then the task, through ``create``'s idempotency path, keyed
+        by the schedule's name and the period; then the task's id on the row.
+        """
+        store = self._store
+        engine, created = store._engine, []
+        for row in engine.schedules_due(now, SCHEDULE_FIRE_BATCH):
+            schedule = _schedule_from_row(row)
+            after = _schedule_next(schedule.every_ms, schedule.cron, now)
+            if not engine.schedule_update(schedule.name, {
+                    "next_at": after, "last_due": schedule.next_at, "last_fired_at": now,
+                    "fired": schedule.fired + 1, "updated_at": now}, schedule.next_at):
+                continue
+            options = schedule.options
+            spec = _new_task(store.max_ttl_ms, schedule.kind, schedule.payload,
+                             options.get("ttl_ms"), options.get("retention_ms"),
+                             options.get("policy", "fail"), None,
+                             {"schedule": schedule.name, "due_at": schedule.next_at}, "task",
+                             None, None)
+            key = f"{schedule.name}@{schedule.next_at}"
+            task = _create_once(store, spec, ("schedule", key, fingerprint(key),
+                                              SCHEDULE_KEY_MS))()
+            engine.schedule_update(schedule.name, {
+                "last_task": task if isinstance(task, str) else task.id}, None)
+            if not isinstance(task, str):
+                created.append(task)
+        return created
+
+    def watch(self, callback):
+        """Call ``callback()`` after each change of a schedule made through this store.
+
+        A runner's scheduler thread uses it to wake when the next fire time
+        may have moved.  ``unwatch`` undoes it.
+        """
+        self._watchers.append(callback)
+
+    def unwatch(self, callback):
+        """Stop calling *callback* (``watch``)."""
+        with contextlib.suppress(ValueError):
+            self._watchers.remove(callback)
+
+    def written(self, result=None):
+        """A schedule changed (here, or in another process): wake who watches; return *result*."""
+        for callback in list(self._watchers):
+            callback()
+        return result
 
 
 # =============================================================================
@@ -5423,9 +5592,9 @@ class Runner:
         heartbeat_s: how often the lease is renewed and other processes'
             cancels are noticed.
         progress_interval_s: at most one progress write per task per interval.
-        schedules: fire the store's schedules (``TaskStore.schedule``).
+        schedules: fire the store's schedules (``store.schedules``).
             Every runner does, in every process: a thread sleeps until the
-            soonest period starts and then fires it (``fire_schedules``),
+            soonest period starts and then fires it (``Schedules.fire``),
             and the one task per period is the store's guarantee, not an
             election's, so no runner waits for a leader's lease to run out
             when its process dies.  Each wake costs one indexed read, a due
@@ -5480,7 +5649,7 @@ class Runner:
         self._maintenance = threading.Thread(target=self._maintain, name="taskstore-runner",
                                              daemon=True)
         if self.schedules:
-            self.store.watch_schedules(self._schedules_moved.set)
+            self.store.schedules.watch(self._schedules_moved.set)
             self._threads.append(threading.Thread(target=self._fire, daemon=True,
                                                   name="taskstore-scheduler"))
         for thread in self._threads + [self._maintenance]:
@@ -5509,7 +5678,7 @@ class Runner:
         self._stopping.set()
         self.store.wake_workers()      # idle workers would otherwise sleep out poll_interval
         self._schedules_moved.set()    # and the scheduler its wait for the next period
-        self.store.unwatch_schedules(self._schedules_moved.set)
+        self.store.schedules.unwatch(self._schedules_moved.set)
         with self._lock:
             for ctx in self._active.values():
                 ctx.cancelled.set()
@@ -5679,9 +5848,9 @@ class Runner:
             self._schedules_moved.clear()
             wait = SCHEDULE_CHECK_S
             try:
-                next_at = self.store.next_schedule_at()
+                next_at = self.store.schedules.next_at()
                 if next_at is not None and next_at <= self._now_ms():
-                    self.store.fire_schedules()
+                    self.store.schedules.fire()
                     continue
                 if next_at is not None:
                     wait = min(wait, (next_at - self._now_ms()) / 1000)
@@ -9063,7 +9232,7 @@ class Metrics:
         """The exposition text (format 0.0.4), one family after another, ending in a newline."""
         now = int(self.store.clock() * 1000)
         unfinished = sorted(self.store.unfinished())
-        schedules = self.store.schedules()
+        schedules = self.store.schedules.list()
         with self._lock:
             finished, attempts = sorted(self._finished.items()), sorted(self._attempts.items())
             requeues = sorted(self._requeues.items())
@@ -9355,7 +9524,7 @@ class LMSPApp:
 
     def _schedules(self, request):
         return Reply(200, {"object": "list", "data": [schedule_object(s) for s in
-                                                      self.store.schedules()]})
+                                                      self.store.schedules.list()]})
 
     def _capabilities(self, request):
         snapshots = bool(getattr(self.backend, "snapshots", False))
@@ -12780,12 +12949,12 @@ def _tasks_schedules(args):
                 payload = json.loads(args.payload)
             except ValueError:
                 raise InvalidParams("--payload must be a JSON value", param="payload") from None
-            store.schedule(args.name, args.kind, payload, policy=args.policy,
-                           every=args.every, cron=args.cron, retention_ms=None if (
-                               args.retention is None) else int(args.retention * 1000))
+            store.schedules.add(args.name, args.kind, payload, policy=args.policy,
+                                every=args.every, cron=args.cron, retention_ms=None if (
+                                    args.retention is None) else int(args.retention * 1000))
         elif args.action != "list":
-            getattr(store, f"{args.action}_schedule")(args.name)
-        schedules = store.schedules()
+            getattr(store.schedules, args.action)(args.name)
+        schedules = store.schedules.list()
     if args.action not in ("list", "remove"):
         schedules = [s for s in schedules if s.name == args.name]
     if args.json:

@@ -1799,9 +1799,9 @@ class GroupCommitTests(StoreTestCase):
         batch = [taskstore._GroupOp(body) for body in (
             plain,
             keyed,
-            lambda: self.store._transition_locked("task_missing", taskstore.START, 0),
+            lambda: taskstore._transition_locked(self.store, "task_missing", taskstore.START, 0),
             lambda: taskstore._insert_tasks_locked(self.store, [self.spec("c", [2])])[0],
-            lambda: self.store._transition_locked(existing.id, taskstore.START, 0))]
+            lambda: taskstore._transition_locked(self.store, existing.id, taskstore.START, 0))]
         commits = []
         self.store._engine.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
                                             else None)
@@ -2989,9 +2989,9 @@ class HistoryCostTests(StoreTestCase):
         steps("fail", lambda: store.fail(started.id, {"code": "x", "message": "x"}))
         cancelled = store.create("k")
         steps("cancel", lambda: store.cancel(cancelled.id))
-        store.schedule("tick", "k", every=60)
-        steps("next schedule", store.next_schedule_at)
-        steps("fire schedules", lambda: store.fire_schedules(self.clock.ms + 60_000))
+        store.schedules.add("tick", "k", every=60)
+        steps("next schedule", store.schedules.next_at)
+        steps("fire schedules", lambda: store.schedules.fire(self.clock.ms + 60_000))
         steps("metrics", store.unfinished)      # /metrics's database gauges
         # Issue 32's statements: a limited kind's claim counts the work in
         # flight, a due task is made ready, dead letters are found by code.
@@ -3096,8 +3096,8 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
             engine = store._engine       # an idle runner's poll, as if it had found none
             self.assertTrue(engine.may_have_queued(("k",), engine._empty_gen))
             self.assertEqual(store.claim(("k",), owner=self.runner_id).id, queued)
-            store.next_schedule_at()
-            store.fire_schedules()
+            store.schedules.next_at()
+            store.schedules.fire()
             # /metrics' counts: delayed and in flight through their indexes,
             # whatever the statistics.  The ready count too with current
             # statistics; with statistics that still say every task is
@@ -3174,7 +3174,11 @@ class PgPublicWorkerLoopTests(PostgresStoreMixin, PublicWorkerLoopTests):
 
 
 class EngineSeamTests(unittest.TestCase):
-    """``Engine`` is the seam: the store calls only its names; both engines implement all of it."""
+    """``Engine`` is the seam: the store calls only its names; both engines implement all of it.
+
+    And the file's other seams hold: the store holds no SQL, and no class
+    outgrows a room a reader can hold (``test_no_class_outgrows_its_room``).
+    """
 
     ENGINES = (taskstore.SQLiteEngine, taskstore.PostgresEngine)
     ATTRIBUTES = {"lock", "readonly", "shared", "path"}     # read, not called
@@ -3260,6 +3264,32 @@ class EngineSeamTests(unittest.TestCase):
         # Each node's lines (ast.get_source_segment splits the whole file per node: 1 s).
         self.assertNotIn("sqlite3", "\n".join("\n".join(lines[node.lineno - 1:node.end_lineno])
                                                for node in self.store.body))
+
+    # Sizes, in lines of a class statement (docstrings and comments count:
+    # they are what a reader reads).  A class past its limit has a job that
+    # wants a room of its own (as recovery has _Recovery, schedules
+    # Schedules), not shorter docstrings.
+    CLASS_LINES = 600
+    CLASS_LINES_OF = {"TaskStore": 700}     # the verbs' docstrings are the API's reference
+    MCP_CLASS_LINES = 400
+
+    def test_no_class_outgrows_its_room(self):
+        import ast
+        start = re.search(r"^# \d+\. MCP server", self.source, re.M).start()
+        end = start + re.search(r"^# \d+\. ", self.source[start + 1:], re.M).start()
+        mcp_first, mcp_last = (self.source[:at].count("\n") + 1 for at in (start, end))
+        sizes = {}
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.ClassDef):
+                sizes[node.name] = size = node.end_lineno - node.lineno + 1
+                mcp = node.name.startswith("Mcp") or mcp_first < node.lineno < mcp_last
+                most = self.CLASS_LINES_OF.get(
+                    node.name, self.MCP_CLASS_LINES if mcp else self.CLASS_LINES)
+                with self.subTest(cls=node.name):
+                    self.assertLessEqual(size, most, f"{node.name} is {size} lines, more than "
+                                         f"{most}: give one of its jobs a room of its own")
+        self.assertGreater(sizes["TaskStore"], 300)     # measured the class, not a stub
+        self.assertGreater(sizes["McpHttp"], 200)
 
     def test_the_store_holds_no_sql(self):
         import ast
@@ -4513,9 +4543,9 @@ blob = "x" * 40000
 def body():
     now = int(store.clock() * 1000)
     for task_id in ids:
-        store._transition_locked(task_id, taskstore.SUCCEED, now,
-                                 fields={"result": taskstore.dumps({"blob": blob})})
-    store._transition_locked(queued, taskstore.CANCEL, now)
+        taskstore._transition_locked(store, task_id, taskstore.SUCCEED, now,
+                                     fields={"result": taskstore.dumps({"blob": blob})})
+    taskstore._transition_locked(store, queued, taskstore.CANCEL, now)
     say("in-transaction", json.dumps({"ids": ids, "queued": queued, "state": state,
                                       "wal": os.path.getsize(DB + "-wal")}))
     sys.stdin.readline()
@@ -17409,10 +17439,10 @@ class ScheduleTests(StoreTestCase):
 
     def fire(self, seconds=0.0):
         self.clock.advance(seconds)
-        return self.store.fire_schedules()
+        return self.store.schedules.fire()
 
     def test_every_period_fires_one_task_with_the_period_as_its_key(self):
-        schedule = self.store.schedule("tick", "k", {"n": 1}, every=60)
+        schedule = self.store.schedules.add("tick", "k", {"n": 1}, every=60)
         self.assertEqual(schedule.next_at, self.clock.ms + 60_000)
         self.assertEqual(self.fire(59.9), [])
         for period in range(1, 4):
@@ -17424,7 +17454,7 @@ class ScheduleTests(StoreTestCase):
             self.assertEqual(self.fire(), [])             # the same period again: nothing
         tasks, _ = self.store.list(kind="k")
         self.assertEqual(len(tasks), 3)
-        (listed,) = self.store.schedules()
+        (listed,) = self.store.schedules.list()
         self.assertEqual((listed.fired, listed.last_task), (3, tasks[0].id))
         # The period is create's idempotency key (scope "schedule").
         key = f"tick@{listed.last_due}"
@@ -17432,43 +17462,43 @@ class ScheduleTests(StoreTestCase):
             self.assertEqual(engine.idempotency_get("schedule", key)[1], tasks[0].id)
 
     def test_missed_periods_after_downtime_run_once(self):
-        self.store.schedule("tick", "k", every=60)
-        self.store.schedule("nightly", "n", cron="0 3 * * *")
-        first = self.store.schedules()
+        self.store.schedules.add("tick", "k", every=60)
+        self.store.schedules.add("nightly", "n", cron="0 3 * * *")
+        first = self.store.schedules.list()
         tasks = self.fire(7 * 24 * 3600)          # a week of downtime
         self.assertEqual(sorted(task.kind for task in tasks), ["k", "n"])
-        for schedule in self.store.schedules():
+        for schedule in self.store.schedules.list():
             self.assertGreater(schedule.next_at, self.clock.ms)
             self.assertEqual(schedule.last_due, {s.name: s.next_at for s in first}[schedule.name])
         self.assertEqual(self.fire(), [])
         self.assertEqual(len(self.fire(60)), 1)
 
     def test_pause_resume_and_remove(self):
-        self.store.schedule("tick", "k", every=60)
-        self.assertTrue(self.store.pause_schedule("tick").paused)
+        self.store.schedules.add("tick", "k", every=60)
+        self.assertTrue(self.store.schedules.pause("tick").paused)
         self.assertEqual(self.fire(600), [])                     # paused periods pass unfired
-        self.assertIsNone(self.store.next_schedule_at())
-        resumed = self.store.resume_schedule("tick")
+        self.assertIsNone(self.store.schedules.next_at())
+        resumed = self.store.schedules.resume("tick")
         self.assertFalse(resumed.paused)
         self.assertEqual(resumed.next_at, (self.clock.ms // 60_000 + 1) * 60_000)
-        self.assertEqual(self.store.resume_schedule("tick"), resumed)    # not paused: as it was
+        self.assertEqual(self.store.schedules.resume("tick"), resumed)    # not paused: as it was
         self.assertEqual(len(self.fire(60)), 1)
-        self.store.remove_schedule("tick")
-        self.assertEqual((self.store.schedules(), self.fire(600)), ([], []))
+        self.store.schedules.remove("tick")
+        self.assertEqual((self.store.schedules.list(), self.fire(600)), ([], []))
         self.assertEqual(len(self.store.list(kind="k")[0]), 1)          # its task stays
 
     def test_redefining_keeps_the_next_period_and_the_paused_state(self):
-        first = self.store.schedule("tick", "k", {"v": 1}, every=60)
-        self.store.pause_schedule("tick")
+        first = self.store.schedules.add("tick", "k", {"v": 1}, every=60)
+        self.store.schedules.pause("tick")
         self.clock.advance(30)
-        again = self.store.schedule("tick", "k2", {"v": 2}, every=60, policy="retry")
+        again = self.store.schedules.add("tick", "k2", {"v": 2}, every=60, policy="retry")
         self.assertEqual((again.next_at, again.paused, again.kind), (first.next_at, True, "k2"))
-        self.store.resume_schedule("tick")
+        self.store.schedules.resume("tick")
         task, = self.fire(60)
         self.assertEqual((task.kind, task.payload, task.policy), ("k2", {"v": 2}, "retry"))
-        moved = self.store.schedule("tick", "k2", {"v": 2}, cron="0 * * * *")
+        moved = self.store.schedules.add("tick", "k2", {"v": 2}, cron="0 * * * *")
         self.assertEqual(moved.next_at % 3_600_000, 0)
-        self.assertEqual(len(self.store.schedules()), 1)
+        self.assertEqual(len(self.store.schedules.list()), 1)
 
     def test_bad_input_names_the_field_and_creates_nothing(self):
         for kwargs, param in (({"every": 0}, "every"), ({"every": -5}, "every"),
@@ -17483,19 +17513,19 @@ class ScheduleTests(StoreTestCase):
                               ({"every": 60, "payload": float("inf")}, "payload")):
             args = {"name": "s", "kind": "k", **kwargs}
             with self.subTest(kwargs=kwargs), self.assertRaises(taskstore.InvalidParams) as cm:
-                self.store.schedule(args.pop("name"), args.pop("kind"), **args)
+                self.store.schedules.add(args.pop("name"), args.pop("kind"), **args)
             self.assertEqual(cm.exception.param, param)
-        for verb in (self.store.pause_schedule, self.store.resume_schedule,
-                     self.store.remove_schedule):
+        for verb in (self.store.schedules.pause, self.store.schedules.resume,
+                     self.store.schedules.remove):
             with self.subTest(verb=verb.__name__), \
                     self.assertRaises(taskstore.InvalidParams) as cm:
                 verb("nobody")
             self.assertEqual(cm.exception.param, "name")
-        self.assertEqual(self.store.schedules(), [])
+        self.assertEqual(self.store.schedules.list(), [])
         self.assertEqual(self.store.list()[0], [])
 
     def test_stores_firing_the_same_period_at_once_make_one_task(self):
-        self.store.schedule("tick", "k", every=60)
+        self.store.schedules.add("tick", "k", every=60)
         stores = [self.open_store(recover_on_open=False) for _ in range(6)]
         for period in range(1, 6):
             self.clock.advance(60)
@@ -17503,7 +17533,7 @@ class ScheduleTests(StoreTestCase):
 
             def fire(own):
                 barrier.wait()
-                results.put(own.fire_schedules())
+                results.put(own.schedules.fire())
             threads = [threading.Thread(target=fire, args=(own,), daemon=True) for own in stores]
             for thread in threads:
                 thread.start()
@@ -17517,17 +17547,17 @@ class ScheduleTests(StoreTestCase):
         store = self.open_store(clock=time.time)
         ran = queue.Queue()
         self.start_runner({"tick": lambda ctx, payload: ran.put(ctx.task_id)}, store=store)
-        store.schedule("tick", "tick", every=0.05)       # wakes the runner's scheduler
+        store.schedules.add("tick", "tick", every=0.05)       # wakes the runner's scheduler
         first, second = ran.get(timeout=TIMEOUT), ran.get(timeout=TIMEOUT)
         due = [store.get(task_id).meta["due_at"] for task_id in (first, second)]
         self.assertEqual(due[1] - due[0], 50, due)      # consecutive periods, one task each
-        store.remove_schedule("tick")
+        store.schedules.remove("tick")
 
     def test_a_runner_with_schedules_off_fires_nothing(self):
         store = self.open_store(clock=time.time)
         runner = self.start_runner({}, store=store, schedules=False)
         self.assertNotIn("taskstore-scheduler", [t.name for t in runner._threads])
-        self.assertEqual(store._schedule_watchers, [])       # nobody to wake, nothing fires
+        self.assertEqual(store.schedules._watchers, [])       # nobody to wake, nothing fires
 
 
 class PgScheduleTests(PostgresStoreMixin, ScheduleTests):
@@ -17543,10 +17573,10 @@ class PgScheduleTests(PostgresStoreMixin, ScheduleTests):
         ran = queue.Queue()
         self.start_runner({"tick": lambda ctx, payload: ran.put(ctx.task_id)},
                           store=runner_store)
-        self.assertIsNone(runner_store.next_schedule_at())    # it has read: nothing scheduled
-        other.schedule("tick", "tick", every=0.05)
+        self.assertIsNone(runner_store.schedules.next_at())    # it has read: nothing scheduled
+        other.schedules.add("tick", "tick", every=0.05)
         self.assertEqual(runner_store.get(ran.get(timeout=TIMEOUT)).meta["schedule"], "tick")
-        other.remove_schedule("tick")
+        other.schedules.remove("tick")
 
 
 # Fires the schedules at the clock (epoch ms) read from each stdin line, and
@@ -17559,7 +17589,7 @@ for line in sys.stdin:
     if line.strip() == "end":
         break
     now[0] = int(line)
-    say("fired", json.dumps([task.id for task in store.fire_schedules()]))
+    say("fired", json.dumps([task.id for task in store.schedules.fire()]))
 store.close()
 """
 
@@ -17570,8 +17600,8 @@ class CrossProcessScheduleTests(MultiProcessTestCase):
     def test_processes_firing_every_period_at_once_make_one_task_per_period(self):
         clock = FakeClock()
         store = self.open_store(clock=clock)
-        store.schedule("tick", "k", every=60)
-        store.schedule("often", "k", cron="* * * * *")
+        store.schedules.add("tick", "k", every=60)
+        store.schedules.add("often", "k", cron="* * * * *")
         children = [self.spawn(FIRE_SCRIPT) for _ in range(3)]
         for child in children:
             child.expect("ready")
@@ -17612,9 +17642,9 @@ class CrossProcessScheduleTests(MultiProcessTestCase):
         store = self.open_store(clock=clock)
         periods = {"tick": (60_000, None), "cron": (None, "*/3 * * * *")}
         for name, (every_ms, cron) in periods.items():
-            store.schedule(name, "k", {"from": name}, cron=cron,
+            store.schedules.add(name, "k", {"from": name}, cron=cron,
                            every=None if every_ms is None else every_ms / 1000)
-        model = {s.name: s.next_at for s in store.schedules()}
+        model = {s.name: s.next_at for s in store.schedules.list()}
         fired = {name: [] for name in periods}      # the periods that fired, in order
         children = [self.spawn(FIRE_SCRIPT) for _ in range(3)]
         for child in children:
@@ -17640,7 +17670,7 @@ class CrossProcessScheduleTests(MultiProcessTestCase):
                 kills += len(victims)
                 if not survivors:
                     self.settle(store)
-                for name, schedule in {s.name: s for s in store.schedules()}.items():
+                for name, schedule in {s.name: s for s in store.schedules.list()}.items():
                     due = model[name] <= now
                     moved = schedule.next_at != model[name]
                     if due and not survivors:
@@ -17692,7 +17722,7 @@ class CrossProcessScheduleTests(MultiProcessTestCase):
         store = self.open_store()
         owner = store.register_process()
         self.addCleanup(taskstore._LIVE_PROCESS_IDS.discard, owner)
-        store.schedule("tick", "tick", every=0.05)
+        store.schedules.add("tick", "tick", every=0.05)
         children = [self.spawn(RUNNER_FIRE_SCRIPT) for _ in range(3)]
         for child in children:
             child.expect("ready")
@@ -17712,7 +17742,7 @@ class CrossProcessScheduleTests(MultiProcessTestCase):
         due = sorted(task.meta["due_at"] for task in tasks)
         self.assertEqual(len(due), len(set(due)), "a period fired twice")
         self.assertTrue(all(at % 50 == 0 for at in due), due)
-        self.assertEqual(store.schedules()[0].fired, len(tasks))
+        self.assertEqual(store.schedules.list()[0].fired, len(tasks))
 
 
 # A runner that fires the store's schedules (and has nothing to run) until ``end``.
@@ -17808,9 +17838,9 @@ class MetricsTests(ServerTestCase):
         self.assertEqual(status, 202, created)
         self.wait_terminal(created["id"])
         self.store.create('odd "kind"\\\n', {})
-        self.store.schedule('tick "1"', "nothing", every=3600)
-        self.store.schedule("paused", "nothing", cron="0 0 * * *")
-        self.store.pause_schedule("paused")
+        self.store.schedules.add('tick "1"', "nothing", every=3600)
+        self.store.schedules.add("paused", "nothing", cron="0 0 * * *")
+        self.store.schedules.pause("paused")
         families = self.scrape(client)
         self.assertEqual(self.sample(families, "taskstore_tasks", kind='odd "kind"\\\n',
                                      status="queued"), 1)
@@ -17831,12 +17861,12 @@ class MetricsTests(ServerTestCase):
     def test_schedule_lag_grows_while_nobody_fires(self):
         clock = FakeClock()
         client = self.start_server(workers=0, store_kwargs={"clock": clock}, metrics=True)
-        self.store.schedule("tick", "k", every=60)
+        self.store.schedules.add("tick", "k", every=60)
         clock.advance(90)
         self.assertEqual(self.sample(self.scrape(client), "taskstore_schedule_lag_seconds",
                                      schedule="tick"), 30.0)
         clock.advance(5)
-        self.store.fire_schedules()
+        self.store.schedules.fire()
         families = self.scrape(client)
         self.assertEqual(self.sample(families, "taskstore_schedule_lag_seconds",
                                      schedule="tick"), 0)
@@ -17861,7 +17891,7 @@ class MetricsTests(ServerTestCase):
 
     def test_the_schedules_route_lists_them_read_only(self):
         client = self.start_server(workers=0)
-        self.store.schedule("nightly", "report", {"x": 1}, cron="0 3 * * *")
+        self.store.schedules.add("nightly", "report", {"x": 1}, cron="0 3 * * *")
         status, _, body = client.request("GET", "/lmsp/v1/schedules")
         self.assertEqual(status, 200)
         (listed,) = body["data"]
@@ -17950,7 +17980,7 @@ class ScheduleCommandTests(StoreTestCase):
         code, out, err = self.run_main("tasks", "schedules", "add", "tick", "k", "--every", "30",
                                        "--retention", "3600", "--db", self.path)
         self.assertEqual((code, err), (0, ""))
-        self.assertEqual(self.store.schedules()[1].options, {"retention_ms": 3_600_000})
+        self.assertEqual(self.store.schedules.list()[1].options, {"retention_ms": 3_600_000})
         self.assertEqual(self.run_main("tasks", "schedules", "pause", "tick", "--db",
                                        self.path)[0], 0)
         code, out, _ = self.run_main("tasks", "schedules", "list", "--db", self.path, "--json")
@@ -17961,7 +17991,7 @@ class ScheduleCommandTests(StoreTestCase):
         self.assertIn("active", out)
         code, out, _ = self.run_main("tasks", "schedules", "remove", "tick", "--db", self.path)
         self.assertEqual((code, out), (0, "removed schedule tick\n"))
-        self.assertEqual([s.name for s in self.store.schedules()], ["nightly"])
+        self.assertEqual([s.name for s in self.store.schedules.list()], ["nightly"])
 
     def test_bad_input_is_an_error_and_changes_nothing(self):
         for argv in (("add", "x", "k", "--cron", "0 25 * * *"), ("add", "x", "k", "--every",
@@ -17976,7 +18006,7 @@ class ScheduleCommandTests(StoreTestCase):
             with self.subTest(argv=argv):
                 self.assertEqual(self.run_main("tasks", "schedules", *argv, "--db",
                                                self.path)[0], 2)
-        self.assertEqual(self.store.schedules(), [])
+        self.assertEqual(self.store.schedules.list(), [])
 
 
 if __name__ == "__main__":
