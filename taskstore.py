@@ -2787,9 +2787,12 @@ class _SqlEngine(Engine):
                     or first_seq > last_seq or task_id[-36:-26] >= bound):
                 continue            # unfinished, finished later, pruned, or made after the cutoff
             cut = min(last_seq + 1, first_seq + max(1, 10 * budget - spent))
-            counts["events"] += self.conn.execute(
-                self._sql.delete_events_before, (task_id, cut)).rowcount
-            self.conn.execute(self._sql.set_first_seq, (cut, task_id, cut))
+            # The task's row first, as a reaper of tasks locks it (no deadlock
+            # between the two); a reaper in another process that moved it as
+            # far already, or deleted the task, leaves nothing to do.
+            if self.conn.execute(self._sql.set_first_seq, (cut, task_id, cut)).rowcount:
+                counts["events"] += self.conn.execute(
+                    self._sql.delete_events_before, (task_id, cut)).rowcount
             spent += cut - first_seq
             if cut <= last_seq:
                 return True, task_id                # its next slice starts the next batch
