@@ -15939,6 +15939,11 @@ class ScaleBenchTests(unittest.TestCase):
         self.assertGreaterEqual(reaped["counts"]["events"], 3 * 2000)
         self.assertGreater(reaped["transactions"], 0)
         self.assertGreater(reaped["longest_transaction_ms"], 0)
+        if os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
+            # What of each transaction was a wait for a CPU (the machine's, not the reap's).
+            self.assertLessEqual(reaped["longest_less_run_queue_ms"],
+                                 reaped["longest_transaction_ms"])
+            self.assertTrue(0 <= reaped["run_queue_share"] <= 1)
         self.assertEqual(report["machine"]["cpus"], os.cpu_count())
         # The statements each verb ran on the store of finished tasks, with their plans.
         self.assertIn("claim", report["plans"])
