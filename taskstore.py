@@ -1492,10 +1492,12 @@ class Engine:
     def prune_events_once(self, finished_before, budget, counts, since=None):
         """Prune one batch of events of tasks finished by *finished_before*: ``(more, reached)``.
 
-        A batch visits at most *budget* tasks that still have events, in id
-        order, from the id *since* (None: the first), and deletes at most
-        ``10 * budget`` event rows; *counts* ``["events"]`` grows by them.
-        *reached* is where the pass's next batch starts (the *since* it gets).
+        A batch takes at most *budget* steps of a walk of the tasks that
+        still have events, in id order, from the id *since* (None: the
+        first), and deletes at most ``10 * budget`` event rows; *counts*
+        ``["events"]`` grows by them.  *reached* is where the pass's next
+        batch starts (the *since* it gets).  A pass reads what it prunes,
+        not what was pruned before.
         """
         raise NotImplementedError
 
