@@ -2274,8 +2274,9 @@ class RetentionTests(StoreTestCase):
         # prefix, a backlog between them, a long log: each loses its events
         # once it has been finished for the retention, not before.
         store = self.open_store(event_retention_ms=1000)
-        long_run = store.create("k")
+        long_run, late = store.create("k"), store.create("k")
         store.start(long_run.id)
+        store.start(late.id)
         done = [store.create("k"), store.create("k", prefix="job"), store.create("k", prefix="a1")]
         backlog = store.create_many("k", [{}] * 5)
         done.append(store.create("k"))
@@ -2284,21 +2285,30 @@ class RetentionTests(StoreTestCase):
             for i in range(30):
                 store.emit(task.id, "x", {"i": i})
             store.succeed(task.id, 1)
-        self.clock.advance(1.5)
-        young = store.create("k")
+        self.clock.advance(0.75)
+        store.succeed(late.id, 1)
+        self.clock.advance(0.75)
+        young = store.create("k")           # the walk leaves "task" here, and "job" at the next
         store.cancel(young.id)
+        young_job = store.create("k", prefix="job")
+        store.cancel(young_job.id)
         self.assertEqual(store.reap(batch_rows=1)["events"], 4 * 33)   # slices of 10 events
         for task in done:
             with self.assertRaises(taskstore.EventsExpired):
                 store.events(task.id)
-        for task in (long_run, young, *backlog):
+        for task in (long_run, late, young, young_job, *backlog):
             self.assertEqual(store.events(task.id)[0].seq, 0)
         store.succeed(long_run.id, 1)          # made 1.5 s ago, finished now
         self.clock.advance(0.5)
-        self.assertEqual(store.reap()["events"], 0)         # neither finished 1 s ago
+        # late's only, found past the young job, whose prefix the walk leaves
+        # there (by a store whose batches start at their first size).
+        store = self.open_store(event_retention_ms=1000)
+        self.assertEqual(store.reap()["events"], 3)
+        with self.assertRaises(taskstore.EventsExpired):
+            store.events(late.id)
         self.assertEqual(len(store.events(long_run.id)), 3)
         self.clock.advance(0.5)
-        self.assertEqual(store.reap()["events"], 3 + 2)
+        self.assertEqual(store.reap()["events"], 3 + 2 + 2)
         with self.assertRaises(taskstore.EventsExpired):
             store.events(long_run.id)
         self.assertEqual([store.events(t.id)[0].seq for t in backlog], [0] * 5)
