@@ -10500,11 +10500,9 @@ def make_backend(name, *, demo_delay=DEFAULT_DEMO_DELAY_S, url=DEFAULT_BACKEND_U
 #   by two processes' batches cannot be ruled out (the group commit batches
 #   unrelated callers): the transaction the server ends to break such a
 #   deadlock, never committed, is run again by ``write``, alone and after
-#   every transaction that holds task rows: the server does not queue a new
-#   transaction behind the one that survived (a row the ended one held is
-#   free until the survivor, woken, takes it), so a body run again at once
-#   took that row back first in 1 run in 3 under load, deadlocked again, and
-#   after four such runs reached its caller as an error.
+#   every transaction that holds task rows (``_run_again``): run again at
+#   once, it deadlocked again with the survivor (1 run in 3 under load), and
+#   after four such runs its caller got the error.
 # - Time that decides ownership is the server's: heartbeats are written with
 #   ``clock_timestamp()`` and a registration's age is computed by the server,
 #   so hosts' clocks do not matter.  There is no pid check across hosts.
@@ -11078,7 +11076,9 @@ class PostgresEngine(_SqlEngine):
         too) to end, and keeps new ones from taking task rows until this one
         commits; reads go on.  Without a batch: it is rare (each after a
         ``deadlock_timeout``), and a batch's other bodies would take rows
-        before the table.
+        before the table.  A row of another table (a kind's limit, under a
+        claim) held by a transaction that has not yet touched ``tasks`` can
+        still deadlock it: then it runs again, as the first run did.
         """
         with self.lock:
             with self.transaction():
