@@ -6143,25 +6143,86 @@ class PgLockOrderTests(PostgresStoreMixin, MultiProcessTestCase):
         # worker's write to its own task, then a client's cancel of the
         # other's): the server ends one transaction to break the deadlock; its
         # engine runs it again, once the other has committed, and neither
-        # caller sees an error.
+        # caller sees an error.  Each body writes its own task in every run;
+        # only the committed run's write is kept.
         a, b = self.open_store(), self.open_store()
         first, second = a.create("k").id, a.create("k").id
+        before = self.versions()
         runs = []
 
         def crossing(store, mine, theirs, holding, other_holds):
-            def body():
-                runs.append(mine)
-                store._engine.read_task(mine)          # in a write: the row is locked
-                holding.set()
-                self.assertTrue(other_holds.wait(TIMEOUT))
-                return store._engine.read_task(theirs).id
-            return lambda: store._engine.write(body)
+            return self.crossing(store, mine, theirs, runs, holding.set,
+                                 lambda: self.assertTrue(other_holds.wait(TIMEOUT)))
         a_holds, b_holds = threading.Event(), threading.Event()
         got_a = self.run_in_thread(crossing(a, first, second, a_holds, b_holds))
         got_b = self.run_in_thread(crossing(b, second, first, b_holds, a_holds))
         self.assertEqual([got_a.get(timeout=3 * TIMEOUT), got_b.get(timeout=3 * TIMEOUT)],
                          [(second, None), (first, None)])
+        self.assertEqual(a._engine.reruns + b._engine.reruns, 1)
         self.assertEqual(len(runs), 3, "one of them ran twice")
+        self.assertEqual(self.versions(), {task: v + 1 for task, v in before.items()})
+
+    def test_a_transaction_run_again_waits_for_the_one_that_survived(self):
+        # The server does not queue the run again, a new transaction, behind
+        # the survivor: the row the ended transaction held is free until the
+        # survivor's server process, woken, takes it.  Run again at once, the
+        # body took it first (1 run in 3 under load), and the two deadlocked
+        # again.  Here that process is stopped (SIGSTOP) from before the
+        # deadlock until the run again waits for a lock: the race lost every
+        # time.  The run again must wait for the survivor's commit.
+        a, b = self.open_store(), self.open_store()
+        first, second = a.create("k").id, a.create("k").id
+        before = self.versions()
+        runs = []
+        a_holds, b_holds, b_stopped = threading.Event(), threading.Event(), threading.Event()
+        got_a = self.run_in_thread(self.crossing(
+            a, first, second, runs, a_holds.set,
+            lambda: self.assertTrue(b_stopped.wait(TIMEOUT))))
+        self.assertTrue(a_holds.wait(TIMEOUT))
+        got_b = self.run_in_thread(self.crossing(b, second, first, runs, b_holds.set, lambda: None))
+        b_backend = b._engine.conn.raw.info.backend_pid
+        self.until_waiting(b_backend)                   # for first, which A holds
+        os.kill(b_backend, signal.SIGSTOP)
+        self.addCleanup(os.kill, b_backend, signal.SIGCONT)
+        b_stopped.set()             # A waits for second: A's server process sees the deadlock
+        self.until_waiting(a._engine.conn.raw.info.backend_pid, lambda: a._engine.reruns)
+        os.kill(b_backend, signal.SIGCONT)
+        self.assertEqual([got_a.get(timeout=3 * TIMEOUT), got_b.get(timeout=3 * TIMEOUT)],
+                         [(second, None), (first, None)])
+        self.assertEqual((a._engine.reruns, b._engine.reruns), (1, 0), "deadlocked again")
+        self.assertEqual(runs, [first, second, first])
+        self.assertEqual(self.versions(), {task: v + 1 for task, v in before.items()})
+
+    def crossing(self, store, mine, theirs, runs, holding, then):
+        """A write whose body locks *mine* (and writes it), calls *holding* and *then*, reads *theirs*."""
+        engine = store._engine
+
+        def body():
+            runs.append(mine)
+            engine.read_task(mine)          # in a write: the row is locked
+            engine.conn.execute("UPDATE tasks SET version = version + 1 WHERE id = %s", (mine,))
+            holding()
+            then()
+            return engine.read_task(theirs).id
+        return lambda: engine.write(body)
+
+    def versions(self):
+        """Each task's version, by id."""
+        return dict(self.sql("SELECT id, version FROM tasks"))
+
+    def until_waiting(self, backend, also=lambda: True):
+        """Return once the server process *backend* waits for a lock and *also()* is true.
+
+        The server signals no lock wait, so this asks it, over and over, on
+        one connection (every ask a round trip): at most TIMEOUT long.
+        """
+        import psycopg
+        deadline = time.monotonic() + TIMEOUT
+        with psycopg.connect(self.path, autocommit=True, connect_timeout=10) as conn:
+            while not (also() and conn.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'",
+                    (backend,)).fetchone()):
+                self.assertLess(time.monotonic(), deadline, f"{backend} waits for no lock")
 
     @staticmethod
     def catch(call):
