@@ -1674,9 +1674,9 @@ SCHEMA = {
     # claim of a limited kind locks its row and counts.
     # And every filter of list walks an index of its own, newest
     # first, and stops at its page: a kind in tasks_kind (one entry a task,
-    # written at create and never moved; newest first within the kind, so
-    # that no planner takes it for the claim's oldest-first queue index,
-    # which it would walk with the kind's finished tasks), a finished status
+    # written at create and never moved; a create appends at its kind's
+    # end: kept newest first, 0.6 more WAL frames a create went to
+    # splitting the kind's first page), a finished status
     # in tasks_finished (one entry a task, written when it finishes; it takes
     # over tasks_unsuccessful's job).  Before, a filter by kind or by
     # "succeeded" walked every task newer than its matches: 1,000 times the
@@ -1702,7 +1702,7 @@ SCHEMA = {
         updated_at {integer} NOT NULL){without_rowid}""",
         "DROP INDEX tasks_unsuccessful",
         "CREATE INDEX tasks_finished ON tasks (status, id) WHERE {finished}",
-        "CREATE INDEX tasks_kind ON tasks (kind, id DESC)",
+        "CREATE INDEX tasks_kind ON tasks (kind, id)",
         """CREATE TABLE secrets (
         name {text} PRIMARY KEY, value {text} NOT NULL, created_at {integer} NOT NULL)
        {without_rowid}""",
@@ -2545,8 +2545,7 @@ class _SqlEngine(Engine):
         # match.  A page asks for its kind or status as a range, ordered by
         # it: with "=", PostgreSQL, told by stale statistics that the kind is
         # common, walks the primary key instead; this order only the index
-        # gives (as the claim's, PostgresEngine._each_kind).  tasks_kind is
-        # (kind, id DESC): walked forwards.
+        # gives (as the claim's, PostgresEngine._each_kind).
         if kinds == () or statuses == ():
             return []
         p, indexed_by = self._dialect.param, self._dialect.indexed_by
@@ -2568,7 +2567,7 @@ class _SqlEngine(Engine):
             source = indexed_by.format("tasks_active")
         elif kinds is not None and len(kinds) <= 32:
             source, pages = indexed_by.format("tasks_kind"), [
-                (f" AND kind >= {p} AND kind <= {p}", "kind, ", (kind, kind))
+                (f" AND kind >= {p} AND kind <= {p}", "kind DESC, ", (kind, kind))
                 for kind in kinds]
             kinds = None                        # each page has its own
         elif statuses is not None and set(statuses) <= TERMINAL_STATES:
