@@ -21,10 +21,14 @@ synced), each on a fresh file in WAL mode.  The PostgreSQL side starts a
 throwaway server (bench/pg.py's ``throwaway_server``) and runs the store's
 PostgreSQL engine and procrastinate in two fresh databases of it, with the
 server's default settings (``synchronous_commit=on``).  Handlers return at
-once; every workload starts each run from an empty file or database, and the
-two stores alternate run by run (the store first in even runs, the peer in
-odd ones).  Rates are tasks per second; the table shows their medians, the
-ratio of each run, and the issue's target, met when every run meets it.
+once; every workload starts each run from an empty file or database.  A third
+side runs beside the two: the physical limit, raw sqlite3 or raw psycopg doing
+the store's rows at the same concurrency.  The sides alternate run by run
+(store, peer, raw; then raw, peer, store).  Rates are tasks per second; the
+table shows their medians, the ratio of each run, the limit's ratio to the
+peer, and the issue's target, met when every run meets it (or, in a run where
+the target lies beyond the limit, reaches 0.95x the limit).  docs/performance.md
+("Against the peers") describes each workload on each side.
 """
 
 import argparse
@@ -661,6 +665,7 @@ def measure(n, runs, pg_n, skip_postgres, only=None):
             finally:
                 side.close()
     report["taskstore_version"] = getattr(taskstore, "__version__", None)
+    report["load_end"] = [round(x, 2) for x in os.getloadavg()]
     return report
 
 
@@ -689,6 +694,8 @@ def table_rows(report):
 
 def print_report(report):
     load = ", ".join(f"{x:.2f}" for x in report["load"])
+    if report.get("load_end"):
+        load += " at the start, " + ", ".join(f"{x:.2f}" for x in report["load_end"]) + " at the end"
     print(f"taskstore against its peers: {report['date']}, {report['cpus']} CPUs, load {load}; "
           f"Python {report['python']}, SQLite {report['sqlite']} (synchronous=FULL both), "
           f"huey {report['huey']}"
