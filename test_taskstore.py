@@ -16154,6 +16154,30 @@ class PeersBenchTests(unittest.TestCase):
         self.assertEqual((rows[1][0], rows[1][5], rows[1][6], rows[1][-1]),
                          ("runner_4/runner_1", "2.20x", "2.50 1.90 2.20", "NO"))
 
+    def test_wal_frames_counts_every_commit_even_past_automatic_checkpoints(self):
+        # One row a transaction into a one-page table: one frame a commit.
+        # The automatic checkpoint after every page would restart the WAL
+        # and hide frames, but for the read transaction wal_frames holds.
+        peers = load_bench_file("peers")
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "w.db")
+            conn = sqlite3.connect(path, isolation_level=None)
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA wal_autocheckpoint=1")
+                conn.execute("CREATE TABLE t (x INTEGER)")
+
+                def work():
+                    for i in range(25):
+                        conn.execute("INSERT INTO t VALUES (?)", (i,))
+                frames, page = peers.wal_frames(
+                    path, lambda: conn.execute("PRAGMA wal_checkpoint(TRUNCATE)"), work)
+                self.assertEqual((frames, page),
+                                 (25, conn.execute("PRAGMA page_size").fetchone()[0]))
+                self.assertEqual(conn.execute("SELECT count(*) FROM t").fetchone()[0], 25)
+            finally:
+                conn.close()
+
     @unittest.skipUnless(FULL, FULL_ONLY)
     def test_help_runs_on_the_standard_library(self):
         out = run_child([sys.executable, self.PEERS_PY, "--help"], cwd=HERE,

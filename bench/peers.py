@@ -273,18 +273,16 @@ class SqliteSide:
                     c.close()
 
     def store_frames(self, count):
-        """WAL frames per task of the store's create and of its one-worker drain."""
+        """WAL frames per task of the store's create, then of one worker draining those tasks."""
         with self._store() as store:
             path = store._engine.path
             checkpoint = store.checkpoint
             create, page = wal_frames(path, checkpoint, lambda: [
                 store.create("bench", {"i": i}) for i in range(count)])
-            saved, self.bench.n = self.bench.n, count
-            try:
-                self.bench._backlog(store)
-            finally:
-                self.bench.n = saved
             drain, _ = wal_frames(path, checkpoint, lambda: self.bench.bare_drain(store))
+            drained = len(store.list(status="succeeded", limit=count + 1)[0])
+        if drained != count:
+            raise RuntimeError(f"the store's frame count drained {drained} tasks, not {count}")
         return {"create": create / count, "lifecycle": drain / count, "page_size": page}
 
     # huey ------------------------------------------------------------------------
@@ -389,8 +387,12 @@ class SqliteSide:
                 with h.storage.db() as curs:
                     curs.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             create, page = wal_frames(path, checkpoint, lambda: [bench(i) for i in range(count)])
-            self._huey_backlog(h, bench, count)
+            if h.pending_count() != count:
+                raise RuntimeError(f"huey queued {h.pending_count()} tasks, not {count}")
             drain, _ = wal_frames(path, checkpoint, lambda: self._huey_drain(h))
+            if h.pending_count() or h.result_count() != count:
+                raise RuntimeError(f"huey's frame count left {h.pending_count()} tasks queued "
+                                   f"and {h.result_count()} results")
         return {"create": create / count, "lifecycle": drain / count, "page_size": page}
 
 
