@@ -19,7 +19,7 @@ The SQLite side runs the store at ``synchronous="full"`` and huey's
 ``SqliteHuey(fsync=True)`` (``PRAGMA synchronous=2``, FULL: every commit
 synced), each on a fresh file in WAL mode.  The PostgreSQL side starts a
 throwaway server (bench/pg.py's ``throwaway_server``) and runs the store's
-PostgreSQL engine and procrastinate in two fresh databases of it, with the
+PostgreSQL engine and procrastinate in fresh databases of it, with the
 server's default settings (``synchronous_commit=on``).  Handlers return at
 once; every workload starts each run from an empty file or database.  A third
 side runs beside the two: the physical limit, raw sqlite3 or raw psycopg doing
@@ -429,9 +429,10 @@ def _pg_bench_class(pg):
 class PostgresSide:
     """The PostgreSQL workloads: the store's PostgreSQL engine against procrastinate.
 
-    Each run makes two fresh databases on the server (bench/pg.py's
-    ``_databases``): the store's and procrastinate's (its schema applied
-    with its own ``schema_manager``).
+    Each run makes fresh databases on the server (bench/pg.py's
+    ``_databases``, twice): the store's, procrastinate's (its schema applied
+    with its own ``schema_manager``) and the raw side's (bench/pg.py's
+    schema); the fourth stays unused.
     """
 
     def __init__(self, url, n):
