@@ -16279,6 +16279,102 @@ class BenchCommandTests(unittest.TestCase):
         self.assertEqual(rows[4][7], "yes")
 
 
+class PeersBenchTests(unittest.TestCase):
+    """``bench/peers.py``: its command line and its verdicts; the peers themselves need a registry.
+
+    Nothing here installs anything or reaches the network: the measurement
+    runs inside a virtual environment the script makes with pip, which a
+    test cannot count on.
+    """
+
+    PEERS_PY = os.path.join("bench", "peers.py")
+
+    def test_loading_it_needs_the_standard_library_only(self):
+        peers = load_bench_file("peers")
+        self.assertIn("huey==3.5.4", peers.PEERS)
+        self.assertTrue(any(p.startswith("procrastinate==") for p in peers.PEERS), peers.PEERS)
+        for name in ("huey", "procrastinate", "psycopg"):
+            self.assertNotIn(name, vars(peers), name)
+
+    def test_a_target_is_met_in_every_run_or_at_095_of_a_limit_it_lies_beyond(self):
+        peers = load_bench_file("peers")
+
+        def run(store, peer, raw):
+            return ({"rate": store, "cpu_us": 100.0}, {"rate": peer, "cpu_us": 90.0},
+                    {"rate": raw, "cpu_us": 50.0})
+        met = peers._summarise("create", [run(110, 100, 300), run(101, 100, 300)], 1.0)
+        self.assertEqual((met["met"], met["ratios"], met["target_beyond_limit"]),
+                         (True, [1.1, 1.01], False))
+        self.assertFalse(peers._summarise("create", [run(110, 100, 300), run(99, 100, 300)],
+                                          1.0)["met"])
+        # 2x the peer is beyond raw's 150: 0.95 x 150 = 142.5 is the target then.
+        beyond = peers._summarise("workers_4", [run(145, 100, 150), run(143, 100, 150)], 2.0)
+        self.assertEqual((beyond["met"], beyond["target_beyond_limit"], beyond["raw_ratio"]),
+                         (True, True, 1.5))
+        self.assertFalse(peers._summarise("workers_4", [run(145, 100, 150), run(140, 100, 150)],
+                                          2.0)["met"])
+        self.assertIsNone(peers._summarise("enqueue_1", [run(1, 1, 1)], None)["met"])
+        report = {"workloads": {"workers_4": dict(peer="procrastinate", **beyond)},
+                  "runner_scaling": {"taskstore": [2.5, 1.9, 2.2], "huey": [1, 1, 1],
+                                     "target": 2.0, "met": False}}
+        rows = peers.table_rows(report)
+        self.assertEqual(rows[0][:6], ("workers_4", "procrastinate", "144", "100", "150",
+                                       "1.44x"))
+        self.assertEqual(rows[0][-2:], (">= 2.0x or 0.95 raw", "yes"))
+        self.assertEqual((rows[1][0], rows[1][5], rows[1][6], rows[1][-1]),
+                         ("runner_4/runner_1", "2.20x", "2.50 1.90 2.20", "NO"))
+
+    def test_wal_frames_counts_every_commit_even_past_automatic_checkpoints(self):
+        # One row a transaction into a one-page table: one frame a commit.
+        # The automatic checkpoint after every page would restart the WAL
+        # and hide frames, but for the read transaction wal_frames holds.
+        peers = load_bench_file("peers")
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "w.db")
+            conn = sqlite3.connect(path, isolation_level=None)
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA wal_autocheckpoint=1")
+                conn.execute("CREATE TABLE t (x INTEGER)")
+
+                def work():
+                    for i in range(25):
+                        conn.execute("INSERT INTO t VALUES (?)", (i,))
+                frames, page = peers.wal_frames(
+                    path, lambda: conn.execute("PRAGMA wal_checkpoint(TRUNCATE)"), work)
+                self.assertEqual((frames, page),
+                                 (25, conn.execute("PRAGMA page_size").fetchone()[0]))
+                self.assertEqual(conn.execute("SELECT count(*) FROM t").fetchone()[0], 25)
+            finally:
+                conn.close()
+
+    @unittest.skipUnless(FULL, FULL_ONLY)
+    def test_help_runs_on_the_standard_library(self):
+        out = run_child([sys.executable, self.PEERS_PY, "--help"], cwd=HERE,
+                        capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        for option in ("--runs", "--n", "--skip-postgres", "--json", "huey==3.5.4"):
+            self.assertIn(option, out.stdout)
+
+    @unittest.skipUnless(FULL, FULL_ONLY)
+    def test_a_failed_install_is_an_error_not_a_skip(self):
+        # A virtual environment whose python fails as pip does without a
+        # registry: the run stops with pip's words and exit status 2.
+        with tempfile.TemporaryDirectory() as venv:
+            os.makedirs(os.path.join(venv, "bin"))
+            fake = os.path.join(venv, "bin", "python")
+            with open(fake, "w", encoding="utf-8") as f:
+                f.write("#!/bin/sh\necho 'ERROR: No matching distribution found for huey' >&2\n"
+                        "exit 1\n")
+            os.chmod(fake, 0o755)
+            out = run_child([sys.executable, self.PEERS_PY, "--skip-postgres", "--venv", venv],
+                            cwd=HERE, capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 2, out.stdout)
+        self.assertIn("cannot install the peers", out.stderr)
+        self.assertIn("No matching distribution found for huey", out.stderr)
+        self.assertEqual(out.stdout, "")
+
+
 class ScaleBenchTests(unittest.TestCase):
     """``bench/scale.py`` fills its stores, times every verb and reports it; speed is not tested."""
 

@@ -423,6 +423,10 @@ class PgBench:
         """Workload: 4 worker processes drain n queued tasks; raw: 4 processes of raw SQL."""
         return self._workers(4)
 
+    def worker_argv(self, side, url):
+        """The command of one worker process of *side* on *url* (bench/peers.py adds a side)."""
+        return [sys.executable, os.path.abspath(__file__), "worker", side, url]
+
     def drain_with_processes(self, side, url, processes):
         """Drain the queued tasks at *url* with *processes* worker processes; return the seconds.
 
@@ -434,7 +438,7 @@ class PgBench:
         CPU time it spent since ``go``: the time runs from ``go`` to the last
         of those successes, the n-th.
         """
-        argv = [sys.executable, os.path.abspath(__file__), "worker", side, url]
+        argv = self.worker_argv(side, url)
         logs = [tempfile.TemporaryFile() for _ in range(processes)]
         procs = []
         try:
