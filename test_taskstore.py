@@ -14500,11 +14500,7 @@ class McpHttpSdkTests(McpHttpTestCase):
         self.assertEqual(self.mcp.sessions, {})
         return value
 
-    async def _poll(self, session, task_id):
-        statuses = []
-        async for status in session.experimental.poll_task(task_id):
-            statuses.append(status.status)
-        return statuses
+    _poll = McpSdkInteropTests._poll        # the same client, over HTTP
 
     def test_create_poll_result_cancel_and_list(self):
         async def body(session):
