@@ -2844,10 +2844,9 @@ class _SqlEngine(Engine):
         counts = {}         # a kind's ready and delayed tasks are one queued count
         for sql in self._sql.unfinished_counts:
             for kind, status, count, oldest in self.conn.execute(sql, ()).fetchall():
-                if (kind, status) in counts:
-                    _, _, before, oldest_before = counts[kind, status]
-                    count, oldest = count + before, oldest_before if oldest is None else oldest
-                counts[kind, status] = (kind, status, count, oldest)
+                _, _, before, aged = counts.get((kind, status), (kind, status, 0, None))
+                counts[kind, status] = (kind, status, before + count,
+                                        aged if oldest is None else oldest)
         return list(counts.values())
 
 
@@ -5231,14 +5230,8 @@ def _schedule_period(every, cron):
         return None, Cron.parse(cron).text
     if isinstance(every, datetime.timedelta):
         every = every.total_seconds()
-    if isinstance(every, bool) or not isinstance(every, (int, float)) \
-            or not math.isfinite(every) or every <= 0:
-        raise InvalidParams("every must be a positive number of seconds", param="every")
-    every_ms = int(round(every * 1000))
-    if not 1 <= every_ms <= 2**53:
-        raise InvalidParams("every must be from 0.001 seconds to about 285,000 years",
-                            param="every")
-    return every_ms, None
+    # Seconds, from a millisecond to 2**53 ms (about 285,000 years).
+    return int(round(_number(every, "every", 0.001, 2**53 / 1000) * 1000)), None
 
 
 class Schedules:

@@ -10340,26 +10340,33 @@ class McpSdkInteropTests(McpTestBase):
             statuses.append(status.status)
         return statuses
 
+    async def _create_poll_result_cancel(self, session, text, seconds):
+        """A task made, polled to its end and its result fetched; one more made and cancelled.
+
+        Returns both ``CreateTaskResult``s.  Over stdio and over HTTP alike.
+        """
+        tools = {t.name: t for t in (await session.list_tools()).tools}
+        self.assertEqual(tools["generate_report"].execution.taskSupport, "required")
+        created = await session.experimental.call_tool_as_task(
+            "sleep_then_echo", {"seconds": seconds, "text": text}, ttl=60000)
+        task_id = created.task.taskId
+        self.assertEqual(created.task.ttl, 60000)
+        self.assertEqual((await self._poll(session, task_id))[-1], "completed")
+        result = await session.experimental.get_task_result(task_id, mcp_types.CallToolResult)
+        self.assertEqual(result.content[0].text, text)
+        self.assertEqual(result.meta[taskstore.RELATED_TASK], {"taskId": task_id})
+
+        report = await session.experimental.call_tool_as_task(
+            "generate_report", {"topic": "q3", "seconds": 600})
+        cancelled = await session.experimental.cancel_task(report.task.taskId)
+        self.assertEqual(cancelled.status, "cancelled")
+        got = await session.experimental.get_task(report.task.taskId)
+        self.assertEqual(got.status, "cancelled")
+        return created, report
+
     def test_create_poll_result_cancel_and_errors(self):
         async def body(session):
-            tools = {t.name: t for t in (await session.list_tools()).tools}
-            self.assertEqual(tools["generate_report"].execution.taskSupport, "required")
-            created = await session.experimental.call_tool_as_task(
-                "sleep_then_echo", {"seconds": 0.1, "text": "hello"}, ttl=60000)
-            task_id = created.task.taskId
-            self.assertEqual(created.task.ttl, 60000)
-            statuses = await self._poll(session, task_id)
-            self.assertEqual(statuses[-1], "completed")
-            result = await session.experimental.get_task_result(task_id, mcp_types.CallToolResult)
-            self.assertEqual(result.content[0].text, "hello")
-            self.assertEqual(result.meta[taskstore.RELATED_TASK], {"taskId": task_id})
-
-            report = await session.experimental.call_tool_as_task(
-                "generate_report", {"topic": "q3", "seconds": 600})
-            cancelled = await session.experimental.cancel_task(report.task.taskId)
-            self.assertEqual(cancelled.status, "cancelled")
-            got = await session.experimental.get_task(report.task.taskId)
-            self.assertEqual(got.status, "cancelled")
+            _, report = await self._create_poll_result_cancel(session, "hello", 0.1)
             result = await session.experimental.get_task_result(report.task.taskId,
                                                                 mcp_types.CallToolResult)
             self.assertTrue(result.isError)
@@ -14500,27 +14507,15 @@ class McpHttpSdkTests(McpHttpTestCase):
         self.assertEqual(self.mcp.sessions, {})
         return value
 
-    _poll = McpSdkInteropTests._poll        # the same client, over HTTP
+    # The same client, over HTTP.
+    _poll = McpSdkInteropTests._poll
+    _create_poll_result_cancel = McpSdkInteropTests._create_poll_result_cancel
 
     def test_create_poll_result_cancel_and_list(self):
         async def body(session):
-            tools = {t.name: t for t in (await session.list_tools()).tools}
-            self.assertEqual(tools["generate_report"].execution.taskSupport, "required")
-            created = await session.experimental.call_tool_as_task(
-                "sleep_then_echo", {"seconds": 0.05, "text": "over http"}, ttl=60000)
+            created, report = await self._create_poll_result_cancel(session, "over http", 0.05)
             task_id = created.task.taskId
-            self.assertEqual((created.task.status, created.task.ttl), ("working", 60000))
-            self.assertEqual((await self._poll(session, task_id))[-1], "completed")
-            result = await session.experimental.get_task_result(task_id, mcp_types.CallToolResult)
-            self.assertEqual(result.content[0].text, "over http")
-            self.assertEqual(result.meta[taskstore.RELATED_TASK], {"taskId": task_id})
-
-            report = await session.experimental.call_tool_as_task(
-                "generate_report", {"topic": "q3", "seconds": 600})
-            cancelled = await session.experimental.cancel_task(report.task.taskId)
-            self.assertEqual(cancelled.status, "cancelled")
-            got = await session.experimental.get_task(report.task.taskId)
-            self.assertEqual(got.status, "cancelled")
+            self.assertEqual(created.task.status, "working")
             listed = await session.experimental.list_tasks()
             self.assertEqual([t.taskId for t in listed.tasks], [report.task.taskId, task_id])
             with self.assertRaises(SdkError) as caught:

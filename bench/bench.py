@@ -872,13 +872,6 @@ def _print_table(rows, headers):
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
 
 
-def _at_least_one(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
-    return value
-
-
 def build_parser():
     """Return the argparse parser of ``bench/bench.py``."""
     parser = argparse.ArgumentParser(
@@ -886,7 +879,7 @@ def build_parser():
         description="Run every workload 3 times on a temporary file and print the median "
                     "operations per second of taskstore and of its raw-SQLite (or stdlib) "
                     "baseline, and their ratio.")
-    parser.add_argument("--n", type=_at_least_one, default=5000, metavar="N",
+    parser.add_argument("--n", type=taskstore._at_least(1), default=5000, metavar="N",
                         help="operations per workload; reap/recover use 20*N tasks, memory "
                              "200*N (default: %(default)s)")
     parser.add_argument("--sync", choices=("normal", "full"), default=None,

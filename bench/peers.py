@@ -46,6 +46,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+# This checkout's taskstore (standard library only; the peers are imported
+# only inside the throwaway environment).
+sys.path.insert(0, ROOT)
+import taskstore                                        # noqa: E402
 
 # The peers, pinned: the versions the issue's figures were measured with.
 HUEY = "huey==3.5.4"
@@ -168,7 +172,6 @@ class SqliteSide:
 
     def __init__(self, n):
         import huey
-        import taskstore
         self.huey_module = huey
         self.taskstore = taskstore
         self.n = n
@@ -610,7 +613,6 @@ def _log(text):
 
 def measure(n, runs, pg_n, skip_postgres, only=None):
     """Run every workload *runs* times, alternating the sides; return the JSON-ready report."""
-    import taskstore
     from importlib.metadata import version
     report = {"n": n, "runs": runs, "python": sys.version.split()[0],
               "sqlite": sqlite3.sqlite_version, "cpus": os.cpu_count(),
@@ -727,13 +729,6 @@ def print_report(report):
 
 # -- the command line ----------------------------------------------------------------
 
-def _at_least_one(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
-    return value
-
-
 def build_parser():
     """Return the argparse parser of ``bench/peers.py``."""
     parser = argparse.ArgumentParser(
@@ -741,12 +736,12 @@ def build_parser():
         description="Install the pinned peers (%s) into a throwaway virtual environment and "
                     "measure them against taskstore in the same run, at equal durability, "
                     "alternating the stores run by run." % ", ".join(PEERS))
-    parser.add_argument("--runs", type=_at_least_one, default=3, metavar="N",
+    parser.add_argument("--runs", type=taskstore._at_least(1), default=3, metavar="N",
                         help="runs of every workload, alternating which side goes first "
                              "(default: %(default)s)")
-    parser.add_argument("--n", type=_at_least_one, default=5000, metavar="N",
+    parser.add_argument("--n", type=taskstore._at_least(1), default=5000, metavar="N",
                         help="tasks per SQLite workload (default: %(default)s)")
-    parser.add_argument("--pg-n", type=_at_least_one, default=2000, metavar="N",
+    parser.add_argument("--pg-n", type=taskstore._at_least(1), default=2000, metavar="N",
                         help="tasks per PostgreSQL workload (default: %(default)s)")
     parser.add_argument("--skip-postgres", action="store_true",
                         help="run the SQLite side only (no PostgreSQL server, no procrastinate)")
