@@ -905,6 +905,31 @@ class LifecycleTests(StoreTestCase):
 # Runner and handler context
 # ---------------------------------------------------------------------------
 
+def moves_by_transaction(store):
+    """Record, from now on, the tasks each of *store*'s write transactions moves: a list per one.
+
+    A fact of the engine, not of time: the engine's ``transaction()`` opens
+    a list, its ``move_task`` (each status change) adds the task's id.
+    Heartbeats and other writes without a move leave an empty list.
+    """
+    engine, log = store._engine, []
+    transaction, move_task = engine.transaction, engine.move_task
+
+    @contextlib.contextmanager
+    def counted():
+        with transaction():
+            log.append([])      # before the commit, so a reader that saw the commit sees it
+            yield
+
+    def move(task_id, *args, **kwargs):
+        moved = move_task(task_id, *args, **kwargs)
+        if moved:
+            log[-1].append(task_id)
+        return moved
+    engine.transaction, engine.move_task = counted, move
+    return log
+
+
 class RunnerTests(StoreTestCase):
 
     def test_handler_result_becomes_the_task_result(self):
@@ -919,6 +944,113 @@ class RunnerTests(StoreTestCase):
         events = self.assertContiguous(task.id)
         self.assertEqual([e.data.get("status", e.type) for e in events],
                          ["created", RUNNING, "note", SUCCEEDED])
+
+    def test_a_finish_and_the_next_claim_share_one_commit(self):
+        def echo(ctx, payload):
+            if payload == "refuse":
+                raise taskstore.TaskFailed({"code": "no", "message": "refused"})
+            return payload
+
+        tasks = [self.store.create("echo", p) for p in ("a", "b", "refuse", "c", "d")]
+        log = moves_by_transaction(self.store)
+        self.start_runner({"echo": echo}, workers=1)
+        for task in tasks:
+            self.finished(task.id)
+        ids = [task.id for task in tasks]
+        # The first claim alone; then each finish (a failure too) with the
+        # next claim; the last finish found nothing more to claim.
+        self.assertEqual([moves for moves in log if moves],
+                         [ids[:1], *(ids[i:i + 2] for i in range(len(ids) - 1)), ids[-1:]])
+        self.assertEqual([self.store.get(i).status for i in ids],
+                         [SUCCEEDED, SUCCEEDED, FAILED, SUCCEEDED, SUCCEEDED])
+        for task_id in ids:
+            self.assertEqual([e.data.get("status", e.type) for e in self.store.events(task_id)],
+                             ["created", RUNNING,
+                              FAILED if task_id == ids[2] else SUCCEEDED])
+
+    def test_a_finish_refused_claims_nothing_and_the_worker_goes_on(self):
+        started, go = threading.Event(), threading.Event()
+
+        def handler(ctx, payload):
+            if payload == "first":
+                started.set()
+                self.assertTrue(go.wait(TIMEOUT))    # returns a result though cancelled
+            return payload
+
+        first = self.store.create("w", "first")
+        log = moves_by_transaction(self.store)
+        self.start_runner({"w": handler}, workers=1)
+        self.assertTrue(started.wait(TIMEOUT))
+        second = self.store.create("w", "second")
+        self.assertEqual(self.store.cancel(first.id).status, CANCELLING)
+        go.set()
+        # succeed is refused (the task is cancelling): nothing of that write
+        # is committed, LATE_OUTCOME cancels it keeping the result, and the
+        # worker claims the next task the ordinary way.
+        self.assertEqual(self.finished(second.id).status, SUCCEEDED)
+        done = self.finished(first.id)
+        self.assertEqual((done.status, done.result), (CANCELLED, "first"))
+        self.assertEqual([moves for moves in log if moves],
+                         [[first.id], [first.id], [first.id], [second.id], [second.id]])
+
+    def test_stop_between_tasks_leaves_the_next_task_queued(self):
+        started = threading.Event()
+
+        def handler(ctx, payload):
+            started.set()
+            ctx.cancelled.wait(TIMEOUT)    # returns when the runner stops
+            return "done"
+
+        runner = self.start_runner({"w": handler}, workers=1)
+        first = self.store.create("w", policy="retry")
+        self.assertTrue(started.wait(TIMEOUT))
+        second = self.store.create("w")
+        runner.stop(timeout=TIMEOUT)
+        # The interrupted task's restart policy decides; the next one was
+        # never claimed, so it stays queued for any runner, as created.
+        self.assertEqual(self.store.get(first.id).status, QUEUED)
+        left = self.store.get(second.id)
+        self.assertEqual((left.status, left.owner, left.attempt), (QUEUED, None, 1))
+        self.assertEqual([e.type for e in self.store.events(second.id)], ["created"])
+
+    def test_a_kind_limit_holds_for_the_claim_made_with_a_finish(self):
+        self.store.set_kind_limit("k", 1)
+        release_k, release_o = threading.Event(), threading.Event()
+        k_started, o_started = threading.Event(), threading.Event()
+        running, most, lock = [0], [0], threading.Lock()
+
+        def limited(ctx, payload):
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            k_started.set()
+            self.assertTrue(release_k.wait(TIMEOUT))
+            with lock:
+                running[0] -= 1
+            return payload
+
+        def other(ctx, payload):
+            o_started.set()
+            self.assertTrue(release_o.wait(TIMEOUT))
+            return payload
+
+        k1 = self.store.create("k", 1)
+        log = moves_by_transaction(self.store)
+        self.start_runner({"k": limited, "o": other}, workers=2)
+        self.assertTrue(k_started.wait(TIMEOUT))
+        k2, o1, o2 = (self.store.create(kind, n) for kind, n in (("k", 2), ("o", 1), ("o", 2)))
+        self.assertTrue(o_started.wait(TIMEOUT))
+        self.assertEqual(self.store.get(o1.id).status, RUNNING)
+        release_o.set()
+        self.assertEqual(self.finished(o2.id).status, SUCCEEDED)
+        # o1's finish claimed o2 and passed over k2, older but at its kind's limit.
+        self.assertIn([o1.id, o2.id], log)
+        self.assertEqual(self.store.get(k2.id).status, QUEUED)
+        release_k.set()
+        self.assertEqual(self.finished(k2.id).status, SUCCEEDED)
+        # k1's finish counted k1 out before claiming k2, in one transaction.
+        self.assertIn([k1.id, k2.id], log)
+        self.assertEqual(most[0], 1)
 
     def test_a_late_outcome_for_a_task_expired_meanwhile_is_dropped_quietly(self):
         started, release = threading.Event(), threading.Event()
@@ -1750,6 +1882,24 @@ class RetryRunnerTests(StoreTestCase):
             done = self.finished(task.id)
         self.assertEqual((done.status, done.result, done.attempt, calls),
                          (SUCCEEDED, {"attempt": 3}, 3, [1, 2, 3]))
+
+    def test_a_retry_and_the_next_claim_share_one_commit(self):
+        def flaky(ctx, payload):
+            if payload == "flaky" and ctx.attempt == 1:
+                raise taskstore.TaskFailed({"code": "later", "message": "not yet"})
+            return payload
+        flaky_task = self.store.create("k", "flaky", retry=taskstore.Retry(2, base=0, jitter=0))
+        other = self.store.create("k", "other")
+        log = moves_by_transaction(self.store)
+        self.start_runner({"k": flaky}, workers=1)
+        done = self.finished(flaky_task.id)
+        self.assertEqual((done.status, done.attempt, self.finished(other.id).status),
+                         (SUCCEEDED, 2, SUCCEEDED))
+        # The retry (queued again, due at once) with the next claim; that
+        # task's finish with the claim of the retried one, made due first.
+        self.assertEqual([moves for moves in log if moves],
+                         [[flaky_task.id], [flaky_task.id, other.id], [other.id, flaky_task.id],
+                          [flaky_task.id]])
 
     def test_the_runners_default_per_kind_and_task_failed_without_retry(self):
         def broken(ctx, payload):
