@@ -16457,13 +16457,40 @@ class PeersBenchTests(unittest.TestCase):
         self.assertIsNone(peers._summarise("enqueue_1", [run(1, 1, 1)], None)["met"])
         report = {"workloads": {"workers_4": dict(peer="procrastinate", **beyond)},
                   "runner_scaling": {"taskstore": [2.5, 1.9, 2.2], "huey": [1, 1, 1],
-                                     "target": 2.0, "met": False}}
+                                     "raw": [2.4, 2.1, 2.2], "target": 2.0,
+                                     "target_beyond_limit": False, "met": False}}
         rows = peers.table_rows(report)
         self.assertEqual(rows[0][:6], ("workers_4", "procrastinate", "144", "100", "150",
                                        "1.44x"))
         self.assertEqual(rows[0][-2:], (">= 2.0x or 0.95 raw", "yes"))
-        self.assertEqual((rows[1][0], rows[1][5], rows[1][6], rows[1][-1]),
-                         ("runner_4/runner_1", "2.20x", "2.50 1.90 2.20", "NO"))
+        self.assertEqual((rows[1][0], rows[1][5], rows[1][6], rows[1][7], rows[1][-2:]),
+                         ("runner_4/runner_1", "2.20x", "2.50 1.90 2.20", "2.20x",
+                          (">= 2.0x", "NO")))
+
+    def test_the_runner_scaling_is_met_at_2x_or_at_095_of_raws_own_ratio(self):
+        peers = load_bench_file("peers")
+
+        def runs(*rates):
+            """(store, peer, raw) results of each run, from (store, peer, raw) rates."""
+            return [tuple({"rate": rate, "cpu_us": 1.0} for rate in run) for run in rates]
+        ones = runs((100, 100, 100), (100, 100, 100))
+        # Raw's 4 threads reach 2.5x its 1 in both runs: 2x is within the limit.
+        within = peers._scaling(ones, runs((210, 150, 250), (190, 150, 250)))
+        self.assertEqual((within["taskstore"], within["huey"], within["raw"]),
+                         ([2.1, 1.9], [1.5, 1.5], [2.5, 2.5]))
+        self.assertEqual((within["target_beyond_limit"], within["met"]), (False, False))
+        # Raw's 4 threads are slower than its 1 (0.8x): 2x lies beyond the
+        # limit, and 0.95 x 0.8 = 0.76x is the target in that run.
+        beyond = peers._scaling(ones, runs((77, 150, 80), (210, 150, 250)))
+        self.assertEqual((beyond["raw"], beyond["target_beyond_limit"], beyond["met"]),
+                         ([0.8, 2.5], True, True))
+        self.assertFalse(peers._scaling(ones, runs((75, 150, 80), (210, 150, 250)))["met"])
+        # A run within the limit must still reach 2x, whatever the other run's limit.
+        self.assertFalse(peers._scaling(ones, runs((77, 150, 80), (190, 150, 250)))["met"])
+        row = peers.table_rows({"workloads": {}, "runner_scaling": beyond})[0]
+        self.assertEqual((row[0], row[5], row[6], row[7], row[-2:]),
+                         ("runner_4/runner_1", "1.44x", "0.77 2.10", "1.65x",
+                          (">= 2.0x or 0.95 raw", "yes")))
 
     def test_wal_frames_counts_every_commit_even_past_automatic_checkpoints(self):
         # One row a transaction into a one-page table: one frame a commit.
