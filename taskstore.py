@@ -6002,7 +6002,7 @@ class Runner:
             self._schedules_moved.wait(max(wait, 0.001))
 
     def _run(self, task):
-        """Run *task*'s handler and finish it; return the next task, claimed with the finish, or None."""
+        """Run *task*'s handler and finish it; return the next task claimed with it, or None."""
         ctx = TaskContext(self, task)
         with self._lock:
             self._active[task.id] = ctx
