@@ -5888,6 +5888,8 @@ class Runner:
 
     def _accepted(self, writer):
         """*writer*'s write went through: the outage is over once nobody is refused."""
+        if writer not in self._refusing:    # every write but those after a refusal: no lock
+            return
         with self._lock:
             if writer not in self._refusing:
                 return
@@ -6050,7 +6052,10 @@ class Runner:
             # (stop(), recovery).
             return None
         hold = functools.partial(self._hold, ctx)
-        ctx.flush()
+        # Progress to write before the final status, or a write of it under
+        # way (the maintenance thread's, which swaps _pending out first).
+        if ctx._pending or ctx._flushing.locked():
+            ctx.flush()
         claim_next = self._claim_next()
         try:
             if outcome[0] == "succeed" and not ctx._loading:
