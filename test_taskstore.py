@@ -1150,6 +1150,16 @@ class RunnerTests(StoreTestCase):
         self.assertLess(done.version, 500)
         self.assertEqual((done.progress, done.status_message), (9999.0, "step 9999"))
 
+    def test_progress_still_pending_is_written_before_the_final_status(self):
+        def handler(ctx, payload):
+            ctx.progress(1, 3)      # written at once: the first report of the interval
+            ctx.progress(2, 3)      # pending: the interval (a minute) has not passed
+            return "done"
+
+        self.start_runner({"p": handler}, progress_interval_s=60)
+        done = self.finished(self.store.create("p").id)
+        self.assertEqual((done.status, done.progress, done.progress_total), (SUCCEEDED, 2, 3))
+
     def test_ask_parks_the_task_until_input_is_provided(self):
         def handler(ctx, payload):
             answer = ctx.ask({"question": "name?"})
