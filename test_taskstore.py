@@ -2994,6 +2994,33 @@ class PublicWorkerLoopTests(StoreTestCase):
         self.assertEqual(store.cancelling_owned(owner), set())
         self.assertIsNone(store.claim(("add", "slow"), owner=owner))
 
+    def test_a_worker_finishes_and_claims_its_next_task_in_one_call(self):
+        store = self.store
+        owner = store.register_process()
+        self.addCleanup(store.release, owner)
+        first, second, third = (store.create("k", n) for n in range(3))
+        claim_next = {"kinds": ("k",), "owner": owner}
+        task = store.claim(("k",), owner=owner)
+        done, task = store.succeed(task.id, "ok", attempt=task.attempt, claim_next=claim_next)
+        self.assertEqual((done.id, done.status, task.id, task.status, task.owner),
+                         (first.id, SUCCEEDED, second.id, RUNNING, owner))
+        failed, task = store.fail(task.id, {"code": "no", "message": "no"}, attempt=task.attempt,
+                                  claim_next=claim_next)
+        self.assertEqual((failed.status, task.id), (FAILED, third.id))
+        # A move refused (the task is cancelling) writes nothing and claims nothing.
+        fourth = store.create("k")
+        store.cancel(task.id)
+        with self.assertRaises(taskstore.InvalidTransition):
+            store.succeed(task.id, "late", attempt=task.attempt, claim_next=claim_next)
+        self.assertEqual(store.get(fourth.id).status, QUEUED)
+        cancelled, task = store.confirm_cancel(task.id, attempt=task.attempt,
+                                               claim_next=claim_next)
+        self.assertEqual((cancelled.status, task.id), (CANCELLED, fourth.id))
+        # Nothing left to claim: the finish is committed all the same.
+        done, task = store.succeed(task.id, attempt=task.attempt, claim_next=claim_next)
+        self.assertEqual((done.status, task), (SUCCEEDED, None))
+        self.assertEqual(store.get(fourth.id).status, SUCCEEDED)
+
     def test_wait_for_work_returns_at_once_when_work_was_queued_since(self):
         seen = self.store.wait_for_work(None, timeout=0)
         self.store.create("k")
