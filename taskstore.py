@@ -4474,12 +4474,14 @@ class TaskStore:
 class _Queue:
     """What a claim takes, and when: delays, priorities and limits per kind (``TaskStore.claim``).
 
-    The claim itself lives here: it makes due delayed tasks ready, takes
-    the oldest task of the highest priority among the kinds asked for, and
-    passes over a kind whose limit is reached, all in one transaction.  So
-    do the limits per kind (rows of ``kind_limits``) and the hint of when a
-    delayed task may next be due (``due_at``): a claim reads the delayed
-    tasks only once one may be due, and an idle worker's sleep ends by then.
+    The claim itself lives here (``_Claim``, one body for ``claim`` and for
+    a worker's claim in its finish's transaction, ``write``): it makes due
+    delayed tasks ready, takes the oldest task of the highest priority
+    among the kinds asked for, and passes over a kind whose limit is
+    reached, all in one transaction.  So do the limits per kind (rows of
+    ``kind_limits``) and the hint of when a delayed task may next be due
+    (``due_at``): a claim reads the delayed tasks only once one may be due,
+    and an idle worker's sleep ends by then.
     """
 
     def __init__(self, store):
