@@ -3868,14 +3868,18 @@ class TaskStore:
             return row[:-1]
         return _summary_from_row(row[:-1]) if summary else _task_from_row(row[:-1])
 
-    def _move(self, task_id, event, *, principal=None, attempt=None, fields=None, error=None):
-        """Run one transition, committed before it returns; return the new Task."""
+    def _move(self, task_id, event, *, principal=None, attempt=None, fields=None, error=None,
+              claim_next=None):
+        """Run one transition, committed before it returns; return the new Task.
+
+        With *claim_next*, ``(Task, claimed)``: see ``succeed``.
+        """
         now = int(self.clock() * 1000)
-        task = self._engine.write(lambda: _transition_locked(
+        task, claimed, more = self._queue.write(lambda: _transition_locked(
             self, task_id if principal is None else self._get_locked(task_id, principal),
-            event, now, attempt=attempt, fields=fields, error=error))
-        self._waiters.committed((_Change(task, "status"),), task.status == QUEUED)
-        return task
+            event, now, attempt=attempt, fields=fields, error=error), claim_next)
+        self._waiters.committed((_Change(task, "status"), *more), task.status == QUEUED)
+        return task if claim_next is None else (task, claimed)
 
     def _told(self, kind, ids):
         """Another process committed (the engine's ``on_remote``): tell who waits here.
@@ -4144,12 +4148,20 @@ class TaskStore:
             self._waiters.cancel_set(task_id)
         return task
 
-    def succeed(self, task_id, result=None, *, attempt=None):
-        """Finish a running task with a JSON *result* (used by the runner)."""
-        return self._move(task_id, SUCCEED, attempt=attempt,
+    def succeed(self, task_id, result=None, *, attempt=None, claim_next=None):
+        """Finish a running task with a JSON *result* (used by the runner).
+
+        *claim_next* (a worker that goes on: ``claim``'s keyword arguments
+        as a dict) claims its next task in the same transaction, after the
+        move, so one commit serves both; the return is then ``(task,
+        claimed)``, claimed None when there was none.  A move refused
+        claims nothing.  ``fail`` and ``confirm_cancel`` take it too.
+        """
+        return self._move(task_id, SUCCEED, attempt=attempt, claim_next=claim_next,
                           fields={"result": _json_param(result, "result")})
 
-    def fail(self, task_id, error, *, result=None, attempt=None, retryable=False, retry=None):
+    def fail(self, task_id, error, *, result=None, attempt=None, retryable=False, retry=None,
+             claim_next=None):
         """Fail a task with *error* ``{"code", "message", ...}`` and an optional result.
 
         With *retryable* (the runner passes it for a handler that raised),
@@ -4165,8 +4177,9 @@ class TaskStore:
         fields = {"error": _json_param(error, "error"), "status_message": error["message"],
                   "result": None if result is None else _json_param(result, "result")}
         if not retryable and retry is None:
-            return self._move(task_id, FAIL, attempt=attempt, error=error, fields=fields)
-        return self._retries.fail(task_id, error, fields, attempt, retryable, retry)
+            return self._move(task_id, FAIL, attempt=attempt, error=error, fields=fields,
+                              claim_next=claim_next)
+        return self._retries.fail(task_id, error, fields, attempt, retryable, retry, claim_next)
 
     def rerun(self, task_id, *, principal=None, run_at=None, delay=None):
         """Dead letters: run a failed task again, as a new queued task; return it.
@@ -4188,14 +4201,15 @@ class TaskStore:
         """Move a queued or loading task to ``running`` (used by the runner)."""
         return self._move(task_id, START, attempt=attempt)
 
-    def confirm_cancel(self, task_id, *, result=None, attempt=None):
+    def confirm_cancel(self, task_id, *, result=None, attempt=None, claim_next=None):
         """Move a ``cancelling`` task to ``cancelled`` once its work stopped.
 
         *result* keeps what the work produced before it stopped (LMSP shows
         the partial response of a cancelled task).
         """
         fields = None if result is None else {"result": _json_param(result, "result")}
-        return self._move(task_id, CONFIRM_CANCEL, attempt=attempt, fields=fields)
+        return self._move(task_id, CONFIRM_CANCEL, attempt=attempt, fields=fields,
+                          claim_next=claim_next)
 
     def require_input(self, task_id, request, *, attempt=None):
         """Park a running task in ``input_required`` with a JSON *request* for the requestor."""
@@ -4460,12 +4474,14 @@ class TaskStore:
 class _Queue:
     """What a claim takes, and when: delays, priorities and limits per kind (``TaskStore.claim``).
 
-    The claim itself lives here: it makes due delayed tasks ready, takes
-    the oldest task of the highest priority among the kinds asked for, and
-    passes over a kind whose limit is reached, all in one transaction.  So
-    do the limits per kind (rows of ``kind_limits``) and the hint of when a
-    delayed task may next be due (``due_at``): a claim reads the delayed
-    tasks only once one may be due, and an idle worker's sleep ends by then.
+    The claim itself lives here (``_Claim``, one body for ``claim`` and for
+    a worker's claim in its finish's transaction, ``write``): it makes due
+    delayed tasks ready, takes the oldest task of the highest priority
+    among the kinds asked for, and passes over a kind whose limit is
+    reached, all in one transaction.  So do the limits per kind (rows of
+    ``kind_limits``) and the hint of when a delayed task may next be due
+    (``due_at``): a claim reads the delayed tasks only once one may be due,
+    and an idle worker's sleep ends by then.
     """
 
     def __init__(self, store):
@@ -4499,39 +4515,29 @@ class _Queue:
 
     def claim(self, kinds, owner, loading_kinds):
         """``TaskStore.claim``: one transaction; the claimed Task, or None."""
-        store = self.store
-        engine, waiters = store._engine, store._waiters
-        if not kinds:
+        claim = _Claim(self, kinds, owner, loading_kinds)
+        if not claim.wanted:
             return None
-        now = int(store.clock() * 1000)
-        due = (now >= self.due_at or waiters.delays_changed) and self.due(now)
-        if not due and not engine.may_have_queued(kinds, waiters.work_gen):
-            return None
-
-        def body():
-            if due:
-                engine.promote_due(now, PROMOTE_BATCH)
-            wanted, gen = kinds, waiters.work_gen
-            while wanted:
-                found = engine.oldest_queued(wanted, gen)
-                if found is None:
-                    return None
-                task, limit = found
-                # A limited kind: its running tasks counted in this very
-                # transaction (on PostgreSQL, its limit row locked first).
-                if limit is not None:
-                    running, limit = engine.running_of_kind(task.kind)
-                if limit is None or running < limit:
-                    return _transition_locked(
-                        store, task, CLAIM if task.kind in loading_kinds else START, now,
-                        fields={"owner": owner})
-                wanted, gen = tuple(k for k in wanted if k != task.kind), None
-            return None
-        task = engine.write(body)
-        if due:
-            self.due_at = now        # more may be due: the next claim reads again
-        waiters.committed(() if task is None else (_Change(task, "status"),))
+        task = self.store._engine.write(claim.take)
+        self.store._waiters.committed(claim.told(task))
         return task
+
+    def write(self, body, claim_next):
+        """Run a worker's finish, *body*; with *claim_next* its next claim after it, in one body.
+
+        *claim_next* is None, or ``claim``'s keyword arguments: then the
+        claim runs in the same transaction as the finish, after its move
+        (so a kind's limit counts the finished task out), and one commit
+        serves both.  A move that raises writes nothing and claims nothing.
+        Returns ``(body's result, the claimed Task or None, the claim's
+        _Changes)``; the caller tells the waiters, the finish's changes first.
+        """
+        engine = self.store._engine
+        if claim_next is None:
+            return engine.write(body), None, ()
+        claim = _Claim(self, **claim_next)
+        task, claimed = engine.write(lambda: (body(), claim.take()))
+        return task, claimed, claim.told(claimed)
 
     def set_limit(self, kind, max_running):
         """``TaskStore.set_kind_limit``: store the limit, then wake idle workers of this process."""
@@ -4548,6 +4554,60 @@ class _Queue:
             return engine.kind_limits()
 
 
+class _Claim:
+    """One claim (``_Queue.claim``, or a worker's next after its finish: ``_Queue.write``).
+
+    Made before the transaction: the clock read, whether delayed tasks may
+    be due (then the claim makes them ready first), and whether a task may
+    be queued at all (``wanted``: without one the claim writes nothing).
+    ``take`` is the claim's statements, in the write's transaction;
+    ``told``, once it has committed, the changes to tell the waiters.
+    """
+
+    __slots__ = ("queue", "kinds", "owner", "loading_kinds", "now", "due", "wanted")
+
+    def __init__(self, queue, kinds, owner, loading_kinds=()):
+        store = queue.store
+        waiters = store._waiters
+        self.queue, self.kinds, self.owner, self.loading_kinds = queue, kinds, owner, loading_kinds
+        self.now = now = int(store.clock() * 1000)
+        self.due = bool(kinds) and (now >= queue.due_at or waiters.delays_changed) \
+            and queue.due(now)
+        self.wanted = self.due or bool(kinds) and store._engine.may_have_queued(
+            kinds, waiters.work_gen)
+
+    def take(self):
+        """The claim, inside a write transaction: the claimed Task, or None."""
+        if not self.wanted:
+            return None
+        store, now = self.queue.store, self.now
+        engine = store._engine
+        if self.due:
+            engine.promote_due(now, PROMOTE_BATCH)
+        wanted, gen = self.kinds, store._waiters.work_gen
+        while wanted:
+            found = engine.oldest_queued(wanted, gen)
+            if found is None:
+                return None
+            task, limit = found
+            # A limited kind: its running tasks counted in this very
+            # transaction (on PostgreSQL, its limit row locked first).
+            if limit is not None:
+                running, limit = engine.running_of_kind(task.kind)
+            if limit is None or running < limit:
+                return _transition_locked(
+                    store, task, CLAIM if task.kind in self.loading_kinds else START, now,
+                    fields={"owner": self.owner})
+            wanted, gen = tuple(k for k in wanted if k != task.kind), None
+        return None
+
+    def told(self, task):
+        """After the commit: the claim's changes (none when it took nothing)."""
+        if self.due:
+            self.queue.due_at = self.now        # more may be due: the next claim reads again
+        return () if task is None else (_Change(task, "status"),)
+
+
 class _Retries:
     """A failure that may run again: ``FAILURE``'s retry with backoff, and dead letters rerun.
 
@@ -4562,8 +4622,11 @@ class _Retries:
     def __init__(self, store):
         self.store = store
 
-    def fail(self, task_id, error, fields, attempt, retryable, retry):
-        """``TaskStore.fail`` with a retry to decide: one transaction; the Task as written."""
+    def fail(self, task_id, error, fields, attempt, retryable, retry, claim_next):
+        """``TaskStore.fail`` with a retry to decide: one transaction; the Task as written.
+
+        With *claim_next*, ``(Task, claimed)``: ``_Queue.write``.
+        """
         store = self.store
         default = _retry_param(retry)
         now = int(store.clock() * 1000)
@@ -4593,13 +4656,13 @@ class _Retries:
                 failed = dict(fields, error=_json_param(shown, "error"))
             return _transition_locked(store, task, FAIL, now, attempt=attempt, fields=failed,
                                       error=shown)
-        task = store._engine.write(body)
+        task, claimed, more = store._queue.write(body, claim_next)
         requeued = task.status == QUEUED
         if requeued:
             store._waiters.cancel_events.pop(task_id, None)    # not the next attempt's
             store._queue.delayed(task.run_at)
-        store._waiters.committed((_Change(task, "status"),), requeued)
-        return task
+        store._waiters.committed((_Change(task, "status"), *more), requeued)
+        return task if claim_next is None else (task, claimed)
 
     def rerun(self, task_id, principal, run_at, delay):
         """``TaskStore.rerun``: the new queued Task, inserted in one transaction."""
@@ -5430,6 +5493,10 @@ class Schedules:
 #   through loading and running by the store's verbs, never by SQL.
 # - Every move a worker makes carries the attempt it claimed, so a worker
 #   whose task was recovered and requeued meanwhile cannot touch it.
+# - A worker that goes on claims its next task in the transaction of its
+#   last one's finish (the verbs' ``claim_next``): a backlog drains at one
+#   commit per task.  A stopping worker, or one whose finish is refused,
+#   claims nothing with it.
 # - One maintenance thread per runner heartbeats the lease, writes coalesced
 #   progress, and notices cancels made by other processes.
 # - Every write for a running task goes through ``Runner._hold``: a short
@@ -5823,6 +5890,8 @@ class Runner:
 
     def _accepted(self, writer):
         """*writer*'s write went through: the outage is over once nobody is refused."""
+        if writer not in self._refusing:    # every write but those after a refusal: no lock
+            return
         with self._lock:
             if writer not in self._refusing:
                 return
@@ -5884,32 +5953,37 @@ class Runner:
 
     # -- threads ---------------------------------------------------------------
 
+    def _claim_next(self):
+        """``claim``'s keyword arguments for this runner's next task."""
+        return {"kinds": tuple(self.handlers), "owner": self.process_id,
+                "loading_kinds": tuple(k for k, h in self.handlers.items()
+                                       if getattr(h, "has_loading_phase", False))}
+
     def _work(self):
         seen = None
-        while not self._stopping.is_set():
-            if self._lost:              # the maintenance thread registers anew
-                self._stopping.wait(self.store.poll_interval)
-                continue
-            try:
-                loading = tuple(k for k, h in self.handlers.items()
-                                if getattr(h, "has_loading_phase", False))
-                task = self.store.claim(tuple(self.handlers), owner=self.process_id,
-                                        loading_kinds=loading)
-            except StoreClosed:
-                return
-            except TaskStoreError as exc:
-                self._complain(exc)
-                task = None
-            else:
-                if task is not None and not self._refusing:
-                    self._complained = False
+        task = None         # claimed already, by the last task's finish: run it whatever comes
+        while task is not None or not self._stopping.is_set():
             if task is None:
+                if self._lost:              # the maintenance thread registers anew
+                    self._stopping.wait(self.store.poll_interval)
+                    continue
                 try:
-                    seen = self.store.wait_for_work(seen, self.store.poll_interval)
+                    task = self.store.claim(**self._claim_next())
                 except StoreClosed:
                     return
-                continue
-            self._run(task)
+                except TaskStoreError as exc:
+                    self._complain(exc)
+                    task = None
+                else:
+                    if task is not None and not self._refusing:
+                        self._complained = False
+                if task is None:
+                    try:
+                        seen = self.store.wait_for_work(seen, self.store.poll_interval)
+                    except StoreClosed:
+                        return
+                    continue
+            task = self._run(task)
 
     def _fire(self):
         """The scheduler thread: sleep until the soonest period starts, then fire what is due."""
@@ -5932,6 +6006,7 @@ class Runner:
             self._schedules_moved.wait(max(wait, 0.001))
 
     def _run(self, task):
+        """Run *task*'s handler and finish it; return the next task claimed with it, or None."""
         ctx = TaskContext(self, task)
         with self._lock:
             self._active[task.id] = ctx
@@ -5954,7 +6029,7 @@ class Runner:
                 outcome = ("fail", {"code": "internal_error",
                                     "message": "the task's handler raised an exception"},
                            None, True)
-            self._finish(ctx, outcome)
+            return self._finish(ctx, outcome)
         except (StoreClosed, Cancelled):
             pass                            # stopping, or the lease is gone: nothing to write
         except Exception:
@@ -5962,23 +6037,36 @@ class Runner:
         finally:
             with self._lock:
                 self._active.pop(task.id, None)
+        return None
 
     def _finish(self, ctx, outcome):
+        """Write *outcome*; return the worker's next task, claimed in the same transaction, or None.
+
+        A worker that goes on (not stopping, its lease not lost) claims its
+        next task with the finish (``claim_next``): a backlog drains at one
+        commit per task.  When the finish is refused (a late outcome), or
+        claimed nothing, the worker claims the ordinary way.
+        """
         store, task_id, attempt = self.store, ctx.task_id, ctx.attempt
-        if self._stopping.is_set() or ctx._abandoned:
-            # Interrupted by shutdown, or the lease is gone: the restart
-            # policy decides (stop(), recovery).
-            return
+        if self._stopping.is_set() or ctx._abandoned or self._lost:
+            # Interrupted by shutdown, or the lease is gone (its contexts
+            # are abandoned, this one too): the restart policy decides
+            # (stop(), recovery).
+            return None
         hold = functools.partial(self._hold, ctx)
-        ctx.flush()
+        # Progress to write before the final status, or a write of it under
+        # way (the maintenance thread's, which swaps _pending out first).
+        if ctx._pending or ctx._flushing.locked():
+            ctx.flush()
+        claim_next = self._claim_next()
         try:
             if outcome[0] == "succeed" and not ctx._loading:
                 # The common case, checked by succeed itself: it serialises
                 # the result before any write, so a value the store refuses
                 # leaves the task as it was, and fails it below.
                 try:
-                    hold(store.succeed, task_id, outcome[1], attempt=attempt)
-                    return
+                    return hold(store.succeed, task_id, outcome[1], attempt=attempt,
+                                claim_next=claim_next)[1]
                 except InvalidParams:
                     pass
             if outcome[0] != "cancelled":
@@ -5998,21 +6086,22 @@ class Runner:
                                None, False)
             if outcome[0] == "succeed":
                 ctx.running()
-                hold(store.succeed, task_id, outcome[1], attempt=attempt)
-                return
+                return hold(store.succeed, task_id, outcome[1], attempt=attempt,
+                            claim_next=claim_next)[1]
             if outcome[0] == "fail":
                 # FAILURE decides: queued again after a backoff, or failed.
-                hold(store.fail, task_id, outcome[1], result=outcome[2], attempt=attempt,
-                     retryable=outcome[3], retry=self.retry.get(ctx.kind))
-            else:
-                hold(store.confirm_cancel, task_id, attempt=attempt)
+                return hold(store.fail, task_id, outcome[1], result=outcome[2], attempt=attempt,
+                            retryable=outcome[3], retry=self.retry.get(ctx.kind),
+                            claim_next=claim_next)[1]
+            return hold(store.confirm_cancel, task_id, attempt=attempt,
+                        claim_next=claim_next)[1]
         except InvalidTransition:
             # Someone moved the task first: LATE_OUTCOME says what happens now.
             try:
                 task = store.get(task_id)
             except TaskNotFound:            # finished by another and expired already
                 logger.debug("late outcome of task %s ignored: it has expired", task_id)
-                return
+                return None
             reported = {"succeed": SUCCEED, "fail": FAIL}.get(outcome[0], CONFIRM_CANCEL)
             event = LATE_OUTCOME[reported].get(task.status) if task.attempt == attempt else None
             if event == CONFIRM_CANCEL:
@@ -6025,6 +6114,7 @@ class Runner:
                      attempt=attempt)
             else:
                 logger.debug("late outcome of task %s ignored: it is %s", task_id, task.status)
+        return None
 
     def _maintain(self):
         last_beat = time.monotonic()

@@ -27,8 +27,11 @@ the store's rows at the same concurrency.  The sides alternate run by run
 (store, peer, raw; then raw, peer, store).  Rates are tasks per second; the
 table shows their medians, the ratio of each run, the limit's ratio to the
 peer, and the issue's target, met when every run meets it (or, in a run where
-the target lies beyond the limit, reaches 0.95x the limit).  docs/performance.md
-("Against the peers") describes each workload on each side.
+the target lies beyond the limit, reaches 0.95x the limit).  The row
+``runner_4/runner_1`` is the store's runner scaling, its 4 workers' rate over
+its 1 worker's: its limit is raw sqlite3's own 4-thread over 1-thread ratio in
+the same runs, under the same rule.  docs/performance.md ("Against the
+peers") describes each workload on each side.
 """
 
 import argparse
@@ -72,7 +75,9 @@ TARGETS = {
     "enqueue_8": ("postgresql", 2.0),
     "workers_4": ("postgresql", 2.0),
 }
-RUNNER_SCALING_TARGET = 2.0     # the store's runner_4 rate as a multiple of its runner_1 rate
+# The store's runner_4 rate as a multiple of its runner_1 rate (or 0.95x raw
+# sqlite3's own runner_4/runner_1 ratio, where that lies below: _scaling).
+RUNNER_SCALING_TARGET = 2.0
 
 
 # -- the parent: a throwaway virtual environment ---------------------------------
@@ -222,7 +227,9 @@ class SqliteSide:
         status and kind): create is one INSERT a transaction; the drains
         are a claim (one UPDATE ... RETURNING of the oldest queued row) and
         a finish (one guarded UPDATE), each its own transaction, by as many
-        threads as the store's workers, each with its own connection.  The
+        threads as the store's workers, each with its own connection; in
+        ``runner_1`` and ``runner_4`` a thread's finish and its next claim
+        share one transaction, as the store's runner's do.  The
         threads take turns at a lock for each transaction, as huey's do:
         SQLite has one writer at a time, and its busy handler, which would
         otherwise sort them out, sleeps (up to 100 ms a try) where a lock
@@ -246,22 +253,29 @@ class SqliteSide:
                 conn.execute("COMMIT")
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
                 done, lock = [], threading.Lock()
+                # The runner's workers finish a task and claim the next in one
+                # transaction (the store's claim_next): so do the raw ones.
+                together = workload.startswith("runner_")
 
                 def drain(c):
-                    count = 0
+                    count, row = 0, None
                     while True:
                         with lock:
                             c.execute("BEGIN IMMEDIATE")
+                            if row is not None and together:
+                                c.execute(self._RAW_FINISH, ('{"ok":true}', row[0]))
+                                count += 1
                             row = c.execute(self._RAW_CLAIM).fetchone()
                             c.execute("COMMIT")
                         if row is None:
                             done.append(count)
                             return
-                        with lock:
-                            c.execute("BEGIN IMMEDIATE")
-                            c.execute(self._RAW_FINISH, ('{"ok":true}', row[0]))
-                            c.execute("COMMIT")
-                        count += 1
+                        if not together:
+                            with lock:
+                                c.execute("BEGIN IMMEDIATE")
+                                c.execute(self._RAW_FINISH, ('{"ok":true}', row[0]))
+                                c.execute("COMMIT")
+                            count += 1
                 with _Timed(self.n) as t:
                     pool = [threading.Thread(target=drain, args=(c,)) for c in conns]
                     for thread in pool:
@@ -276,17 +290,22 @@ class SqliteSide:
                     c.close()
 
     def store_frames(self, count):
-        """WAL frames per task of the store's create, then of one worker draining those tasks."""
+        """WAL frames per task of the store's create, of one thread draining those tasks
+        (``lifecycle``), and of ``Runner(workers=1)`` draining as many more (``runner_1``)."""
         with self._store() as store:
             path = store._engine.path
             checkpoint = store.checkpoint
             create, page = wal_frames(path, checkpoint, lambda: [
                 store.create("bench", {"i": i}) for i in range(count)])
             drain, _ = wal_frames(path, checkpoint, lambda: self.bench.bare_drain(store))
-            drained = len(store.list(status="succeeded", limit=count + 1)[0])
-        if drained != count:
-            raise RuntimeError(f"the store's frame count drained {drained} tasks, not {count}")
-        return {"create": create / count, "lifecycle": drain / count, "page_size": page}
+            again = self.bench_module.Bench(n=count, sync="full")
+            again._backlog(store)
+            runner, _ = wal_frames(path, checkpoint, lambda: again.run_backlog(store, 1))
+            drained = len(store.list(status="succeeded", limit=2 * count + 1)[0])
+        if drained != 2 * count:
+            raise RuntimeError(f"the store's frame count drained {drained} tasks, not {2 * count}")
+        return {"create": create / count, "lifecycle": drain / count, "runner_1": runner / count,
+                "page_size": page}
 
     # huey ------------------------------------------------------------------------
 
@@ -580,6 +599,16 @@ def _median(values):
         (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
 
 
+def _meets(value, target, limit):
+    """One run's verdict: *value* reaches *target*, or 0.95x *limit* where *target* lies beyond it.
+
+    *limit* is the physical limit's figure in the same terms (raw sqlite3
+    or raw psycopg in the same run): a target the limit itself does not
+    reach cannot be asked of the store, and becomes 0.95x the limit.
+    """
+    return value >= target or (target > limit and value >= 0.95 * limit)
+
+
 def _summarise(name, runs, target):
     """Medians and per-run ratios of ``runs``, a list of (store, peer, raw) results.
 
@@ -590,9 +619,7 @@ def _summarise(name, runs, target):
     limits = [r["rate"] / p["rate"] for _, p, r in runs]
     met = None
     if target is not None:
-        met = all(s["rate"] >= target * p["rate"] or
-                  (target * p["rate"] > r["rate"] and s["rate"] >= 0.95 * r["rate"])
-                  for s, p, r in runs)
+        met = all(_meets(ratio, target, limit) for ratio, limit in zip(ratios, limits))
     return {"taskstore_per_s": round(_median([s["rate"] for s, _, _ in runs]), 1),
             "peer_per_s": round(_median([p["rate"] for _, p, _ in runs]), 1),
             "raw_per_s": round(_median([r["rate"] for _, _, r in runs]), 1),
@@ -605,6 +632,25 @@ def _summarise(name, runs, target):
             "target": target, "target_beyond_limit": None if target is None else
             any(target * p["rate"] > r["rate"] for _, p, r in runs),
             "met": met}
+
+
+def _scaling(ones, fours):
+    """The runner's scaling, runner_4 over runner_1 run by run, for each side, and its verdict.
+
+    *ones* and *fours* are the two workloads' (store, peer, raw) results,
+    run by run.  Raw sqlite3's own ratio in a run is the physical limit
+    (its 4 threads and its 1 on the same rows, on this machine's cores and
+    disk): where ``RUNNER_SCALING_TARGET`` lies beyond it, the target is
+    0.95x raw's ratio in that run (``_meets``).
+    """
+    ratios = [[four[i]["rate"] / one[i]["rate"] for one, four in zip(ones, fours)]
+              for i in range(3)]
+    target = RUNNER_SCALING_TARGET
+    return {"taskstore": [round(x, 3) for x in ratios[0]],
+            "huey": [round(x, 3) for x in ratios[1]],
+            "raw": [round(x, 3) for x in ratios[2]], "target": target,
+            "target_beyond_limit": any(target > limit for limit in ratios[2]),
+            "met": all(_meets(x, target, limit) for x, limit in zip(ratios[0], ratios[2]))}
 
 
 def _log(text):
@@ -635,13 +681,7 @@ def measure(n, runs, pg_n, skip_postgres, only=None):
         report["workloads"][name] = dict(side="sqlite", peer="huey",
                                          **_summarise(name, pairs, TARGETS[name][1]))
     if "runner_1" in raw and "runner_4" in raw:
-        scaling = [four[0]["rate"] / one[0]["rate"] for one, four in zip(raw["runner_1"],
-                                                                         raw["runner_4"])]
-        peer_scaling = [four[1]["rate"] / one[1]["rate"] for one, four in zip(raw["runner_1"],
-                                                                              raw["runner_4"])]
-        report["runner_scaling"] = {
-            "taskstore": [round(x, 3) for x in scaling], "huey": [round(x, 3) for x in peer_scaling],
-            "target": RUNNER_SCALING_TARGET, "met": all(x >= RUNNER_SCALING_TARGET for x in scaling)}
+        report["runner_scaling"] = _scaling(raw["runner_1"], raw["runner_4"])
     if not only or {"create", "lifecycle"} & set(only):
         count = min(n, FRAME_TASKS)
         report["wal_frames_per_task"] = {"tasks": count, "taskstore": sqlite.store_frames(count),
@@ -676,13 +716,21 @@ def measure(n, runs, pg_n, skip_postgres, only=None):
 
 # -- the table ---------------------------------------------------------------------
 
+def _target_text(target, beyond):
+    return f">= {target:.1f}x" + (" or 0.95 raw" if beyond else "")
+
+
 def table_rows(report):
-    """The rows of the printed table: one a workload, and the runner's scaling."""
+    """The rows of the printed table: one a workload, and the runner's scaling.
+
+    The scaling row's RATIO is the store's runner_4 over its runner_1, its
+    LIMIT raw sqlite3's 4 threads over its 1 thread in the same runs.
+    """
     rows = []
     for name, w in report["workloads"].items():
         target = "-"
         if w["target"] is not None:
-            target = f">= {w['target']:.1f}x" + (" or 0.95 raw" if w["target_beyond_limit"] else "")
+            target = _target_text(w["target"], w["target_beyond_limit"])
         met = {None: "-", True: "yes", False: "NO"}[w["met"]]
         rows.append((name, w["peer"], f"{w['taskstore_per_s']:,.0f}", f"{w['peer_per_s']:,.0f}",
                      f"{w['raw_per_s']:,.0f}", f"{w['ratio']:.2f}x",
@@ -692,8 +740,9 @@ def table_rows(report):
     if scaling:
         s = scaling["taskstore"]
         rows.append(("runner_4/runner_1", "-", "", "", "", f"{_median(s):.2f}x",
-                     " ".join(f"{r:.2f}" for r in s), "", "", "",
-                     f">= {scaling['target']:.1f}x", "yes" if scaling["met"] else "NO"))
+                     " ".join(f"{r:.2f}" for r in s), f"{_median(scaling['raw']):.2f}x", "", "",
+                     _target_text(scaling["target"], scaling["target_beyond_limit"]),
+                     "yes" if scaling["met"] else "NO"))
     return rows
 
 
@@ -709,8 +758,8 @@ def print_report(report):
     print(f"n={report['n']}" + (f" (PostgreSQL n={report['pg_n']})" if "pg_n" in report else "")
           + f", {report['runs']} runs alternating; medians; RATIO = taskstore/peer (RUNS: each "
           "run's); LIMIT = raw/peer (raw sqlite3 or psycopg, the same rows at the same "
-          "concurrency); MET = every run meets the target, or 0.95x raw where the target is "
-          "beyond the limit")
+          "concurrency; for runner_4/runner_1, raw's own 4-thread/1-thread ratio); MET = every "
+          "run meets the target, or 0.95x the limit where the target is beyond it")
     rows = table_rows(report)
     headers = ("WORKLOAD", "PEER", "TASKSTORE/S", "PEER/S", "RAW/S", "RATIO", "RUNS",
                "LIMIT", "TS CPU US", "PEER CPU US", "TARGET", "MET")
@@ -723,8 +772,8 @@ def print_report(report):
             f = frames[side]
             page = f["page_size"]
             print(f"WAL frames per task ({side}, {page}-byte pages, {frames['tasks']} tasks): "
-                  f"create {f['create']:.2f} ({f['create'] * (page + 24) / 1024:.1f} KiB), "
-                  f"lifecycle {f['lifecycle']:.2f} ({f['lifecycle'] * (page + 24) / 1024:.1f} KiB)")
+                  + ", ".join(f"{name} {f[name]:.2f} ({f[name] * (page + 24) / 1024:.1f} KiB)"
+                              for name in ("create", "lifecycle", "runner_1") if name in f))
 
 
 # -- the command line ----------------------------------------------------------------
