@@ -48,6 +48,8 @@ from taskstore import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, TaskStore, 
 DEAD_OWNER = "proc_bench_dead"
 FILL_BATCH = 1000          # tasks per create_many while filling (its docstring's advice)
 FILL_THREADS = 4           # callers moving the filled tasks on: group commit serves them together
+# The bare worker loop's next claim, made by each finish (``claim_next``), as a Runner's.
+BARE_CLAIM = {"kinds": ("bench",), "owner": "proc_bench"}
 
 
 def _raw_connect(path, sync):
@@ -241,17 +243,16 @@ class Bench:
             store.remove_listener(listener)
 
     def bare_drain(self, store):
-        """The store's bare loop over a backlog, in this thread: claim, succeed, until none is left.
+        """The store's bare loop over a backlog, in this thread, until none is left.
 
-        What ``Runner(workers=1)`` does for each task, without the runner:
-        ``claim`` (which takes the task to ``running``) and ``succeed``
-        with the same small result.
+        What a ``Runner`` worker does for each task, without the runner: a
+        first ``claim`` (which takes the task to ``running``), then each
+        ``succeed``, with the same small result, claims the next task in
+        its own transaction (``claim_next``): one commit a task.
         """
-        while True:
-            task = store.claim(("bench",), owner="proc_bench")
-            if task is None:
-                return
-            store.succeed(task.id, {"ok": True})
+        task = store.claim(("bench",), owner="proc_bench")
+        while task is not None:
+            _, task = store.succeed(task.id, {"ok": True}, claim_next=BARE_CLAIM)
 
     def _runner(self, workers):
         """Workload: a Runner of *workers* draining n queued tasks vs the raw lifecycle loop.
@@ -294,14 +295,8 @@ class Bench:
         return self._runner(4)
 
     def drain_concurrently(self, store, threads):
-        """*threads* threads each loop claim -> succeed until the queue is empty."""
-        def work():
-            while True:
-                task = store.claim(("bench",), owner="proc_bench")
-                if task is None:
-                    return
-                store.succeed(task.id, {"ok": True})
-        pool = [threading.Thread(target=work) for _ in range(threads)]
+        """*threads* threads each run ``bare_drain``'s loop until the queue is empty."""
+        pool = [threading.Thread(target=self.bare_drain, args=(store,)) for _ in range(threads)]
         for t in pool:
             t.start()
         for t in pool:

@@ -226,10 +226,9 @@ class SqliteSide:
         bench/bench.py's baseline table (a row a task and one index on
         status and kind): create is one INSERT a transaction; the drains
         are a claim (one UPDATE ... RETURNING of the oldest queued row) and
-        a finish (one guarded UPDATE), each its own transaction, by as many
-        threads as the store's workers, each with its own connection; in
-        ``runner_1`` and ``runner_4`` a thread's finish and its next claim
-        share one transaction, as the store's runner's do.  The
+        a finish (one guarded UPDATE), by as many threads as the store's
+        workers, each with its own connection; a thread's finish and its
+        next claim share one transaction, as the store's workers' do.  The
         threads take turns at a lock for each transaction, as huey's do:
         SQLite has one writer at a time, and its busy handler, which would
         otherwise sort them out, sleeps (up to 100 ms a try) where a lock
@@ -253,16 +252,15 @@ class SqliteSide:
                 conn.execute("COMMIT")
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
                 done, lock = [], threading.Lock()
-                # The runner's workers finish a task and claim the next in one
-                # transaction (the store's claim_next): so do the raw ones.
-                together = workload.startswith("runner_")
+                # The store's workers, bare or a runner's, finish a task and
+                # claim the next in one transaction (claim_next): so do the raw ones.
 
                 def drain(c):
                     count, row = 0, None
                     while True:
                         with lock:
                             c.execute("BEGIN IMMEDIATE")
-                            if row is not None and together:
+                            if row is not None:
                                 c.execute(self._RAW_FINISH, ('{"ok":true}', row[0]))
                                 count += 1
                             row = c.execute(self._RAW_CLAIM).fetchone()
@@ -270,12 +268,6 @@ class SqliteSide:
                         if row is None:
                             done.append(count)
                             return
-                        if not together:
-                            with lock:
-                                c.execute("BEGIN IMMEDIATE")
-                                c.execute(self._RAW_FINISH, ('{"ok":true}', row[0]))
-                                c.execute("COMMIT")
-                            count += 1
                 with _Timed(self.n) as t:
                     pool = [threading.Thread(target=drain, args=(c,)) for c in conns]
                     for thread in pool:
