@@ -2913,6 +2913,63 @@ class PgGroupCommitTests(PostgresStoreMixin, GroupCommitTests):
         "test_a_mixed_batch_commits_together_and_a_failing_member_fails_alone": _TRACES,
     }
 
+    def sent(self):
+        """The statements the store's connection sends from now on, as a list that grows."""
+        conn, sent = self.store._engine.conn, []
+        execute, command = conn.raw.execute, conn._command
+
+        def raw_execute(sql, params=None, **options):
+            sent.append(sql)
+            return execute(sql, params, **options)
+        conn.raw.execute = raw_execute
+        conn._command = lambda text: sent.append(text.decode()) or command(text)
+        return sent
+
+    def test_a_lone_create_is_one_statement_its_own_transaction(self):
+        sent = self.sent()
+        task = self.store.create("k", {"n": 1}, priority=3)
+        self.assertEqual(sent, [taskstore._PG_INSERT_CREATES])      # no BEGIN, no COMMIT
+        other = taskstore.TaskStore(self.path)          # committed: another connection reads it
+        self.addCleanup(other.close)
+        self.assertEqual(other.get(task.id), task)
+        self.assertEqual([(e.seq, e.type, e.data) for e in other.events(task.id)],
+                         [(0, "created", {"kind": "k", "priority": 3})])
+
+    def test_a_batchs_creates_go_out_together_before_its_next_statement(self):
+        existing = self.store.create("k")
+        batch = [taskstore._GroupOp(body) for body in (
+            lambda: taskstore._insert_tasks_locked(self.store, [self.spec("a", 1)])[0],
+            lambda: taskstore._insert_tasks_locked(self.store, [self.spec("b", 2)])[0],
+            lambda: taskstore._transition_locked(self.store, existing.id, taskstore.START, 0),
+            lambda: taskstore._insert_tasks_locked(self.store, [self.spec("c", 3)])[0])]
+        sent = self.sent()
+        self.store._engine._group._run_batch(batch)
+        insert = taskstore._PG_INSERT_CREATES
+        self.assertEqual([sql if sql == insert else sql.split()[0] for sql in sent],
+                         ["BEGIN", insert, "SELECT", "WITH", insert, "COMMIT"])
+        a, b, moved, c = (op.result for op in batch)
+        self.assertEqual(self.store.get(existing.id).status, RUNNING)
+        for task in (a, b, c):
+            self.assertEqual(self.store.get(task.id), task)
+            self.assertEqual([(e.seq, e.type) for e in self.store.events(task.id)],
+                             [(0, "created")])
+
+    def test_creates_held_by_a_batch_that_fails_are_never_sent(self):
+        def wrote_then_failed():
+            taskstore._insert_tasks_locked(self.store, [self.spec("b")])
+            raise taskstore.InvalidParams("after a write")
+        batch = [taskstore._GroupOp(body) for body in (
+            lambda: taskstore._insert_tasks_locked(self.store, [self.spec("a")])[0],
+            wrote_then_failed)]
+        sent = self.sent()
+        self.store._engine._group._run_batch(batch)
+        self.assertEqual(sent, [])                  # nothing began: nothing to roll back
+        for op in batch:
+            self.assertIsInstance(op.error, taskstore.InvalidParams)
+        self.assertEqual(self.store.list()[0], [])
+        task = self.store.create("c")              # the connection is as good as before
+        self.assertEqual([t.id for t in self.store.list()[0]], [task.id])
+
 
 class PgBatchCreateTests(PostgresStoreMixin, BatchCreateTests):
     __doc__ = BatchCreateTests.__doc__
