@@ -16344,6 +16344,13 @@ class PeersBenchTests(unittest.TestCase):
         for name in ("huey", "procrastinate", "psycopg"):
             self.assertNotIn(name, vars(peers), name)
 
+    def test_the_postgresql_side_installs_the_stores_own_extra_with_psycopgs_binary(self):
+        # What "pip install taskstore[postgres]" gives a user, not the pure-Python
+        # psycopg that procrastinate alone brings: both sides run on it.
+        peers = load_bench_file("peers")
+        extra = peers.store_postgres_extra()
+        self.assertTrue(any(r.startswith("psycopg[binary]") for r in extra), extra)
+
     def test_a_target_is_met_in_every_run_or_at_095_of_a_limit_it_lies_beyond(self):
         peers = load_bench_file("peers")
 

@@ -9,8 +9,9 @@ Run it from the repository root::
 
 The script makes a throwaway virtual environment (``python -m venv`` in a
 temporary directory, removed afterwards; ``--venv DIR`` keeps one to reuse),
-installs the pinned peers into it with pip (``PEERS``), and runs the
-measurements inside it, in one process for the store and the peers alike
+installs the pinned peers into it with pip (``PEERS``; with PostgreSQL also
+the store's own ``postgres`` extra, psycopg's binary implementation, which
+procrastinate then uses too), and runs the measurements inside it, in one process for the store and the peers alike
 (the store is this checkout's taskstore.py).  A registry that cannot be
 reached or an install that fails stops the run with an error: nothing is
 skipped silently.
@@ -55,6 +56,23 @@ import taskstore                                        # noqa: E402
 HUEY = "huey==3.5.4"
 PROCRASTINATE = "procrastinate==3.10.0"
 PEERS = (HUEY, PROCRASTINATE)
+
+
+def store_postgres_extra():
+    """The store's own PostgreSQL requirements: pyproject.toml's ``postgres`` extra.
+
+    What a user of the PostgreSQL engine installs (``pip install
+    "taskstore[postgres]"``: psycopg with its binary implementation), so it
+    goes into the environment beside procrastinate, which then uses the same
+    psycopg.  Without it the environment held only what procrastinate
+    requires, psycopg's pure-Python implementation, whose cost per statement
+    fell on both sides, most on the side that sends the most statements.
+    """
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("postgres = ["):
+                return json.loads(line.split("=", 1)[1])        # a TOML list of strings
+    raise SetupError("pyproject.toml has no postgres extra")
 
 PAYLOAD_RESULT = {"ok": True}   # what every handler returns, at once
 FRAME_TASKS = 1000              # tasks of the WAL-frame count (at most n)
@@ -655,6 +673,7 @@ def measure(n, runs, pg_n, skip_postgres, only=None):
                 report["pg_settings"] = side.settings
                 report["pg_n"] = pg_n
                 report["procrastinate"] = version("procrastinate")
+                report["psycopg"] = f"{side.pg.psycopg.__version__} ({side.pg.psycopg.pq.__impl__})"
                 for name in ("enqueue_1", "enqueue_8", "workers_4"):
                     if only and name not in only:
                         continue
@@ -704,8 +723,8 @@ def print_report(report):
     print(f"taskstore against its peers: {report['date']}, {report['cpus']} CPUs, load {load}; "
           f"Python {report['python']}, SQLite {report['sqlite']} (synchronous=FULL both), "
           f"huey {report['huey']}"
-          + (f"; PostgreSQL {report['postgresql']}, procrastinate {report['procrastinate']}"
-             if "postgresql" in report else ""))
+          + (f"; PostgreSQL {report['postgresql']}, procrastinate {report['procrastinate']}, "
+             f"psycopg {report.get('psycopg', '?')}" if "postgresql" in report else ""))
     print(f"n={report['n']}" + (f" (PostgreSQL n={report['pg_n']})" if "pg_n" in report else "")
           + f", {report['runs']} runs alternating; medians; RATIO = taskstore/peer (RUNS: each "
           "run's); LIMIT = raw/peer (raw sqlite3 or psycopg, the same rows at the same "
@@ -784,7 +803,7 @@ def main(argv=None):
             print(f"bench/peers.py: cannot start a PostgreSQL server: {pg_reason} "
                   f"(--skip-postgres runs the SQLite side only)", file=sys.stderr)
             return 2
-    packages = [HUEY] if args.skip_postgres else list(PEERS)
+    packages = [HUEY] if args.skip_postgres else [*PEERS, *store_postgres_extra()]
     base = None if args.venv else tempfile.mkdtemp(prefix="taskstore-peers-venv-")
     try:
         venv = args.venv or os.path.join(base, "venv")
