@@ -2954,6 +2954,21 @@ class PgGroupCommitTests(PostgresStoreMixin, GroupCommitTests):
             self.assertEqual([(e.seq, e.type) for e in self.store.events(task.id)],
                              [(0, "created")])
 
+    def test_held_creates_failing_at_the_commit_end_their_transaction(self):
+        # Sent at the commit inside an open transaction, a failing insert (here a
+        # duplicate id) must not leave that transaction open for the next write.
+        existing = self.store.create("k")
+        engine = self.store._engine
+
+        def body():
+            engine.read_task(existing.id)         # BEGIN and a statement go out
+            engine.insert_tasks([(existing.id, "k", "queued", "null", None, None, "fail", None,
+                                  None, 1, 1, None, None)], [(existing.id, "{}", 1)])
+        with self.assertRaises(StoreUnavailable):
+            engine.write(body)
+        self.assertEqual(self.store.cancel(existing.id).status, CANCELLED)
+        self.assertEqual(self.store.get(self.store.create("j").id).kind, "j")
+
     def test_creates_held_by_a_batch_that_fails_are_never_sent(self):
         def wrote_then_failed():
             taskstore._insert_tasks_locked(self.store, [self.spec("b")])
