@@ -16394,6 +16394,21 @@ class PeersBenchTests(unittest.TestCase):
         self.assertEqual((rows[1][0], rows[1][5], rows[1][6], rows[1][-1]),
                          ("runner_4/runner_1", "2.20x", "2.50 1.90 2.20", "NO"))
 
+    def test_postgresql_runs_report_the_servers_cpu_per_task_of_each_side(self):
+        peers = load_bench_file("peers")
+
+        def run(store, peer, raw):
+            return tuple({"rate": 100.0, "cpu_us": 1.0, "server_cpu_us": us}
+                         for us in (store, peer, raw))
+        summary = peers._summarise("enqueue_8", [run(20, 60, 40), run(30, 50, 45),
+                                                 run(25, 70, 50)], 2.0)
+        self.assertEqual((summary["taskstore_server_cpu_us"], summary["peer_server_cpu_us"],
+                          summary["raw_server_cpu_us"]), (25, 60, 45))
+        self.assertNotIn("taskstore_server_cpu_us", peers._summarise(
+            "create", [({"rate": 1, "cpu_us": 1},) * 3], 1.0))
+        if sys.platform.startswith("linux"):            # the server's processes, from /proc
+            self.assertEqual(peers._parent_pid(os.getpid()), os.getppid())
+
     def test_wal_frames_counts_every_commit_even_past_automatic_checkpoints(self):
         # One row a transaction into a one-page table: one frame a commit.
         # The automatic checkpoint after every page would restart the WAL

@@ -29,7 +29,10 @@ the store's rows at the same concurrency.  The sides alternate run by run
 table shows their medians, the ratio of each run, the limit's ratio to the
 peer, and the issue's target, met when every run meets it (or, in a run where
 the target lies beyond the limit, reaches 0.95x the limit).  docs/performance.md
-("Against the peers") describes each workload on each side.
+("Against the peers") describes each workload on each side.  On PostgreSQL
+a line a workload adds the server's CPU per task on each side (all the
+throwaway server's processes, read from ``/proc`` on Linux, connecting
+included): the other half of the work the client's CPU column leaves out.
 """
 
 import argparse
@@ -447,6 +450,21 @@ def _pg_bench_class(pg):
     return PeersPg
 
 
+def _proc_stat(pid):
+    """The fields of ``/proc/<pid>/stat`` after the command's name (state first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _parent_pid(pid):
+    """The parent of process *pid* (a backend's: the postmaster), or None without ``/proc``."""
+    fields = _proc_stat(pid)
+    return None if fields is None else int(fields[1])
+
+
 class PostgresSide:
     """The PostgreSQL workloads: the store's PostgreSQL engine against procrastinate.
 
@@ -462,9 +480,32 @@ class PostgresSide:
         self.bench = _pg_bench_class(self.pg)(url, n)
         self.server_version = self.bench.server_version
         self.settings = self.bench.settings
+        backend = self.bench.admin.execute("SELECT pg_backend_pid()").fetchone()[0]
+        self.postmaster = _parent_pid(backend)
 
     def close(self):
         self.bench.close()
+
+    def server_cpu_s(self):
+        """CPU seconds the throwaway server's processes have used so far, or None off Linux.
+
+        The postmaster and its children (the backends of every side, the WAL
+        writer, the checkpointer...), from ``/proc``; the postmaster's
+        ``cutime``/``cstime`` hold the backends that have exited (a
+        connection closed), so a difference over a timed part counts all the
+        server did meanwhile, connecting the worker processes included.
+        """
+        if self.postmaster is None:
+            return None
+        tick, total = os.sysconf("SC_CLK_TCK"), 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            fields = _proc_stat(pid)
+            if fields is None or self.postmaster not in (int(pid), int(fields[1])):
+                continue
+            total += sum(int(f) for f in fields[11:15])     # utime stime cutime cstime
+        return total / tick
 
     def run(self, workload, reverse):
         """One run of *workload* on the three sides; ``(store, peer, raw)`` results.
@@ -495,7 +536,11 @@ class PostgresSide:
                     out = {}
                     for name, fn in sides:
                         self.bench._quiet()
+                        server = self.server_cpu_s()
                         out[name] = fn()
+                        if server is not None:
+                            out[name]["server_cpu_us"] = \
+                                (self.server_cpu_s() - server) * 1e6 / self.n
             finally:
                 app.close()
         return out["store"], out["peer"], out["raw"]
@@ -620,6 +665,9 @@ def _summarise(name, runs, target):
             "taskstore_cpu_us": round(_median([s["cpu_us"] for s, _, _ in runs]), 1),
             "peer_cpu_us": round(_median([p["cpu_us"] for _, p, _ in runs]), 1),
             "raw_cpu_us": round(_median([r["cpu_us"] for _, _, r in runs]), 1),
+            **{f"{side}_server_cpu_us": round(_median([run[k]["server_cpu_us"] for run in runs]), 1)
+               for k, side in enumerate(("taskstore", "peer", "raw"))
+               if all("server_cpu_us" in run[k] for run in runs)},
             "target": target, "target_beyond_limit": None if target is None else
             any(target * p["rate"] > r["rate"] for _, p, r in runs),
             "met": met}
@@ -736,6 +784,11 @@ def print_report(report):
     widths = [max(len(h), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
     for row in [headers, *rows]:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
+    for name, w in report["workloads"].items():
+        if "taskstore_server_cpu_us" in w:
+            print(f"PostgreSQL server CPU per task ({name}, all its processes, medians): "
+                  f"taskstore {w['taskstore_server_cpu_us']:,.0f} us, {w['peer']} "
+                  f"{w['peer_server_cpu_us']:,.0f} us, raw psycopg {w['raw_server_cpu_us']:,.0f} us")
     frames = report.get("wal_frames_per_task")
     if frames:
         for side in ("taskstore", "huey"):
