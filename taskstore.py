@@ -10804,6 +10804,13 @@ def make_backend(name, *, demo_delay=DEFAULT_DEMO_DELAY_S, url=DEFAULT_BACKEND_U
 #   reusing an event seq; claims and retention batches skip rows another
 #   process holds (``SKIP LOCKED``); an idempotency key is decided under a
 #   transaction-scoped advisory lock; every write notes what it changed.
+# - A write transaction sends nothing before it has a statement to run:
+#   ``BEGIN`` goes out just before its first statement, and its creates are
+#   held and sent as one statement (every row and its ``created`` event),
+#   before its next statement or at the commit.  A transaction of creates
+#   alone (a create, a group commit's batch of them) is that one statement,
+#   a transaction of its own on the autocommit connection: one round trip,
+#   committed as durably as any (``_PgConnection``).
 # - Deadlocks: while it holds a key's lock a create waits for no row (a
 #   replay reads its task after the write).  Rows locked in opposite orders
 #   by two processes' batches cannot be ruled out (the group commit batches
