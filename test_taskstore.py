@@ -3100,6 +3100,78 @@ class PgGroupCommitTests(PostgresStoreMixin, GroupCommitTests):
         "test_a_mixed_batch_commits_together_and_a_failing_member_fails_alone": _TRACES,
     }
 
+    def sent(self):
+        """The statements the store's connection sends from now on, as a list that grows."""
+        conn, sent = self.store._engine.conn, []
+        execute, command = conn.raw.execute, conn._command
+
+        def raw_execute(sql, params=None, **options):
+            sent.append(sql)
+            return execute(sql, params, **options)
+        conn.raw.execute = raw_execute
+        conn._command = lambda text: sent.append(text.decode()) or command(text)
+        return sent
+
+    def test_a_lone_create_is_one_statement_its_own_transaction(self):
+        sent = self.sent()
+        task = self.store.create("k", {"n": 1}, priority=3)
+        self.assertEqual(sent, [taskstore._PG_INSERT_CREATE])       # no BEGIN, no COMMIT
+        other = taskstore.TaskStore(self.path)          # committed: another connection reads it
+        self.addCleanup(other.close)
+        self.assertEqual(other.get(task.id), task)
+        self.assertEqual([(e.seq, e.type, e.data) for e in other.events(task.id)],
+                         [(0, "created", {"kind": "k", "priority": 3})])
+
+    def test_a_batchs_creates_go_out_together_before_its_next_statement(self):
+        existing = self.store.create("k")
+        batch = [taskstore._GroupOp(body) for body in (
+            lambda: taskstore._insert_tasks_locked(self.store, [self.spec("a", 1)])[0],
+            lambda: taskstore._insert_tasks_locked(self.store, [self.spec("b", 2)])[0],
+            lambda: taskstore._transition_locked(self.store, existing.id, taskstore.START, 0),
+            lambda: taskstore._insert_tasks_locked(self.store, [self.spec("c", 3)])[0])]
+        sent = self.sent()
+        self.store._engine._group._run_batch(batch)
+        inserts = {taskstore._PG_INSERT_CREATES: "rows", taskstore._PG_INSERT_CREATE: "row"}
+        self.assertEqual([inserts.get(sql) or sql.split()[0] for sql in sent],
+                         ["BEGIN", "rows", "SELECT", "WITH", "row", "COMMIT"])
+        a, b, moved, c = (op.result for op in batch)
+        self.assertEqual(self.store.get(existing.id).status, RUNNING)
+        for task in (a, b, c):
+            self.assertEqual(self.store.get(task.id), task)
+            self.assertEqual([(e.seq, e.type) for e in self.store.events(task.id)],
+                             [(0, "created")])
+
+    def test_held_creates_failing_at_the_commit_end_their_transaction(self):
+        # Sent at the commit inside an open transaction, a failing insert (here a
+        # duplicate id) must not leave that transaction open for the next write.
+        existing = self.store.create("k")
+        engine = self.store._engine
+
+        def body():
+            engine.read_task(existing.id)         # BEGIN and a statement go out
+            engine.insert_tasks([(existing.id, "k", "queued", "null", None, None, "fail", None,
+                                  None, 1, 1, None, None)], [(existing.id, "{}", 1)])
+        with self.assertRaises(StoreUnavailable):
+            engine.write(body)
+        self.assertEqual(self.store.cancel(existing.id).status, CANCELLED)
+        self.assertEqual(self.store.get(self.store.create("j").id).kind, "j")
+
+    def test_creates_held_by_a_batch_that_fails_are_never_sent(self):
+        def wrote_then_failed():
+            taskstore._insert_tasks_locked(self.store, [self.spec("b")])
+            raise taskstore.InvalidParams("after a write")
+        batch = [taskstore._GroupOp(body) for body in (
+            lambda: taskstore._insert_tasks_locked(self.store, [self.spec("a")])[0],
+            wrote_then_failed)]
+        sent = self.sent()
+        self.store._engine._group._run_batch(batch)
+        self.assertEqual(sent, [])                  # nothing began: nothing to roll back
+        for op in batch:
+            self.assertIsInstance(op.error, taskstore.InvalidParams)
+        self.assertEqual(self.store.list()[0], [])
+        task = self.store.create("c")              # the connection is as good as before
+        self.assertEqual([t.id for t in self.store.list()[0]], [task.id])
+
 
 class PgBatchCreateTests(PostgresStoreMixin, BatchCreateTests):
     __doc__ = BatchCreateTests.__doc__
@@ -16474,6 +16546,13 @@ class PeersBenchTests(unittest.TestCase):
         for name in ("huey", "procrastinate", "psycopg"):
             self.assertNotIn(name, vars(peers), name)
 
+    def test_the_postgresql_side_installs_the_stores_own_extra_with_psycopgs_binary(self):
+        # What "pip install taskstore[postgres]" gives a user, not the pure-Python
+        # psycopg that procrastinate alone brings: both sides run on it.
+        peers = load_bench_file("peers")
+        extra = peers.store_postgres_extra()
+        self.assertTrue(any(r.startswith("psycopg[binary]") for r in extra), extra)
+
     def test_a_target_is_met_in_every_run_or_at_095_of_a_limit_it_lies_beyond(self):
         peers = load_bench_file("peers")
 
@@ -16528,6 +16607,21 @@ class PeersBenchTests(unittest.TestCase):
         self.assertEqual((row[0], row[5], row[6], row[7], row[-2:]),
                          ("runner_4/runner_1", "1.44x", "0.77 2.10", "1.65x",
                           (">= 2.0x or 0.95 raw", "yes")))
+
+    def test_postgresql_runs_report_the_servers_cpu_per_task_of_each_side(self):
+        peers = load_bench_file("peers")
+
+        def run(store, peer, raw):
+            return tuple({"rate": 100.0, "cpu_us": 1.0, "server_cpu_us": us}
+                         for us in (store, peer, raw))
+        summary = peers._summarise("enqueue_8", [run(20, 60, 40), run(30, 50, 45),
+                                                 run(25, 70, 50)], 2.0)
+        self.assertEqual((summary["taskstore_server_cpu_us"], summary["peer_server_cpu_us"],
+                          summary["raw_server_cpu_us"]), (25, 60, 45))
+        self.assertNotIn("taskstore_server_cpu_us", peers._summarise(
+            "create", [({"rate": 1, "cpu_us": 1},) * 3], 1.0))
+        if sys.platform.startswith("linux"):            # the server's processes, from /proc
+            self.assertEqual(peers._parent_pid(os.getpid()), os.getppid())
 
     def test_wal_frames_counts_every_commit_even_past_automatic_checkpoints(self):
         # One row a transaction into a one-page table: one frame a commit.

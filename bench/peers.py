@@ -9,8 +9,9 @@ Run it from the repository root::
 
 The script makes a throwaway virtual environment (``python -m venv`` in a
 temporary directory, removed afterwards; ``--venv DIR`` keeps one to reuse),
-installs the pinned peers into it with pip (``PEERS``), and runs the
-measurements inside it, in one process for the store and the peers alike
+installs the pinned peers into it with pip (``PEERS``; with PostgreSQL also
+the store's own ``postgres`` extra, psycopg's binary implementation, which
+procrastinate then uses too), and runs the measurements inside it, in one process for the store and the peers alike
 (the store is this checkout's taskstore.py).  A registry that cannot be
 reached or an install that fails stops the run with an error: nothing is
 skipped silently.
@@ -31,7 +32,10 @@ the target lies beyond the limit, reaches 0.95x the limit).  The row
 ``runner_4/runner_1`` is the store's runner scaling, its 4 workers' rate over
 its 1 worker's: its limit is raw sqlite3's own 4-thread over 1-thread ratio in
 the same runs, under the same rule.  docs/performance.md ("Against the
-peers") describes each workload on each side.
+peers") describes each workload on each side.  On PostgreSQL a line a
+workload adds the server's CPU per task on each side (all the throwaway
+server's processes, read from ``/proc`` on Linux, connecting included): the
+other half of the work the client's CPU column leaves out.
 """
 
 import argparse
@@ -58,6 +62,23 @@ import taskstore                                        # noqa: E402
 HUEY = "huey==3.5.4"
 PROCRASTINATE = "procrastinate==3.10.0"
 PEERS = (HUEY, PROCRASTINATE)
+
+
+def store_postgres_extra():
+    """The store's own PostgreSQL requirements: pyproject.toml's ``postgres`` extra.
+
+    What a user of the PostgreSQL engine installs (``pip install
+    "taskstore[postgres]"``: psycopg with its binary implementation), so it
+    goes into the environment beside procrastinate, which then uses the same
+    psycopg.  Without it the environment held only what procrastinate
+    requires, psycopg's pure-Python implementation, whose cost per statement
+    fell on both sides, most on the side that sends the most statements.
+    """
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("postgres = ["):
+                return json.loads(line.split("=", 1)[1])        # a TOML list of strings
+    raise SetupError("pyproject.toml has no postgres extra")
 
 PAYLOAD_RESULT = {"ok": True}   # what every handler returns, at once
 FRAME_TASKS = 1000              # tasks of the WAL-frame count (at most n)
@@ -440,6 +461,21 @@ def _pg_bench_class(pg):
     return PeersPg
 
 
+def _proc_stat(pid):
+    """The fields of ``/proc/<pid>/stat`` after the command's name (state first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _parent_pid(pid):
+    """The parent of process *pid* (a backend's: the postmaster), or None without ``/proc``."""
+    fields = _proc_stat(pid)
+    return None if fields is None else int(fields[1])
+
+
 class PostgresSide:
     """The PostgreSQL workloads: the store's PostgreSQL engine against procrastinate.
 
@@ -455,9 +491,32 @@ class PostgresSide:
         self.bench = _pg_bench_class(self.pg)(url, n)
         self.server_version = self.bench.server_version
         self.settings = self.bench.settings
+        backend = self.bench.admin.execute("SELECT pg_backend_pid()").fetchone()[0]
+        self.postmaster = _parent_pid(backend)
 
     def close(self):
         self.bench.close()
+
+    def server_cpu_s(self):
+        """CPU seconds the throwaway server's processes have used so far, or None off Linux.
+
+        The postmaster and its children (the backends of every side, the WAL
+        writer, the checkpointer...), from ``/proc``; the postmaster's
+        ``cutime``/``cstime`` hold the backends that have exited (a
+        connection closed), so a difference over a timed part counts all the
+        server did meanwhile, connecting the worker processes included.
+        """
+        if self.postmaster is None:
+            return None
+        tick, total = os.sysconf("SC_CLK_TCK"), 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            fields = _proc_stat(pid)
+            if fields is None or self.postmaster not in (int(pid), int(fields[1])):
+                continue
+            total += sum(int(f) for f in fields[11:15])     # utime stime cutime cstime
+        return total / tick
 
     def run(self, workload, reverse):
         """One run of *workload* on the three sides; ``(store, peer, raw)`` results.
@@ -488,7 +547,11 @@ class PostgresSide:
                     out = {}
                     for name, fn in sides:
                         self.bench._quiet()
+                        server = self.server_cpu_s()
                         out[name] = fn()
+                        if server is not None:
+                            out[name]["server_cpu_us"] = \
+                                (self.server_cpu_s() - server) * 1e6 / self.n
             finally:
                 app.close()
         return out["store"], out["peer"], out["raw"]
@@ -621,6 +684,9 @@ def _summarise(name, runs, target):
             "taskstore_cpu_us": round(_median([s["cpu_us"] for s, _, _ in runs]), 1),
             "peer_cpu_us": round(_median([p["cpu_us"] for _, p, _ in runs]), 1),
             "raw_cpu_us": round(_median([r["cpu_us"] for _, _, r in runs]), 1),
+            **{f"{side}_server_cpu_us": round(_median([run[k]["server_cpu_us"] for run in runs]), 1)
+               for k, side in enumerate(("taskstore", "peer", "raw"))
+               if all("server_cpu_us" in run[k] for run in runs)},
             "target": target, "target_beyond_limit": None if target is None else
             any(target * p["rate"] > r["rate"] for _, p, r in runs),
             "met": met}
@@ -687,6 +753,7 @@ def measure(n, runs, pg_n, skip_postgres, only=None):
                 report["pg_settings"] = side.settings
                 report["pg_n"] = pg_n
                 report["procrastinate"] = version("procrastinate")
+                report["psycopg"] = f"{side.pg.psycopg.__version__} ({side.pg.psycopg.pq.__impl__})"
                 for name in ("enqueue_1", "enqueue_8", "workers_4"):
                     if only and name not in only:
                         continue
@@ -745,8 +812,8 @@ def print_report(report):
     print(f"taskstore against its peers: {report['date']}, {report['cpus']} CPUs, load {load}; "
           f"Python {report['python']}, SQLite {report['sqlite']} (synchronous=FULL both), "
           f"huey {report['huey']}"
-          + (f"; PostgreSQL {report['postgresql']}, procrastinate {report['procrastinate']}"
-             if "postgresql" in report else ""))
+          + (f"; PostgreSQL {report['postgresql']}, procrastinate {report['procrastinate']}, "
+             f"psycopg {report.get('psycopg', '?')}" if "postgresql" in report else ""))
     print(f"n={report['n']}" + (f" (PostgreSQL n={report['pg_n']})" if "pg_n" in report else "")
           + f", {report['runs']} runs alternating; medians; RATIO = taskstore/peer (RUNS: each "
           "run's); LIMIT = raw/peer (raw sqlite3 or psycopg, the same rows at the same "
@@ -758,6 +825,11 @@ def print_report(report):
     widths = [max(len(h), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
     for row in [headers, *rows]:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
+    for name, w in report["workloads"].items():
+        if "taskstore_server_cpu_us" in w:
+            print(f"PostgreSQL server CPU per task ({name}, all its processes, medians): "
+                  f"taskstore {w['taskstore_server_cpu_us']:,.0f} us, {w['peer']} "
+                  f"{w['peer_server_cpu_us']:,.0f} us, raw psycopg {w['raw_server_cpu_us']:,.0f} us")
     frames = report.get("wal_frames_per_task")
     if frames:
         for side in ("taskstore", "huey"):
@@ -825,7 +897,7 @@ def main(argv=None):
             print(f"bench/peers.py: cannot start a PostgreSQL server: {pg_reason} "
                   f"(--skip-postgres runs the SQLite side only)", file=sys.stderr)
             return 2
-    packages = [HUEY] if args.skip_postgres else list(PEERS)
+    packages = [HUEY] if args.skip_postgres else [*PEERS, *store_postgres_extra()]
     base = None if args.venv else tempfile.mkdtemp(prefix="taskstore-peers-venv-")
     try:
         venv = args.venv or os.path.join(base, "venv")
