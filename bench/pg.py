@@ -93,6 +93,8 @@ _RAW_CLAIM = ("UPDATE tasks SET status = 'loading', owner = %s, updated_at = %s,
 _RAW_START = ("UPDATE tasks SET status = 'running', updated_at = %s, "
               "last_seq = last_seq + 1, version = version + 1 "
               "WHERE id = %s AND status = 'loading' AND attempt = %s RETURNING last_seq")
+# A worker's claim (a Runner's: no loading phase), straight to running.
+_RAW_CLAIM_RUNNING = _RAW_CLAIM.replace("status = 'loading'", "status = 'running'")
 _RAW_SUCCEED = ("UPDATE tasks SET status = 'succeeded', result = %s, updated_at = %s, "
                 "finished_at = %s, last_seq = last_seq + 1, version = version + 1 "
                 "WHERE id = %s AND status = 'running' AND attempt = %s RETURNING last_seq")
@@ -105,6 +107,7 @@ def _status_event(status, previous):
 _EV_LOADING = _status_event("loading", "queued")
 _EV_RUNNING = _status_event("running", "loading")
 _EV_SUCCEEDED = _status_event("succeeded", "running")
+_EV_CLAIMED_RUNNING = _status_event("running", "queued")
 _RAW_RESULT = json.dumps(RESULT, separators=(",", ":"))
 
 
@@ -174,6 +177,34 @@ def raw_drain(conn, owner, on_success=None):
             on_success()
 
 
+def raw_work(conn, owner, on_success=None):
+    """A worker's loop, as a ``Runner`` worker's: each finish claims the next, one transaction.
+
+    A first claim (straight to ``running``, with its event) commits on
+    its own; then each task's guarded ``UPDATE`` to succeeded and its
+    event, the next claim and its event share one commit.  Returns how
+    many tasks it finished.
+    """
+    def claim(now):
+        row = conn.execute(_RAW_CLAIM_RUNNING, (owner, now, list(KINDS))).fetchone()
+        if row is not None:
+            conn.execute(_RAW_INSERT_EVENT, (row[0], row[2], "status", _EV_CLAIMED_RUNNING, now))
+        return row
+    done, row = 0, claim(_now_ms())
+    conn.commit()
+    while row is not None:
+        task_id, attempt, _ = row
+        now = _now_ms()
+        (seq,) = conn.execute(_RAW_SUCCEED, (_RAW_RESULT, now, now, task_id, attempt)).fetchone()
+        conn.execute(_RAW_INSERT_EVENT, (task_id, seq, "status", _EV_SUCCEEDED, now))
+        row = claim(now)
+        conn.commit()
+        done += 1
+        if on_success is not None:
+            on_success()
+    return done
+
+
 # -- the store's side: the same work through its public verbs -------------------
 
 def store_fill(store, count):
@@ -194,6 +225,22 @@ def store_drain(store, owner, on_success=None):
         done += 1
         if on_success is not None:
             on_success()
+
+
+def store_work(store, owner, on_success=None):
+    """A worker's loop, as a ``Runner`` worker's: a ``claim``, then each ``succeed`` claims the next.
+
+    The next claim runs in the finish's transaction (``claim_next``): one
+    commit a task.  Returns how many tasks it finished.
+    """
+    done, task = 0, store.claim(KINDS, owner=owner)
+    while task is not None:
+        _, task = store.succeed(task.id, RESULT, attempt=task.attempt,
+                                claim_next={"kinds": KINDS, "owner": owner})
+        done += 1
+        if on_success is not None:
+            on_success()
+    return done
 
 
 def open_store(url):
@@ -567,11 +614,11 @@ def _worker_main(side, url):
     if side == "store":
         store = open_store(url)
         owner = store.register_process()
-        drain, closer = (lambda: store_drain(store, owner, mark)), store.close
+        drain, closer = (lambda: store_work(store, owner, mark)), store.close
     else:
         conn = psycopg.connect(url)
         owner = f"proc_raw_{os.getpid()}"
-        drain, closer = (lambda: raw_drain(conn, owner, mark)), conn.close
+        drain, closer = (lambda: raw_work(conn, owner, mark)), conn.close
     try:
         print("ready", flush=True)
         if sys.stdin.readline().strip() != "go":
