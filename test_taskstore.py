@@ -16486,6 +16486,9 @@ class ScaleBenchTests(unittest.TestCase):
         self.assertEqual(report["machine"]["cpus"], os.cpu_count())
         # The statements each verb ran on the store of finished tasks, with their plans.
         self.assertIn("claim", report["plans"])
+        for verb in scale.VERBS:         # the lists too (PostgreSQL sends them unprepared)
+            if verb.startswith("list"):
+                self.assertIn(verb, report["plans"])
         for verb, statements in report["plans"].items():
             self.assertIn(verb, scale.VERBS)
             for statement in statements:
