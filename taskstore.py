@@ -2244,8 +2244,12 @@ class _Dialect(typing.NamedTuple):
     # {status} after the id {after} (prune_walk's leap): the terms that make
     # each planner seek there, whatever its statistics say.
     finished_after: str
-    # list_tasks: a principal alone is a page of tasks_principal, by a range
+    # list_tasks on PostgreSQL, which plans each list with its values
+    # (PostgresEngine._list_rows): a principal alone is a page of
+    # tasks_principal, by a range as a kind's; a status's equality is left to
+    # imply tasks_active's or tasks_finished's condition, not repeated.
     principal_page: bool = False
+    status_implies_index: bool = False
 
 
 class _Statements:
@@ -2572,8 +2576,9 @@ class _SqlEngine(Engine):
         if before is not None:
             where.append(f"id < {p}")
             args.append(before)
+        repeat = not self._dialect.status_implies_index
         if statuses is not None and set(statuses) <= set(ACTIVE_STATES):
-            where.append(_ACTIVE)
+            where += [_ACTIVE] if repeat else []
             source = indexed_by.format("tasks_active")
         elif kinds is not None and len(kinds) <= 32:
             source, pages = indexed_by.format("tasks_kind"), [
@@ -2581,7 +2586,7 @@ class _SqlEngine(Engine):
                 for kind in kinds]
             kinds = None                        # each page has its own
         elif statuses is not None and set(statuses) <= TERMINAL_STATES:
-            where.append(_FINISHED)
+            where += [_FINISHED] if repeat else []
             source, pages = indexed_by.format("tasks_finished"), [
                 (f" AND status >= '{status}' AND status <= '{status}'", "status DESC, ", ())
                 for status in statuses]
@@ -11251,7 +11256,7 @@ class PostgresEngine(_SqlEngine):
         # generic plan.
         finished_after=("{finished} AND (status, id) > ('{status}', {after}) "
                         "AND status <= '{status}'"),
-        principal_page=True)
+        principal_page=True, status_implies_index=True)
     _sql = _Statements(_dialect)
 
     def __init__(self, url, *, synchronous="normal", busy_timeout=DEFAULT_BUSY_TIMEOUT_S,
