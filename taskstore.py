@@ -11514,20 +11514,20 @@ class PostgresEngine(_SqlEngine):
     # values and the table's size at that moment.  Prepared (psycopg does at
     # a statement's fifth call), the server keeps its generic plan once that
     # looks no dearer than the plans made with the values, and keeps it
-    # until the table is analysed again.  So the lists were planned at every
+    # until the table is analysed again.  So lists were planned at every
     # call on a store with a history and not on a small one (the scale run's
     # ratios moved from run to run with that), and a list prepared while
     # the table was empty kept a plan that reads the whole table and sorts
     # it: newest first on 1,050 tasks, 0.58 ms and 53 buffers a call, growing
-    # with the table, against 0.02 ms and 14 buffers planned with the values
-    # (0.08 ms of planning).  Written so that the generic plan is always kept
-    # (the limit a literal, values the planner cannot see), the lists ran
-    # 0.1 ms faster on every store but read the table that way while the
-    # store was small, and kinds' pages sorted.  Planning a list takes
-    # 0.03-0.09 ms (a finished status's the most: tasks_finished's
-    # condition), its execution 0.01-0.02 ms, on 1,050 and on 1,000,000
-    # tasks alike (EXPLAIN ANALYZE, this 2-core VM): a cost that does not
-    # grow with the store.
+    # with the table, against 0.02 ms and 14 buffers planned with the values.
+    # Written so that the generic plan is always kept (the limit a literal,
+    # values the planner cannot see), lists ran 0.1 ms faster, but read the
+    # table that way while the store was small, and a kind's page on 1,050
+    # tasks sorted the kind's tasks (0.29 ms).  Planning a list takes
+    # 0.03-0.06 ms, running it 0.01-0.02 ms, on 1,050 and on 1,000,000 tasks
+    # alike (EXPLAIN ANALYZE, this 2-core VM): a cost that does not grow with
+    # the store.  bench/scale.py at a million, two runs: every list's median
+    # 0.89-1.12x the empty store's, its p99 0.58-1.48x (before: up to 2.44x).
     def _list_rows(self, sql, params):
         _refuse_nul(params)
         return self.conn.raw.execute(sql, params, prepare=False).fetchall()
