@@ -11527,7 +11527,7 @@ class PostgresEngine(_SqlEngine):
     # 0.03-0.06 ms, running it 0.01-0.02 ms, on 1,050 and on 1,000,000 tasks
     # alike (EXPLAIN ANALYZE, this 2-core VM): a cost that does not grow with
     # the store.  bench/scale.py at a million, two runs: every list's median
-    # 0.89-1.12x the empty store's, its p99 0.58-1.48x (before: up to 2.44x).
+    # 0.97-1.12x the empty store's, its p99 0.67-1.30x (before: up to 2.44x).
     def _list_rows(self, sql, params):
         _refuse_nul(params)
         return self.conn.raw.execute(sql, params, prepare=False).fetchall()
