@@ -3515,6 +3515,71 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
             self.assertNotRegex(plan, r"Index Scan (Backward )?using tasks_pkey on tasks "
                                       r"[^\n]*\n\s*(Filter|$)", sql)
 
+    def test_each_list_is_planned_with_its_values(self):
+        # psycopg prepares a statement at its fifth call, and the server then
+        # keeps a generic plan when it looks no dearer than the plans made
+        # with the values: made while the table looked empty, such a plan
+        # read the whole table and sorted it (a list of newest first, 1,050
+        # tasks: 2.3 ms, until the next ANALYZE).  A list is sent unprepared
+        # (PostgresEngine._list_rows), planned at each call with its values
+        # and the table's size: whatever the statistics (analysed while
+        # empty, after the fill, or never), each filter reads its own index.
+        for analysed in ("while empty", "after the fill", "never"):
+            with self.subTest(analysed=analysed):
+                self.check_lists(analysed)
+
+    def check_lists(self, analysed):
+        self.sql("DROP TABLE IF EXISTS tasks, events, idempotency, tombstones, kind_limits, "
+                 "processes, secrets, schedules, taskstore_schema")
+        store = self.registered(self.open_store())
+        if analysed == "while empty":
+            self.sql("ANALYZE")
+        lists = {              # a filter: the index its plan walks
+            "newest first": ({}, "tasks_pkey"),
+            "succeeded": ({"status": SUCCEEDED}, "tasks_finished"),
+            "failed (few)": ({"status": FAILED}, "tasks_finished"),
+            "cancelled (none)": ({"status": CANCELLED}, "tasks_finished"),
+            "running": ({"status": RUNNING}, "tasks_active"),
+            "a kind": ({"kind": "k"}, "tasks_kind"),
+            "a kind (none)": ({"kind": "none"}, "tasks_kind"),
+            "a principal": ({"principal": "alice"}, "tasks_principal"),
+            "a principal (few)": ({"principal": "bob"}, "tasks_principal")}
+        for filters, _ in lists.values():       # planned (and prepared?) while empty
+            for _ in range(6):
+                store.list(limit=5, **filters)
+        self.fill_history(store)
+        failed = store.create("j", principal="bob")
+        store.claim(("j",), owner=self.runner_id)
+        store.fail(failed.id, {"code": "boom", "message": "boom"})
+        store.create("j", principal="bob")
+        store.claim(("j",), owner=self.runner_id)
+        if analysed == "after the fill":
+            self.sql("ANALYZE")
+        _, cursor = store.list(limit=5)
+        lists["newest first, after a cursor"] = ({"cursor": cursor}, "tasks_pkey")
+        engine, sent = store._engine, []
+        rows = engine._list_rows
+
+        def recording(sql, params):
+            sent.append((sql, params))
+            return rows(sql, params)
+        for name, (filters, index) in lists.items():
+            with unittest.mock.patch.object(engine, "_list_rows", recording):
+                for _ in range(6):
+                    store.list(limit=5, **filters)
+            sql, params = sent[-1]
+            plan = "\n".join(row[0] for row in self.sql("EXPLAIN " + sql.replace("%s", "?"),
+                                                         params))
+            self.assertNotIn("Seq Scan", plan, name)
+            self.assertRegex(plan, rf"(Index Scan (Backward )?using|Bitmap Index Scan on) "
+                                   rf"{index} ", name)
+            if index != "tasks_pkey":
+                self.assertNotIn("tasks_pkey", plan, name)
+        # None was prepared: a prepared one may run a plan made for another table.
+        self.assertEqual(engine.conn.raw.execute(
+            "SELECT statement FROM pg_prepared_statements "
+            "WHERE statement LIKE '%ORDER BY %id DESC LIMIT%'").fetchall(), [])
+
 
 class PgRecoveryTests(PostgresStoreMixin, RecoveryTests):
     __doc__ = RecoveryTests.__doc__
@@ -16729,6 +16794,9 @@ class ScaleBenchTests(unittest.TestCase):
         self.assertEqual(report["machine"]["cpus"], os.cpu_count())
         # The statements each verb ran on the store of finished tasks, with their plans.
         self.assertIn("claim", report["plans"])
+        for verb in scale.VERBS:         # the lists too (PostgreSQL sends them unprepared)
+            if verb.startswith("list"):
+                self.assertIn(verb, report["plans"])
         for verb, statements in report["plans"].items():
             self.assertIn(verb, scale.VERBS)
             for statement in statements:

@@ -630,8 +630,9 @@ def plans(side, probe):
     ``Sort``): a cost that may grow with the rows the store holds.  The
     plans are read on the same database, by a connection of its own; the
     statements the verbs ran are captured by peeking at the engine's
-    connection (SQLite's trace callback; a wrapper of the PostgreSQL
-    connection's execute), in this bench only.
+    connection (SQLite's trace callback; on PostgreSQL wrappers of the
+    connection's execute and of the engine's ``_list_rows``, which sends
+    the lists unprepared), in this bench only.
     """
     verb, seen = [None], {}
     timed = probe.timed
@@ -648,17 +649,22 @@ def plans(side, probe):
                 ("BEGIN", "COMMIT", "ROLLBACK", "PRAGMA", "SAVEPOINT", "RELEASE", "SET",
                  "START", "NOTIFY", "LISTEN", "SELECT PG_NOTIFY")):
             seen.setdefault((verb[0], sql), params)
-    conn = probe.store._engine.conn
+    engine = probe.store._engine
+    conn = engine.conn
     probe.timed = noting
     if side.name == "sqlite":
         conn.set_trace_callback(note)       # statements with their values written in
     else:
-        execute = conn.execute
+        execute, list_rows = conn.execute, engine._list_rows
 
         def traced(sql, params=()):
             note(sql, params)
             return execute(sql, params)
-        conn.execute = traced
+
+        def traced_list(sql, params):       # sent unprepared, past conn.execute
+            note(sql, params)
+            return list_rows(sql, params)
+        conn.execute, engine._list_rows = traced, traced_list
     try:
         probe.cycle()
     finally:
@@ -666,7 +672,7 @@ def plans(side, probe):
         if side.name == "sqlite":
             conn.set_trace_callback(None)
         else:
-            del conn.execute
+            del conn.execute, engine._list_rows
     out = {}
     for (name, sql), params in seen.items():
         try:
