@@ -5074,12 +5074,22 @@ store.close()
 """
 
 # One runner draining the queue: waits for ``go``, runs every ``drain`` task
-# it can claim, and on ``stop`` prints the ids its handler ran.
+# it can claim, and on ``stop`` prints the ids its handler ran.  It says
+# ``claimed`` once its first task is running, and its handler goes on only once
+# told ``go on``: every process holds a task before any goes on, so the drain is
+# a contest whoever starts first (a worker's finish claims its next task in its
+# own transaction, so one process alone could otherwise drain a small queue).
 CLAIM_SCRIPT = CHILD_PRELUDE + r"""
 ran = []
 lock = threading.Lock()
+first, go_on = [True], threading.Event()
 
 def record(ctx, payload):
+    with lock:
+        if first[0]:
+            first[0] = False
+            say("claimed")
+    go_on.wait(T)
     with lock:
         ran.append(ctx.task_id)
     return {"task": ctx.task_id, "pid": os.getpid()}
@@ -5090,6 +5100,9 @@ say("ready")
 if sys.stdin.readline().strip() != "go":
     sys.exit("expected go")
 runner.start()
+if sys.stdin.readline().strip() != "go on":
+    sys.exit("expected go on")
+go_on.set()
 sys.stdin.readline()
 runner.stop(timeout=T)
 say("ran", json.dumps(ran))
@@ -5981,6 +5994,10 @@ class CrossProcessClaimTests(MultiProcessTestCase):
             child.expect("ready")
         for child in children:
             child.send("go")
+        for child in children:      # each holds a task: every process is in the contest
+            child.expect("claimed")
+        for child in children:
+            child.send("go on")
         for task_id in ids:      # the order they are claimed in: each wait is short
             task = store.wait(task_id, terminal=True, timeout=TIMEOUT)
             self.assertTrue(task.terminal, f"{task_id} is stuck in {task.status}")
@@ -5993,7 +6010,7 @@ class CrossProcessClaimTests(MultiProcessTestCase):
         everything = [task_id for part in ran for task_id in part]
         self.assertEqual(len(everything), CLAIM_TASKS)               # no task ran twice
         self.assertEqual(set(everything), set(ids))                  # none was lost
-        self.assertGreaterEqual(sum(1 for part in ran if part), 2)   # it was a contest
+        self.assertEqual(sum(1 for part in ran if part), 3)          # it was a contest
         pids = {child.pid: set(part) for child, part in zip(children, ran)}
         for task_id in ids:
             task = store.get(task_id)
