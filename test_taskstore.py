@@ -5485,6 +5485,13 @@ class MultiProcessTestCase(unittest.TestCase):
     def spawn(self, script, *args):
         return ChildProcess(self, script, self.path, *args)
 
+    def killed_at(self, script, word):
+        """Run *script* until it says *word*, kill -9 it there; return what it said."""
+        child = self.spawn(script)
+        said = child.expect(word)
+        child.kill9(self)
+        return said
+
     def start_thread(self, target, *args):
         thread = threading.Thread(target=target, args=args, daemon=True)
         thread.start()
@@ -5565,9 +5572,7 @@ class RetryAcrossProcessesTests(MultiProcessTestCase):
     """Retries and kind limits with several processes: kill -9 during a backoff, a shared limit."""
 
     def test_a_crash_during_the_backoff_loses_nothing_and_doubles_nothing(self):
-        child = self.spawn(RETRY_BACKOFF_SCRIPT)
-        task_id = child.expect("backoff")
-        child.kill9(self)
+        task_id = self.killed_at(RETRY_BACKOFF_SCRIPT, "backoff")
         # An hour later, by the clock of the store that takes over.
         clock = FakeClock(time.time() + 3600)
         store = self.open_store(clock=clock)
@@ -5607,10 +5612,7 @@ class CrashRecoveryTests(MultiProcessTestCase):
 
     def crash_mid_task(self):
         """Run MID_TASK_SCRIPT until ``ready``, SIGKILL it, and return what it reported."""
-        child = self.spawn(MID_TASK_SCRIPT)
-        info = child.expect("ready")
-        child.kill9(self)
-        return info
+        return self.killed_at(MID_TASK_SCRIPT, "ready")
 
     def test_killed_runner_leaves_committed_state_until_recover_applies_each_policy(self):
         info = self.crash_mid_task()
@@ -5716,9 +5718,7 @@ class CrashRecoveryTests(MultiProcessTestCase):
         self.assertEqual([e.seq for e in store.events(task.id)], [0, 1, 2])
 
     def test_kill_inside_raw_begin_immediate_leaves_the_state_before_it(self):
-        child = self.spawn(RAW_TRANSACTION_SCRIPT)
-        info = child.expect("in-transaction")
-        child.kill9(self)
+        info = self.killed_at(RAW_TRANSACTION_SCRIPT, "in-transaction")
 
         store = self.open_after_dead_writer()
         self.assertEqual(self.dump(store, info["id"]), info["state"])

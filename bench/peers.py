@@ -559,9 +559,7 @@ class PostgresSide:
     def _raw(self, workload, conn, url):
         """Raw psycopg: bench/pg.py's baseline (the row and its event a transaction; its drain)."""
         if workload == "workers_4":
-            seconds = self.bench.drain_with_processes("raw", url, PG_PROCESSES)
-            return {"rate": self.n / seconds,
-                    "cpu_us": self.bench.notes[f"workers_{PG_PROCESSES}_raw_cpu_ms"][-1] * 1000}
+            return self._drain("raw", url)
         threads = 1 if workload == "enqueue_1" else PG_THREADS
         conns = [conn] + [self.pg.psycopg.connect(url) for _ in range(threads - 1)]
         try:
@@ -572,6 +570,12 @@ class PostgresSide:
             for c in conns[1:]:
                 c.close()
         return {"rate": t.rate, "cpu_us": t.cpu_us}
+
+    def _drain(self, side, url):
+        """``workers_4`` on *side*: PG_PROCESSES worker processes drain the backlog at *url*."""
+        seconds = self.bench.drain_with_processes(side, url, PG_PROCESSES)
+        return {"rate": self.n / seconds,
+                "cpu_us": self.bench.notes[f"workers_{PG_PROCESSES}_{side}_cpu_ms"][-1] * 1000}
 
     def _threads(self, count, threads, one):
         """Call ``one(k, i)`` for i in range(count), split over *threads* threads (k: the thread)."""
@@ -595,9 +599,7 @@ class PostgresSide:
 
     def _store(self, workload, store, url):
         if workload == "workers_4":
-            seconds = self.bench.drain_with_processes("store", url, PG_PROCESSES)
-            return {"rate": self.n / seconds,
-                    "cpu_us": self.bench.notes[f"workers_{PG_PROCESSES}_store_cpu_ms"][-1] * 1000}
+            return self._drain("store", url)
         threads = 1 if workload == "enqueue_1" else PG_THREADS
         with _Timed(self.n) as t:
             self._threads(self.n, threads, lambda k, i: store.create(self.pg.KIND, {"i": i}))
@@ -605,10 +607,7 @@ class PostgresSide:
 
     def _peer(self, workload, task, url):
         if workload == "workers_4":
-            seconds = self.bench.drain_with_processes("procrastinate", url, PG_PROCESSES)
-            return {"rate": self.n / seconds,
-                    "cpu_us": self.bench.notes[f"workers_{PG_PROCESSES}_procrastinate_cpu_ms"][-1]
-                    * 1000}
+            return self._drain("procrastinate", url)
         threads = 1 if workload == "enqueue_1" else PG_THREADS
         with _Timed(self.n) as t:
             self._threads(self.n, threads, lambda k, i: task.defer(i=i))
