@@ -178,7 +178,7 @@ EVENTS = (CLAIM, START, REQUIRE_INPUT, PROVIDE_INPUT, SUCCEED, FAIL, CANCEL,
 
 POLICIES = ("fail", "retry", "resume")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 APPLICATION_ID = 0x7A5C5701        # PRAGMA application_id: "this is a taskstore file"
 # The page size of a new file (one made before keeps its own).  A lifecycle
 # task dirties about ten pages in small commits, and SQLite copies and
@@ -1285,12 +1285,14 @@ class Engine:
         raise NotImplementedError
 
     def insert_tasks(self, rows, events):
-        """Insert new tasks and their ``created`` events.
+        """Insert new tasks and the ``created`` events the log stores.
 
         *rows*: ``(id, kind, status, payload, status_message, principal,
         policy, ttl_ms, retention_ms, created_at, updated_at, meta, owner)``,
         each followed by ``(run_at, priority, retry, attempt)`` unless every
-        row is plain; *events*: ``(task_id, data, created_at)``.
+        row is plain; *events*: ``(task_id, data, created_at)``, one for each
+        task that is not plain (a plain task's is its row: schema 5), so
+        often none.
         """
         raise NotImplementedError
 
@@ -1331,7 +1333,7 @@ class Engine:
         raise NotImplementedError
 
     def event_bounds(self, task_id, now):
-        """``(principal, last_seq, first_seq, expired)`` of the task at *now*, or None."""
+        """``(principal, last_seq, first_seq, expired, kind, created_at)`` at *now*, or None."""
         raise NotImplementedError
 
     def read_events(self, task_id, start, limit):
@@ -1717,6 +1719,16 @@ SCHEMA = {
         created_at {integer} NOT NULL, updated_at {integer} NOT NULL,
         options {text}){without_rowid}""",
         "CREATE INDEX schedules_due ON schedules (next_at) WHERE paused = 0"),
+    # Version 5: a plain task's ``created`` event is its row.  Its data is
+    # the kind alone and its time the row's created_at, so the log stores
+    # it only when it says more (a delay, a priority, a rerun); reading
+    # from seq 0, a log whose first row is not seq 0 starts with the row's
+    # (_EventLog.read).  A create then writes three B-trees, not four:
+    # 4.8 us less CPU a create, 3.6 a lifecycle task (bench.py, sync normal,
+    # 2 cores), and a WAL frame less.  No statement changes; the version
+    # keeps an older taskstore, which would show no created event, from
+    # opening a file this one wrote.  Its files' stored events read as before.
+    5: (),
 }
 
 
@@ -2276,7 +2288,8 @@ class _Statements:
         self.summary_at = (f"SELECT {', '.join(TaskSummary._fields)}, {flag} "
                            f"FROM tasks WHERE id = {p}")
         self.tombstoned = f"SELECT 1 FROM tombstones WHERE id = {p}"
-        self.event_bounds = (f"SELECT principal, last_seq, first_seq, {flag} FROM tasks "
+        self.event_bounds = (f"SELECT principal, last_seq, first_seq, {flag}, kind, created_at "
+                             "FROM tasks "
                              f"WHERE id = {p}")
         self.event_head = f"SELECT status, last_seq, attempt FROM tasks WHERE id = {p}"
         self.load_snapshot = f"SELECT snapshot FROM tasks WHERE id = {p}"
@@ -2469,14 +2482,15 @@ class _SqlEngine(Engine):
         return self.conn.execute(self._sql.tombstoned, (task_id,)).fetchone() is not None
 
     def insert_tasks(self, rows, events):
-        """Insert task rows and their ``created`` events (one statement per table for the lot).
+        """Insert task rows and their stored ``created`` events (a statement per table).
 
         In a group commit of several creates, each statement is also a moment
         the leader hands the GIL to the threads waiting for it, so fewer is faster.
         """
         self.conn.executemany(
             self._sql.insert_tasks if len(rows[0]) == 13 else self._sql.insert_tasks_full, rows)
-        self.conn.executemany(self._sql.insert_created, events)
+        if events:
+            self.conn.executemany(self._sql.insert_created, events)
 
     def _move_statement(self, values):
         """The dialect's ``move`` for the columns of *values*: few combinations, each built once."""
@@ -3498,7 +3512,7 @@ def _replayed(store, task_id):
 
 
 def _insert_tasks_locked(store, specs, now=None, attempt=1):
-    """Insert new queued tasks (``_NewTask``s) with their first events; return their Tasks.
+    """Insert new queued tasks (``_NewTask``s) and what they log; return their Tasks.
 
     The engine writes the lot at once (``insert_tasks``).
     """
@@ -3516,8 +3530,7 @@ def _insert_tasks_locked(store, specs, now=None, attempt=1):
         row = (task_id, kind, QUEUED, payload_json, status_message, principal, policy,
                ttl_ms, retention_ms, now, now, meta_json, owner)
         if plain:
-            rows.append(row)
-            events.append((task_id, _created_data(kind), now))
+            rows.append(row)            # its created event is the row (schema 5)
         else:
             rows.append((*row, run_at, priority, retry_json, attempt))
             events.append((task_id, _created_data_of(spec), now))
@@ -4805,7 +4818,7 @@ class _EventLog:
             row = engine.event_bounds(task_id, int(store.clock() * 1000))
             if row is None or (principal is not None and row[0] != principal) or row[3]:
                 store._get_locked(task_id, principal)       # raises the right not-found error
-            _, last_seq, first_seq, _ = row
+            _, last_seq, first_seq, _, kind, created_at = row
             if after is not None and after > last_seq:
                 raise InvalidCursor(f"after {after} is beyond the last event {last_seq}",
                                     param="after")
@@ -4813,6 +4826,10 @@ class _EventLog:
             if start < first_seq:
                 raise EventsExpired(task_id, first_seq)
             rows = engine.read_events(task_id, start, limit)
+        if not start and (not rows or rows[0][0]):
+            # A plain task's created event is its row: the log holds none (schema 5).
+            rows = [(0, "created", _created_data(kind), created_at),
+                    *rows[:None if limit is None else limit - 1]]
         # The data stays JSON text until someone reads Event.data.
         return [_new_tuple(Event, (task_id, *row)) for row in rows]
 
@@ -11031,8 +11048,9 @@ def _nul_free(text):
 
 
 # A write transaction's creates, held back (``_PgConnection.hold_creates``) and
-# sent as this one statement: every task row and its ``created`` event, each
-# column one array (fixed text, so psycopg prepares it once whatever the count).
+# sent as this one statement: every task row and the ``created`` events the
+# log stores (none for plain tasks: schema 5), each column one array (fixed
+# text, so psycopg prepares it once whatever the count).
 # A plain row (13 columns) is sent with the defaults of the other four (run_at
 # NULL, priority 0, retry NULL, attempt 1), so plain and full rows share it.
 _PG_CREATE_COLUMNS = ("id", "kind", "status", "payload", "status_message", "principal", "policy",
@@ -11056,6 +11074,9 @@ _PG_INSERT_CREATE = (
     f"WITH t AS (INSERT INTO tasks ({', '.join(_PG_CREATE_COLUMNS)}) "
     f"VALUES ({', '.join(['%s'] * len(_PG_CREATE_COLUMNS))})) "
     "INSERT INTO events (task_id, seq, type, data, created_at) VALUES (%s, 0, 'created', %s, %s)")
+# And one plain create, whose created event is its row.
+_PG_INSERT_TASK = (f"INSERT INTO tasks ({', '.join(_PG_CREATE_COLUMNS)}) "
+                   f"VALUES ({', '.join(['%s'] * len(_PG_CREATE_COLUMNS))})")
 
 
 class _PgConnection:
@@ -11132,7 +11153,7 @@ class _PgConnection:
         self._begin_held = True
 
     def hold_creates(self, rows, events):
-        """Insert task rows and their ``created`` events with the transaction's next statement.
+        """Insert task rows and their stored ``created`` events with the next statement.
 
         A NUL is refused here, so a create fails before it has written.
         Counted in ``total_changes`` at once: the body that gave them wrote.
@@ -11157,10 +11178,14 @@ class _PgConnection:
                 for batch, _ in creates for row in batch]
         events = [event for _, batch in creates for event in batch]
         if len(rows) == 1:
-            self.raw.execute(_PG_INSERT_CREATE, (*rows[0], *events[0]))
+            if events:
+                self.raw.execute(_PG_INSERT_CREATE, (*rows[0], *events[0]))
+            else:
+                self.raw.execute(_PG_INSERT_TASK, rows[0])
         else:
-            self.raw.execute(_PG_INSERT_CREATES,
-                             [*map(list, zip(*rows)), *map(list, zip(*events))])
+            self.raw.execute(_PG_INSERT_CREATES, [*map(list, zip(*rows)),
+                                                  *(map(list, zip(*events)) if events else
+                                                    ([], [], []))])
 
     def commit(self):
         """Commit the write transaction: what it holds goes out first (alone: without BEGIN)."""

@@ -385,11 +385,11 @@ class Bench:
                     "ORDER BY seq", (task.id,)).fetchall() for _ in range(reps)]))
 
     def _fill(self, store, raw, count, finished):
-        """Make *count* tasks, 2 events each, in both files, outside the timing.
+        """Make *count* tasks, 1 stored event each, in both files, outside the timing.
 
         The store's tasks are made by its own verbs: ``create_many`` queues
-        them (event 0, ``created``), then each moves once (event 1, a
-        ``status``).  Unfinished (*finished* false): ``start`` takes each to
+        them (event 0, ``created``, is the row: the log stores none), then
+        each moves once (event 1, a ``status``).  Unfinished (*finished* false): ``start`` takes each to
         ``running`` under a dead owner, as a runner that then died left them.
         Finished:
         ``cancel`` ends each while still queued, and a retention of zero
@@ -419,11 +419,9 @@ class Bench:
             t.start()
         for t in pool:
             t.join()
-        created = dumps({"kind": "bench"})
         moved = dumps({"status": status, "from": QUEUED})
         events, raw_rows = [], []
         for task in tasks:
-            events.append((task.id, 0, "created", created, task.created_at))
             events.append((task.id, 1, "status", moved, task.created_at))
             raw_rows.append((task.id, "bench", "x", "{}", None, task.created_at))
         raw.execute("CREATE TABLE e (task_id TEXT, seq INTEGER, type TEXT, data TEXT, "
