@@ -2290,8 +2290,7 @@ class _Statements:
                            f"FROM tasks WHERE id = {p}")
         self.tombstoned = f"SELECT 1 FROM tombstones WHERE id = {p}"
         self.event_bounds = (f"SELECT principal, last_seq, first_seq, {flag}, kind, created_at "
-                             "FROM tasks "
-                             f"WHERE id = {p}")
+                             f"FROM tasks WHERE id = {p}")
         self.event_head = f"SELECT status, last_seq, attempt FROM tasks WHERE id = {p}"
         self.load_snapshot = f"SELECT snapshot FROM tasks WHERE id = {p}"
         self.insert_tasks = (
@@ -11071,13 +11070,13 @@ _PG_INSERT_CREATES = (
 # cost psycopg 63 us to build and the server 40-60 us to unpack for one row,
 # against 20 and 33 us for the values (per row at 8 rows the arrays cost 18
 # and 10-13 us, and statements with n rows' values would each be prepared anew).
-_PG_INSERT_CREATE = (
-    f"WITH t AS (INSERT INTO tasks ({', '.join(_PG_CREATE_COLUMNS)}) "
-    f"VALUES ({', '.join(['%s'] * len(_PG_CREATE_COLUMNS))})) "
-    "INSERT INTO events (task_id, seq, type, data, created_at) VALUES (%s, 0, 'created', %s, %s)")
-# And one plain create, whose created event is its row.
+# A plain task's is the row alone (its created event is the row); any other's
+# adds the event the log stores.
 _PG_INSERT_TASK = (f"INSERT INTO tasks ({', '.join(_PG_CREATE_COLUMNS)}) "
                    f"VALUES ({', '.join(['%s'] * len(_PG_CREATE_COLUMNS))})")
+_PG_INSERT_CREATE = (
+    f"WITH t AS ({_PG_INSERT_TASK}) "
+    "INSERT INTO events (task_id, seq, type, data, created_at) VALUES (%s, 0, 'created', %s, %s)")
 
 
 class _PgConnection:
@@ -11184,9 +11183,9 @@ class _PgConnection:
             else:
                 self.raw.execute(_PG_INSERT_TASK, rows[0])
         else:
-            self.raw.execute(_PG_INSERT_CREATES, [*map(list, zip(*rows)),
-                                                  *(map(list, zip(*events)) if events else
-                                                    ([], [], []))])
+            # Without stored events, three empty arrays: zip would give none.
+            event_columns = [list(column) for column in zip(*events)] or [[], [], []]
+            self.raw.execute(_PG_INSERT_CREATES, [*map(list, zip(*rows)), *event_columns])
 
     def commit(self):
         """Commit the write transaction: what it holds goes out first (alone: without BEGIN)."""

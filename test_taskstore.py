@@ -1486,7 +1486,7 @@ class CheckpointTests(StoreTestCase):
 
     def test_a_background_thread_checkpoints_after_enough_writes(self):
         self.assertIsNone(self.store._engine._checkpointer)          # a store that never wrote has none
-        rows_per_create = 1                                   # the task (its created event is the row)
+        rows_per_create = 1                 # the task: its created event is the row
         self.writes(taskstore.CHECKPOINT_ROWS // rows_per_create + 1)
         checkpointer = self.store._engine._checkpointer
         self.assertIsNotNone(checkpointer)

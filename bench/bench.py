@@ -389,8 +389,9 @@ class Bench:
 
         The store's tasks are made by its own verbs: ``create_many`` queues
         them (event 0, ``created``, is the row: the log stores none), then
-        each moves once (event 1, a ``status``).  Unfinished (*finished* false): ``start`` takes each to
-        ``running`` under a dead owner, as a runner that then died left them.
+        each moves once (event 1, a ``status``).  Unfinished (*finished*
+        false): ``start`` takes each to ``running`` under a dead owner, as a
+        runner that then died left them.
         Finished:
         ``cancel`` ends each while still queued, and a retention of zero
         makes every one due for purging from that moment (small rows, as a
