@@ -733,6 +733,46 @@ class LifecycleTests(StoreTestCase):
         self.assertEqual([e.seq for e in self.store.events(plain.id, after=0)], [1, 2])
         self.assertEqual(self.store.events(later.id)[0].data, {"kind": "k", "priority": 5})
 
+    def test_a_plain_finish_from_running_is_its_row(self):
+        store = self.store
+        plain, stopped, failed, cancelled = (store.create("k") for _ in range(4))
+        for task in (plain, stopped, failed):
+            store.start(task.id)
+        store.emit(plain.id, "note", {"n": 1})
+        self.clock.advance(2)
+        store.succeed(plain.id, {"ok": True})
+        store.fail(failed.id, {"code": "bad", "message": "no"})
+        store.cancel(cancelled.id)                          # from queued
+        store.cancel(stopped.id)                            # running -> cancelling
+        store.confirm_cancel(stopped.id)                    # -> cancelled, from cancelling
+        with store._engine.reading() as engine:
+            stored = {task.id: [row[:2] for row in engine.read_events(task.id, 0, None)]
+                      for task in (plain, stopped, failed, cancelled)}
+        # The log stores a finish only when it says more than the row: from
+        # another status than running, or with an error or a message.
+        self.assertEqual(stored, {plain.id: [(1, "status"), (2, "note")],
+                                  stopped.id: [(1, "status"), (2, "status"), (3, "status")],
+                                  failed.id: [(1, "status"), (2, "status")],
+                                  cancelled.id: [(1, "status")]})
+        done = store.get(plain.id)
+        self.assertEqual((done.last_seq, done.finished_at), (3, plain.created_at + 2000))
+        events = [(e.task_id, e.seq, e.type, e.data, e.created_at) for e in store.events(plain.id)]
+        self.assertEqual(events[-1], (plain.id, 3, "status",
+                                      {"status": SUCCEEDED, "from": RUNNING}, done.finished_at))
+        self.assertEqual([e[1:3] for e in events],
+                         [(0, "created"), (1, "status"), (2, "note"), (3, "status")])
+        # Read as any reader pages through it: after, limit, and from the end.
+        for after, limit, seqs in ((None, 3, [0, 1, 2]), (None, 4, [0, 1, 2, 3]), (1, 1, [2]),
+                                   (1, 2, [2, 3]), (2, None, [3]), (2, 1, [3]), (3, None, [])):
+            with self.subTest(after=after, limit=limit):
+                self.assertEqual([e.seq for e in store.events(plain.id, after=after, limit=limit)],
+                                 seqs)
+        # The same text a stored event would have had, and one final event each.
+        self.assertEqual(store.events(plain.id, after=2)[0].data_json,
+                         taskstore.dumps({"status": SUCCEEDED, "from": RUNNING}))
+        self.assertEqual(store.events(failed.id)[-1].data["status"], FAILED)
+        self.assertEqual([e.seq for e in store.events(cancelled.id)], [0, 1])
+
     def test_event_reads_use_the_index(self):
         plan = self.store._engine.conn.execute(
             "EXPLAIN QUERY PLAN SELECT seq, type, data, created_at FROM events "
@@ -2334,7 +2374,7 @@ class RetentionTests(StoreTestCase):
             store.emit(task.id, "x")
         store.succeed(task.id, 1)
         self.clock.advance(1)
-        self.assertEqual(store.reap()["events"], 5)       # stored: created is the row
+        self.assertEqual(store.reap()["events"], 4)   # stored: created and the finish are the row
         with self.assertRaises(taskstore.EventsExpired):
             store.events(task.id)
         with self.assertRaises(taskstore.EventsExpired):
@@ -2370,7 +2410,8 @@ class RetentionTests(StoreTestCase):
             self.store.emit(task.id, "x")
         self.store.succeed(task.id, 1)
         counts = self.store.reap(batch_rows=300)
-        self.assertEqual((counts["tasks"], counts["events"]), (1, 1002))
+        # Stored: the claim's and the emitted (created and the finish are the row).
+        self.assertEqual((counts["tasks"], counts["events"]), (1, 1001))
 
     def test_reaper_thread_runs_and_stops(self):
         task = self.store.create("k", retention_ms=0)
@@ -2481,7 +2522,8 @@ class RetentionTests(StoreTestCase):
         store.cancel(young.id)
         young_job = store.create("k", prefix="job")
         store.cancel(young_job.id)
-        self.assertEqual(store.reap(batch_rows=1)["events"], 4 * 32)   # slices of 10 events
+        # Slices of 10 events; stored: the start, the 30 emitted (the finish is the row).
+        self.assertEqual(store.reap(batch_rows=1)["events"], 4 * 31)
         for task in done:
             with self.assertRaises(taskstore.EventsExpired):
                 store.events(task.id)
@@ -2492,12 +2534,12 @@ class RetentionTests(StoreTestCase):
         # late's only, found past the young job, whose prefix the walk leaves
         # there (by a store whose batches start at their first size).
         store = self.open_store(event_retention_ms=1000)
-        self.assertEqual(store.reap()["events"], 2)       # its start and its end
+        self.assertEqual(store.reap()["events"], 1)       # its start (its end is the row)
         with self.assertRaises(taskstore.EventsExpired):
             store.events(late.id)
         self.assertEqual(len(store.events(long_run.id)), 3)
         self.clock.advance(0.5)
-        self.assertEqual(store.reap()["events"], 2 + 1 + 1)   # stored: created is the row
+        self.assertEqual(store.reap()["events"], 1 + 1 + 1)   # stored: a start, two cancels
         with self.assertRaises(taskstore.EventsExpired):
             store.events(long_run.id)
         self.assertEqual([store.events(t.id)[0].seq for t in backlog], [0] * 5)
@@ -3802,7 +3844,8 @@ class EngineRowTests(StoreTestCase):
         self.assertEqual(len(row), len(taskstore.Task._fields))
         self.assertEqual((row[0], row[-1]), (task.id, 0))
         self.assertEqual(rows["summary_at"][-1], 0)
-        self.assertEqual(rows["event_bounds"], ("alice", 2, 0, 0, "k", task.created_at))
+        self.assertEqual(rows["event_bounds"],
+                         ("alice", 2, 0, 0, "k", task.created_at, RUNNING, None))
         # The log stores no created event for a plain task: the store makes it of the row.
         self.assertEqual([r[:2] for r in rows["read_events"]], [(1, "status"), (2, "note")])
         self.assertEqual([(e.seq, e.type, e.data, e.created_at) for e in store.events(task.id)][0],
@@ -3815,7 +3858,7 @@ class EngineRowTests(StoreTestCase):
         self.assertEqual({name: self.shape(value) for name, value in rows.items()}, {
             "task_row_at": self.shape(row[:-1]) + ("int",),
             "summary_at": self.shape(rows["summary_at"][:-1]) + ("int",),
-            "event_bounds": ("str", "int", "int", "int", "str", "int"),
+            "event_bounds": ("str", "int", "int", "int", "str", "int", "str", "NoneType"),
             "read_events": [("int", "str", "str", "int")] * 2,
             "event_head": ("str", "int", "int"),
             "load_snapshot": ("bool", "NoneType"),
@@ -4111,6 +4154,31 @@ class SchemaTests(StoreTestCase):
             self.assertEqual([(e.seq, e.type, e.data, e.created_at) for e in store.events(made.id)],
                              [(0, "created", {"kind": "k"}, made.created_at)])
 
+    def test_a_version_5_files_final_events_read_once_after_the_migration(self):
+        # Version 5 stored every finish's status event; version 6 stores a
+        # plain finish from running in its row.  A file of either kind reads
+        # the same.
+        tasks = [self.store.create("k") for _ in range(2)]
+        for task in tasks:
+            self.store.start(task.id)
+            self.store.succeed(task.id, 1)
+        done = self.store.get(tasks[0].id)
+        self.store.close()
+        self.sql("INSERT INTO events (task_id, seq, type, data, created_at) "
+                 "VALUES (?, 2, 'status', ?, ?)",
+                 (done.id, '{"status":"succeeded","from":"running"}', done.finished_at))
+        if isinstance(self, PostgresStoreMixin):
+            self.sql("UPDATE taskstore_schema SET version = 5")
+        else:
+            self.sql("PRAGMA user_version = 5")
+        self.store = store = self.open_store()
+        for task in tasks:
+            finished = store.get(task.id).finished_at
+            self.assertEqual([(e.seq, e.type, e.data) for e in store.events(task.id)], [
+                (0, "created", {"kind": "k"}), (1, "status", {"status": RUNNING, "from": QUEUED}),
+                (2, "status", {"status": SUCCEEDED, "from": RUNNING})])
+            self.assertEqual(store.events(task.id, after=1)[0].created_at, finished)
+
     @staticmethod
     def condition(where):
         # A partial index's WHERE without its parentheses: PostgreSQL
@@ -4170,7 +4238,7 @@ class SchemaTests(StoreTestCase):
             created[at] = f"{head}, {column}){tail}"
         self.assertEqual(stored, created)
         released = {1: "d9ac50f3337d4940", 2: "3ab486c5339efed3", 3: "ef57b885e944e0e0",
-                    4: "d62e5b5b0783952c", 5: "e3b0c44298fc1c14"}
+                    4: "d62e5b5b0783952c", 5: "e3b0c44298fc1c14", 6: "e3b0c44298fc1c14"}
         for version, digest in released.items():
             text = "\n".join(taskstore.MIGRATIONS[version]).encode()
             self.assertEqual(hashlib.sha256(text).hexdigest()[:16], digest, version)
@@ -11554,6 +11622,8 @@ class LmspCrashTortureTests(unittest.TestCase):
             count, low, high, finals = logs.get(task_id, (0, None, None, 0))
             if low != 0:            # a plain task's created event is its row: the log has no 0
                 count, low, high = count + 1, 0, 0 if high is None else high
+            if status in TERMINAL_STATES and high == last_seq - 1:
+                count, high, finals = count + 1, last_seq, finals + 1   # a plain finish: the row
             self.assertEqual((count, low, high), (last_seq + 1, 0, last_seq),
                              f"{task_id}: the event log is not contiguous from 0")
             self.assertEqual(finals, 1 if status in TERMINAL_STATES else 0,
@@ -15366,12 +15436,18 @@ class McpCrashTortureTests(unittest.TestCase):
         else:                       # a plain task's created event is its row
             events = [(0, "created", taskstore.dumps({"kind": row["kind"]}), row["created_at"]),
                       *events]
+        terminal = row["status"] in taskstore.TERMINAL_STATES
+        if terminal and events[-1][0] < row["last_seq"]:
+            # A plain finish from running is its row: the last move stored is to running.
+            self.assertEqual([json.loads(e[2])["status"] for e in events if e[1] == "status"][-1:],
+                             [RUNNING], f"{task_id}: a finish without its event")
+            events.append((row["last_seq"], "status", taskstore.dumps(
+                {"status": row["status"], "from": RUNNING}), row["finished_at"]))
         seqs = [e[0] for e in events]
         self.assertEqual(seqs, list(range(row["last_seq"] + 1)), f"{task_id} events")
         self.assertEqual(events[0][1], "created", task_id)
         finals = [e for e in events if e[1] == "status"
                   and json.loads(e[2])["status"] in taskstore.TERMINAL_STATES]
-        terminal = row["status"] in taskstore.TERMINAL_STATES
         self.assertEqual(len(finals), 1 if terminal else 0, f"{task_id} final events")
         moves = [json.loads(e[2])["status"] for e in events if e[1] == "status"]
         self.assertEqual(moves[-1] if moves else QUEUED, row["status"], f"{task_id} last move")
@@ -16882,7 +16958,9 @@ class ScaleBenchTests(unittest.TestCase):
         self.assertGreater(report["sizes"]["finished_bytes_per_task"], 0)
         reaped = report["reap_at_volume"]
         self.assertGreaterEqual(reaped["counts"]["tasks"], 2000)
-        self.assertGreaterEqual(reaped["counts"]["events"], 2 * 2000)   # created is the row
+        # Stored: each start, and a finish that failed or was cancelled (created
+        # and a plain succeed are the row).
+        self.assertGreaterEqual(reaped["counts"]["events"], 2000)
         self.assertGreater(reaped["transactions"], 0)
         self.assertGreater(reaped["longest_transaction_ms"], 0)
         if os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
@@ -17883,12 +17961,13 @@ class PgFaultClaimTests(PgFaultCase):
             logs[task_id].append((seq, kind, data))
         last_seqs = {task_id: last_seq for task_id, _, _, _, last_seq in rows}
         dense = [task_id for task_id, log in logs.items()
-                 if [seq for seq, _, _ in log] != list(range(1, last_seqs[task_id] + 1))
-                 or sum(1 for _, kind, data in log if kind == "status"
-                        and data["status"] in taskstore.TERMINAL_STATES) != 1]
+                 if [seq for seq, _, _ in log] != list(range(1, last_seqs[task_id]))
+                 or any(kind == "status" and data["status"] in taskstore.TERMINAL_STATES
+                        for _, kind, data in log)]
         self.assertEqual(len(logs), CLAIM_TASKS)
-        # From 1: a plain task's created event (seq 0) is its row.
-        self.assertEqual(dense, [], "logs not dense from 1 with one final event")
+        # From 1 and up to the last: a plain task's created event (seq 0) is its
+        # row, and so is a plain finish from running (the last).
+        self.assertEqual(dense, [], "logs not dense from 1 to the one before the last")
 
 
 class PgFaultIdempotencyTests(PgFaultCase):

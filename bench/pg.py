@@ -96,7 +96,7 @@ _RAW_START = ("UPDATE tasks SET status = 'running', updated_at = %s, "
 _RAW_CLAIM_RUNNING = _RAW_CLAIM.replace("status = 'loading'", "status = 'running'")
 _RAW_SUCCEED = ("UPDATE tasks SET status = 'succeeded', result = %s, updated_at = %s, "
                 "finished_at = %s, last_seq = last_seq + 1, version = version + 1 "
-                "WHERE id = %s AND status = 'running' AND attempt = %s RETURNING last_seq")
+                "WHERE id = %s AND status = 'running' AND attempt = %s")
 
 
 def _status_event(status, previous):
@@ -105,7 +105,6 @@ def _status_event(status, previous):
 
 _EV_LOADING = _status_event("loading", "queued")
 _EV_RUNNING = _status_event("running", "loading")
-_EV_SUCCEEDED = _status_event("succeeded", "running")
 _EV_CLAIMED_RUNNING = _status_event("running", "queued")
 _RAW_RESULT = json.dumps(RESULT, separators=(",", ":"))
 
@@ -148,7 +147,8 @@ def raw_drain(conn, owner, on_success=None):
     """Claim, start and succeed queued tasks until none is left; return how many.
 
     Three transactions a task, each a guarded UPDATE and its event row, as
-    the store's claim, start and succeed.
+    the store's claim, start and succeed (but succeed's event is its row, as
+    the store's: a plain finish from running).
     """
     done = 0
     while True:
@@ -165,8 +165,7 @@ def raw_drain(conn, owner, on_success=None):
         conn.execute(_RAW_INSERT_EVENT, (task_id, seq, "status", _EV_RUNNING, now))
         conn.commit()
         now = _now_ms()
-        (seq,) = conn.execute(_RAW_SUCCEED, (_RAW_RESULT, now, now, task_id, attempt)).fetchone()
-        conn.execute(_RAW_INSERT_EVENT, (task_id, seq, "status", _EV_SUCCEEDED, now))
+        conn.execute(_RAW_SUCCEED, (_RAW_RESULT, now, now, task_id, attempt))
         conn.commit()
         done += 1
         if on_success is not None:
@@ -177,9 +176,9 @@ def raw_work(conn, owner, on_success=None):
     """A worker's loop, as a ``Runner`` worker's: each finish claims the next, one transaction.
 
     A first claim (straight to ``running``, with its event) commits on
-    its own; then each task's guarded ``UPDATE`` to succeeded and its
-    event, the next claim and its event share one commit.  Returns how
-    many tasks it finished.
+    its own; then each task's guarded ``UPDATE`` to succeeded (its event
+    is its row, as the store's), the next claim and its event share one
+    commit.  Returns how many tasks it finished.
     """
     def claim(now):
         row = conn.execute(_RAW_CLAIM_RUNNING, (owner, now, list(KINDS))).fetchone()
@@ -191,8 +190,7 @@ def raw_work(conn, owner, on_success=None):
     while row is not None:
         task_id, attempt, _ = row
         now = _now_ms()
-        (seq,) = conn.execute(_RAW_SUCCEED, (_RAW_RESULT, now, now, task_id, attempt)).fetchone()
-        conn.execute(_RAW_INSERT_EVENT, (task_id, seq, "status", _EV_SUCCEEDED, now))
+        conn.execute(_RAW_SUCCEED, (_RAW_RESULT, now, now, task_id, attempt))
         row = claim(now)
         conn.commit()
         done += 1

@@ -18,8 +18,8 @@ the start (``owner=``, as the MCP server creates them), then per task
 ``start`` and its outcome (mostly ``succeed``; some ``fail``; a few
 cancelled while running), with a retention of 24 hours as a server grants
 by default, so every finished task has a ``purge_at`` and is kept.  A
-finished task has 3 or 4 events (``created``, which is its row, the
-``status`` of its start, the finish; a cancel adds one).  The fill does not ``claim``: on
+finished task has 3 or 4 events (``created`` and a plain succeed are its
+row; the ``status`` of its start; a cancel adds one).  The fill does not ``claim``: on
 PostgreSQL 15 a claim's plan walks the whole table in id order (see the
 plans this prints), so a fill by claims slows down with every task; the
 claim row of the table measures it.
