@@ -16995,15 +16995,29 @@ class ScaleBenchTests(unittest.TestCase):
             self.fail(f"TASKSTORE_PG_REQUIRED=1, but {missing}")
         if missing:
             self.skipTest(missing)
-        report, stdout = self.run_scale("--engine", "postgres")
+        # A setting given to the throwaway server is the server's, and the report says so.
+        report, stdout = self.run_scale("--engine", "postgres", "--pg-setting", "shared_buffers=32MB")
         self.check_report(report, stdout, "postgres")
         self.assertIn("postgresql", report["machine"])
+        settings = report["machine"]["postgresql_settings"]
+        self.assertEqual(list(settings), ["shared_buffers", "max_wal_size", "checkpoint_timeout"])
+        self.assertEqual(settings["shared_buffers"], "32MB")
+        self.assertIn("shared_buffers 32MB, max_wal_size ", stdout)
 
     def test_scale_usage_errors(self):
         for argv, message in ((["--n", "0"], "--n: must be at least 1"),
                               (["--reps", "1"], "--reps: must be at least 2"),
                               (["--db", "postgresql://u@127.0.0.1:1/d"],
-                               "--db applies to --engine postgres")):
+                               "--db applies to --engine postgres"),
+                              (["--pg-setting", "shared_buffers=1GB"],
+                               "--pg-setting applies to the throwaway server"),
+                              (["--engine", "postgres", "--db", "postgresql://u@127.0.0.1:1/d",
+                                "--pg-setting", "shared_buffers=1GB"],
+                               "--pg-setting applies to the throwaway server"),
+                              (["--engine", "postgres", "--pg-setting", "shared_buffers"],
+                               "expected NAME=VALUE"),
+                              (["--engine", "postgres", "--pg-setting", "fsync=off -c x=1"],
+                               "expected NAME=VALUE")):
             with self.subTest(argv=argv):
                 out = run_child([sys.executable, self.SCALE_PY, *argv], cwd=HERE,
                                 capture_output=True, text=True, timeout=TIMEOUT)

@@ -290,13 +290,14 @@ def _free_port():
 
 
 @contextlib.contextmanager
-def throwaway_server(bindir=None):
+def throwaway_server(bindir=None, settings=()):
     """Start a PostgreSQL server in a temporary directory; yield its URL; stop and remove it.
 
     As root, the server runs as the ``postgres`` user (PostgreSQL refuses to
     run as root) and the directory is handed to that user.  Default
-    settings, but for where it listens: 127.0.0.1 on a free port, and its
-    Unix socket in the temporary directory.
+    settings, but for where it listens (127.0.0.1 on a free port, and its
+    Unix socket in the temporary directory) and *settings*: ``name=value``
+    strings, each given to the server as ``-c name=value``.
     """
     reason = None if bindir else cannot_start_server()
     if reason is not None:
@@ -323,7 +324,8 @@ def throwaway_server(bindir=None):
         port = _free_port()
         try:
             run(os.path.join(bindir, "pg_ctl"), "-D", data, "-l", log, "-w", "start", "-o",
-                f"-p {port} -k {base} -c listen_addresses=127.0.0.1")
+                f"-p {port} -k {base} -c listen_addresses=127.0.0.1"
+                + "".join(f" -c {setting}" for setting in settings))
         except RuntimeError as exc:
             tail = ""
             with contextlib.suppress(OSError), open(log, encoding="utf-8", errors="replace") as f:

@@ -49,6 +49,7 @@ import math
 import os
 import platform
 import random
+import re
 import sqlite3
 import sys
 import tempfile
@@ -70,6 +71,8 @@ FILL_THREADS = 4            # fill threads (PostgreSQL: a store, so a connection
 FAIL_SHARE = 0.07           # of the filled tasks: failed ...
 CANCEL_SHARE = 0.03         # ... cancelled while running; the rest succeeded
 SAMPLE_IDS = 2000           # ids of filled tasks kept for "get (an older task)"
+# The PostgreSQL server's settings the report shows (PostgresSide.versions).
+PG_SETTINGS_SHOWN = ("shared_buffers", "max_wal_size", "checkpoint_timeout")
 RATIO_FLAG = 1.5            # a filled store's figure above this multiple of the empty one's
 DEAD_TASKS = 3              # tasks the dead owner of "recover (a dead owner)" holds
 # The probe: the tasks the cycle makes, and the filters of the list rows.
@@ -204,8 +207,14 @@ class PostgresSide:
         return {"database": database, "tasks": tasks, "events": events, "total": tasks + events}
 
     def versions(self):
+        # The settings a mass reap's longest transaction depends on: with the
+        # default 128 MB of shared buffers, a backend that must evict a dirty
+        # buffer first flushes the WAL up to it, and a transaction of a
+        # million-task reap waited 78-95 ms for that; with 1 GB, 27-29 ms.
+        settings = {name: self.admin.execute(f"SHOW {name}").fetchone()[0]
+                    for name in PG_SETTINGS_SHOWN}
         return {"postgresql": self.admin.execute("SHOW server_version").fetchone()[0],
-                "psycopg": self.pg.psycopg.__version__}
+                "psycopg": self.pg.psycopg.__version__, "postgresql_settings": settings}
 
     def explain(self, target, sql, params):
         with contextlib.closing(self.pg.psycopg.connect(target)) as conn:
@@ -686,8 +695,9 @@ def plans(side, probe):
 
 def print_report(report):
     m = report["machine"]
-    engine = f"SQLite {m['sqlite']}" if report["engine"] == "sqlite" else \
-        f"PostgreSQL {m['postgresql']} (psycopg {m['psycopg']})"
+    engine = f"SQLite {m['sqlite']}" if report["engine"] == "sqlite" else (
+        f"PostgreSQL {m['postgresql']} (psycopg {m['psycopg']}; " + ", ".join(
+            f"{name} {value}" for name, value in m["postgresql_settings"].items()) + ")")
     print(f"\ntaskstore scale: {engine}, Python {m['python']}, {m['cpus']} CPUs, "
           f"{m['platform']}; load average {m['loadavg_start']} at the start, "
           f"{m['loadavg_end']} at the end (the machine may be shared)")
@@ -741,6 +751,16 @@ def print_report(report):
         print(f"  {verb}: {sql}\n    -> {' / '.join(line.strip() for line in p['plan'])}")
 
 
+def _pg_setting(text):
+    """``--pg-setting``'s argument type: ``name=value``, a PostgreSQL setting's name."""
+    name, sep, value = text.partition("=")
+    if not sep or not re.fullmatch(r"[a-z_]+", name) or not value or any(
+            c.isspace() or c in "'\"\\" for c in value):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (a setting of the server), "
+                                         f"not {text!r}")
+    return text
+
+
 def _load_pg():
     """Import bench/pg.py (and psycopg with it): only for a PostgreSQL run."""
     import importlib.util
@@ -768,6 +788,11 @@ def build_parser():
     parser.add_argument("--db", metavar="URL",
                         help="with --engine postgres: use this server (a role with CREATEDB) "
                              "instead of starting one")
+    parser.add_argument("--pg-setting", type=_pg_setting, action="append", default=[],
+                        metavar="NAME=VALUE",
+                        help="with --engine postgres: start the throwaway server with this "
+                             "setting, e.g. shared_buffers=1GB; repeat for more (default: "
+                             "the server's defaults)")
     parser.add_argument("--reps", type=taskstore._at_least(2), default=300, metavar="R",
                         help="cycles of every verb on each store (default: %(default)s)")
     parser.add_argument("--threads", type=taskstore._at_least(1), default=FILL_THREADS, metavar="T",
@@ -783,6 +808,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.db and args.engine != "postgres":
         parser.error("--db applies to --engine postgres")
+    if args.pg_setting and (args.engine != "postgres" or args.db):
+        parser.error("--pg-setting applies to the throwaway server of --engine postgres")
 
     def say(text):
         print(text, file=sys.stderr, flush=True)
@@ -800,7 +827,7 @@ def main(argv=None):
                   f"pip install 'psycopg[binary]'", file=sys.stderr)
             return 2
         try:
-            with (pg.throwaway_server() if not args.db
+            with (pg.throwaway_server(settings=args.pg_setting) if not args.db
                   else contextlib.nullcontext(args.db)) as url:
                 side = PostgresSide(url, pg)
                 try:
