@@ -2080,19 +2080,37 @@ class GroupCommitTests(StoreTestCase):
         self.create_from_threads()
 
     def test_the_lead_passes_to_a_waiting_writer_after_each_transaction(self):
-        handed = []
-        real = taskstore._GroupCommit._hand_over_locked
+        group_commit = taskstore._GroupCommit
+        handed, queued = [], threading.Event()
+        real_hand_over, real_wait = group_commit._hand_over_locked, group_commit._wait_woken
+        real_run = group_commit._run_batch
 
-        def hand_over(store):
-            handed.append(bool(store._group_queue))
-            real(store)
+        def hand_over(group):
+            handed.append(bool(group._group_queue))
+            real_hand_over(group)
+
+        def wait_woken(op):
+            queued.set()                        # a writer queued behind a leader
+            real_wait(op)
+
+        def run_batch(group, batch, *args):
+            # The first batch waits for a writer to queue behind it (a fact, not
+            # luck: threads that happened to take turns never overlapped once on
+            # a busy machine), so that writer must be handed the lead.
+            queued.wait(TIMEOUT)
+            return real_run(group, batch, *args)
         # Writers that queue during a commit wait for the next transaction: here
-        # all of them do (no joining the open batch), so the lead passes often.
+        # all of them do (no joining the open batch, no lone writer's shortcut),
+        # so the lead passes often.
         with unittest.mock.patch.object(taskstore, "GROUP_ROUNDS", 1), \
-                unittest.mock.patch.object(taskstore._GroupCommit, "_join_late",
-                                           lambda group, size: None), \
-                unittest.mock.patch.object(taskstore._GroupCommit, "_hand_over_locked", hand_over):
+                unittest.mock.patch.object(group_commit, "_join_late", lambda group, size: None), \
+                unittest.mock.patch.object(group_commit, "write",
+                                           lambda group, body: group._write_queued(body)), \
+                unittest.mock.patch.object(group_commit, "_wait_woken", staticmethod(wait_woken)), \
+                unittest.mock.patch.object(group_commit, "_run_batch", run_batch), \
+                unittest.mock.patch.object(group_commit, "_hand_over_locked", hand_over):
             self.create_from_threads()
+        self.assertTrue(queued.is_set(), "no writer ever queued behind a leader")
         self.assertTrue(any(handed), "no writer ever took the lead over from another")
 
     def test_writers_stopping_early_and_leaders_giving_up_lose_no_wake_up(self):
