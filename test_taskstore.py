@@ -2106,7 +2106,8 @@ class GroupCommitTests(StoreTestCase):
                 unittest.mock.patch.object(group_commit, "_join_late", lambda group, size: None), \
                 unittest.mock.patch.object(group_commit, "write",
                                            lambda group, body: group._write_queued(body)), \
-                unittest.mock.patch.object(group_commit, "_wait_woken", staticmethod(wait_woken)), \
+                unittest.mock.patch.object(group_commit, "_wait_woken",
+                                           staticmethod(wait_woken)), \
                 unittest.mock.patch.object(group_commit, "_run_batch", run_batch), \
                 unittest.mock.patch.object(group_commit, "_hand_over_locked", hand_over):
             self.create_from_threads()
@@ -17014,7 +17015,8 @@ class ScaleBenchTests(unittest.TestCase):
         if missing:
             self.skipTest(missing)
         # A setting given to the throwaway server is the server's, and the report says so.
-        report, stdout = self.run_scale("--engine", "postgres", "--pg-setting", "shared_buffers=32MB")
+        report, stdout = self.run_scale("--engine", "postgres",
+                                        "--pg-setting", "shared_buffers=32MB")
         self.check_report(report, stdout, "postgres")
         self.assertIn("postgresql", report["machine"])
         settings = report["machine"]["postgresql_settings"]

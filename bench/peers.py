@@ -557,7 +557,8 @@ class PostgresSide:
         return out["store"], out["peer"], out["raw"]
 
     def _raw(self, workload, conn, url):
-        """Raw psycopg: bench/pg.py's baseline (the store's rows, a transaction a create; its drain)."""
+        """Raw psycopg: bench/pg.py's baseline (the store's rows, one transaction a create; its
+        drain)."""
         if workload == "workers_4":
             return self._drain("raw", url)
         threads = 1 if workload == "enqueue_1" else PG_THREADS
