@@ -1740,9 +1740,9 @@ SCHEMA = {
     # task makes it (_EventLog.read).  A lifecycle task then writes one
     # event row, not two, and 12.5 WAL frames, not 14.3: 3.3 us less CPU
     # (bench.py, sync normal, 2 cores, 6 alternating pairs: 49.8 -> 46.5
-    # us above raw).  As for version 5,
-    # no statement; the version keeps an older taskstore from opening a
-    # file whose finished tasks it would show without their last event.
+    # us above raw).  As for version 5, no statement; the version keeps an
+    # older taskstore from opening a file whose finished tasks it would
+    # show without their last event.
     6: (),
 }
 
@@ -3582,8 +3582,8 @@ def _transition_locked(store, task, event, now, *, attempt=None, fields=None, me
     read) writes the move and appends the ``status`` event, whose
     sequence number the row read already tells (a plain finish from
     running appends none: its row is the event, ``_ROW_LOGGED_FROM``).
-    The returned Task is the row as written.  *attempt* guards against a stale worker: a task
-    requeued since it claimed it is not its to move.
+    The returned Task is the row as written.  *attempt* guards against a
+    stale worker: a task requeued since it claimed it is not its to move.
     """
     if isinstance(task, str):
         task_id, task = task, store._engine.read_task(task)
@@ -11844,9 +11844,10 @@ class PostgresEngine(_SqlEngine):
         """
         sql, args = self._move_statement(values), (*values.values(), task_id, status)
         if event_json is not None:
-            sql = self._logged_move_sql.get(sql) or self._logged_move_sql.setdefault(
-                sql, _PG_LOGGED_MOVE.format(move=sql))
-            args += (task_id, event_json, now)
+            logged = self._logged_move_sql.get(sql)
+            if logged is None:
+                logged = self._logged_move_sql[sql] = _PG_LOGGED_MOVE.format(move=sql)
+            sql, args = logged, (*args, task_id, event_json, now)
         moved = self.conn.execute(sql, args).rowcount == 1
         if moved:
             new = values["status"]

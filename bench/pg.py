@@ -143,6 +143,12 @@ def raw_fill(conn, count):
             conn.commit()
 
 
+def _raw_succeed(conn, task_id, attempt, now):
+    """The guarded ``UPDATE`` to succeeded (the store's finish writes no event row)."""
+    if conn.execute(_RAW_SUCCEED, (_RAW_RESULT, now, now, task_id, attempt)).rowcount != 1:
+        raise RuntimeError(f"raw succeed of {task_id} moved nothing")
+
+
 def raw_drain(conn, owner, on_success=None):
     """Claim, start and succeed queued tasks until none is left; return how many.
 
@@ -165,7 +171,7 @@ def raw_drain(conn, owner, on_success=None):
         conn.execute(_RAW_INSERT_EVENT, (task_id, seq, "status", _EV_RUNNING, now))
         conn.commit()
         now = _now_ms()
-        conn.execute(_RAW_SUCCEED, (_RAW_RESULT, now, now, task_id, attempt))
+        _raw_succeed(conn, task_id, attempt, now)
         conn.commit()
         done += 1
         if on_success is not None:
@@ -190,7 +196,7 @@ def raw_work(conn, owner, on_success=None):
     while row is not None:
         task_id, attempt, _ = row
         now = _now_ms()
-        conn.execute(_RAW_SUCCEED, (_RAW_RESULT, now, now, task_id, attempt))
+        _raw_succeed(conn, task_id, attempt, now)
         row = claim(now)
         conn.commit()
         done += 1
