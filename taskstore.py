@@ -757,6 +757,11 @@ _JSON_INDEXES = tuple(i for i, name in enumerate(_TASK_COLUMNS) if name in (
     "payload", "result", "error", "meta", "input_request", "input_answer", "retry"))
 _SELECT_TASK = "SELECT " + ", ".join(_TASK_COLUMNS) + " FROM tasks"
 _ERROR_INDEX = TaskSummary._fields.index("error")
+_TASK_INDEX = {name: i for i, name in enumerate(_TASK_COLUMNS)}   # a Task's field -> position
+(_STATUS_INDEX, _UPDATED_AT_INDEX, _LAST_SEQ_INDEX, _VERSION_INDEX, _FINISHED_AT_INDEX,
+ _INPUT_REQUEST_INDEX, _PURGE_AT_INDEX, _RUN_AT_INDEX) = (_TASK_INDEX[name] for name in (
+    "status", "updated_at", "last_seq", "version", "finished_at", "input_request", "purge_at",
+    "run_at"))
 
 
 def _task_from_row(row, replayed=False):
@@ -1305,6 +1310,20 @@ class Engine:
         """
         raise NotImplementedError
 
+    def move_unread(self, task_id, status, values, event_json, now, attempt):
+        """``move_task`` without the row read first: the row as written, or None.
+
+        The compare-and-set is the same, guarded by *attempt* too unless it
+        is None; the engine counts the seq (``last_seq + 1``) and, when
+        *values* end the task (``finished_at``), its ``purge_at`` from the
+        row, by the one formula.  Returns the row as written (``Task``'s
+        columns), or None when the task was not in *status* (nothing was
+        written); an engine that cannot (SQLite before 3.35, without
+        ``RETURNING``) returns None at once.  On None the caller reads the
+        task and moves it as always.
+        """
+        raise NotImplementedError
+
     def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
                    bump_attempt=False, finish=False):
         """Set-based ``move_task``: every task of *selector* in *status*; ``(moved, ids or None)``.
@@ -1761,6 +1780,11 @@ _UNSUCCESSFUL = f"({_one_of('status', (FAILED, CANCELLED))})"
 _FINISHED = f"({_one_of('status', [s for s in STATES if s in TERMINAL_STATES])})"
 
 
+# A finishing task's purge_at, from its row: _purge_at in SQL ({p}: now).
+_PURGE_AT_SQL = ("purge_at = CASE WHEN ttl_ms IS NULL AND retention_ms IS NULL THEN NULL "
+                 "ELSE taskstore_purge_at({p}, created_at, ttl_ms, retention_ms) END")
+
+
 def _schema_ddl(words):
     """``SCHEMA`` in one engine's words (a ``_SchemaWords``): {version: statements}."""
     fill = dict(words._asdict(), statuses=_one_of("status", STATES),
@@ -1778,6 +1802,8 @@ MIGRATIONS = _schema_ddl(_SQLITE_WORDS)
 
 
 _WRITABLE_COLUMNS = frozenset(_TASK_COLUMNS) | {"snapshot"}
+# UPDATE ... RETURNING came with SQLite 3.35; older ones read a row before they move it.
+_SQLITE_RETURNING = sqlite3.sqlite_version_info >= (3, 35, 0)
 _HOST = socket.gethostname
 # The registrations of the runners alive in this process, whatever store they
 # registered through: module-level state on purpose, the one besides the
@@ -2518,6 +2544,29 @@ class _SqlEngine(Engine):
                                            f"WHERE id = {p} AND status = {p}")
         return sql
 
+    def _unread_move(self, task_id, status, values, attempt):
+        """``move_unread``'s compare-and-set and its parameters: ``(sql, args)``.
+
+        The seq and the purge time come from the row; each combination of
+        columns (and of the attempt's guard) is built once.
+        """
+        names, finish = tuple(values), "finished_at" in values
+        key = (names, attempt is not None)
+        sql = self._move_sql.get(key)
+        if sql is None:
+            assert _WRITABLE_COLUMNS.issuperset(names), names    # names are ours, never input
+            p = self._dialect.param
+            sets = [f"{name} = {p}" for name in names] + ["last_seq = last_seq + 1"]
+            if finish:
+                sets.append(_PURGE_AT_SQL.format(p=p))
+            guard = f" AND attempt = {p}" if attempt is not None else ""
+            sql = self._move_sql[key] = (
+                f"UPDATE tasks SET {', '.join(sets)}, version = version + 1 "
+                f"WHERE id = {p} AND status = {p}{guard} RETURNING {', '.join(_TASK_COLUMNS)}")
+        args = [*values.values(), values["finished_at"]] if finish else [*values.values()]
+        args += (task_id, status) if attempt is None else (task_id, status, attempt)
+        return sql, args
+
     def _guard(self, selector, status, policy):
         """``(where, args)`` of *selector*'s tasks in *status* (and with *policy*, unless None)."""
         where, args = selector
@@ -2543,9 +2592,7 @@ class _SqlEngine(Engine):
         if bump_attempt:
             sets.append("attempt = attempt + 1")
         if finish:
-            sets += [f"finished_at = {p}", "input_request = NULL",
-                     "purge_at = CASE WHEN ttl_ms IS NULL AND retention_ms IS NULL THEN NULL "
-                     f"ELSE taskstore_purge_at({p}, created_at, ttl_ms, retention_ms) END"]
+            sets += [f"finished_at = {p}", "input_request = NULL", _PURGE_AT_SQL.format(p=p)]
             params += [now, now]
         inserted = self.conn.execute(
             "INSERT INTO events (task_id, seq, type, data, created_at) "
@@ -3213,6 +3260,23 @@ class SQLiteEngine(_SqlEngine):
             (task_id, values["last_seq"], event_json, now))
         return True
 
+    def move_unread(self, task_id, status, values, event_json, now, attempt):
+        """``UPDATE ... RETURNING``: one statement where a read and a move were two.
+
+        fetchall, not fetchone: a statement that has not run to its end is
+        still in progress, and SQLite refuses to commit under one.
+        """
+        if not _SQLITE_RETURNING:
+            return None
+        rows = self._run(*self._unread_move(task_id, status, values, attempt)).fetchall()
+        if not rows:
+            return None
+        if event_json is not None:
+            self._run("INSERT INTO events (task_id, seq, type, data, created_at) "
+                      "VALUES (?, ?, 'status', ?, ?)",
+                      (task_id, rows[0][_LAST_SEQ_INDEX], event_json, now))
+        return rows[0]
+
     def oldest_queued(self, kinds, gen):
         """``(Task, limit)`` of the next ready task of *kinds*, or None (then noting *gen*)."""
         sql = self._oldest_sql.get(len(kinds))
@@ -3358,11 +3422,6 @@ _MISSING = object()
 _TAKES_INPUT = tuple(state for state, row in TRANSITIONS.items() if PROVIDE_INPUT in row)
 _JSON_COLUMNS = frozenset(_TASK_COLUMNS[i] for i in _JSON_INDEXES)
 _PRINCIPAL_INDEX = _TASK_COLUMNS.index("principal")
-_TASK_INDEX = {name: i for i, name in enumerate(_TASK_COLUMNS)}   # a Task's field -> position
-(_STATUS_INDEX, _UPDATED_AT_INDEX, _LAST_SEQ_INDEX, _VERSION_INDEX, _FINISHED_AT_INDEX,
- _INPUT_REQUEST_INDEX, _PURGE_AT_INDEX, _RUN_AT_INDEX) = (_TASK_INDEX[name] for name in (
-    "status", "updated_at", "last_seq", "version", "finished_at", "input_request", "purge_at",
-    "run_at"))
 _SUMMARY_PRINCIPAL_INDEX = TaskSummary._fields.index("principal")
 _RECOVERABLE = (QUEUED, *ACTIVE_STATES)   # an owner's tasks recovery hands to their policy
 
@@ -3394,6 +3453,7 @@ _ROW_LOGGED_FROM = RUNNING
 def _plain_status_json(status, new):
     """A ``status`` event's data with no message and no error, as stored: serialised once."""
     return dumps(_status_data(status, new, None, None))
+
 
 
 class _NewTask(typing.NamedTuple):
@@ -3567,7 +3627,7 @@ def _insert_tasks_locked(store, specs, now=None, attempt=1):
 
 
 def _transition_locked(store, task, event, now, *, attempt=None, fields=None, message=None,
-                       error=None):
+                       error=None, assume=None):
     """Move one task by *event*: the path of every single status change; return the new Task.
 
     Every new task comes from ``_insert_tasks_locked``; every single
@@ -3584,27 +3644,45 @@ def _transition_locked(store, task, event, now, *, attempt=None, fields=None, me
     running appends none: its row is the event, ``_ROW_LOGGED_FROM``).
     The returned Task is the row as written.  *attempt* guards against a
     stale worker: a task requeued since it claimed it is not its to move.
+
+    *assume* (with an id): the status the caller expects the task in (a
+    worker's task is running when it succeeds).  The table decides the
+    move from it, and the compare-and-set tries it without reading the row
+    first (``move_unread``: one statement less, one round trip less on
+    PostgreSQL); a task found in any other status is read and decided as
+    always.
     """
+    engine = store._engine
     if isinstance(task, str):
-        task_id, task = task, store._engine.read_task(task)
+        task_id = task
+        if assume is not None:
+            new = next_state(task_id, assume, event)
+            values, event_json = _move_values(assume, new, now, fields, message, error)
+            if assume == QUEUED and new != QUEUED:
+                values["run_at"] = None      # only a queued task has a not-before time
+            row = engine.move_unread(task_id, assume, values, event_json, now, attempt)
+            if row is not None:
+                if new in TERMINAL_STATES:
+                    store._waiters.cancel_events.pop(task_id, None)
+                return _task_from_row(row)
+        task = engine.read_task(task_id)
         if task is None:
             raise TaskNotFound(task_id)
     task_id, status = task.id, task.status
     new = next_state(task_id, status, event)
     if attempt is not None and attempt != task.attempt:
         raise InvalidTransition(task_id, f"{status} (attempt {task.attempt})", event)
+    values, event_json = _move_values(status, new, now, fields, message, error)
     # The Task as written, built here rather than read back: the row read
     # with what the move writes set over it by position (the JSON columns
     # decoded: the Task's own copy), and the same values by name for the
-    # engine's compare-and-set.
+    # engine's compare-and-set, with what only the row tells.
     row = list(task)
     row[_STATUS_INDEX] = new
     row[_UPDATED_AT_INDEX] = now
-    row[_LAST_SEQ_INDEX] = seq = task.last_seq + 1
+    row[_LAST_SEQ_INDEX] = values["last_seq"] = task.last_seq + 1
     row[_VERSION_INDEX] = task.version + 1
-    values = {"status": new, "updated_at": now, "last_seq": seq}
     if fields:
-        values.update(fields)
         for name, value in fields.items():
             if name in _TASK_INDEX:      # not the snapshot: no Task field shows it
                 row[_TASK_INDEX[name]] = value if value is None or name not in _JSON_COLUMNS \
@@ -3614,22 +3692,38 @@ def _transition_locked(store, task, event, now, *, attempt=None, fields=None, me
         values["run_at"] = row[_RUN_AT_INDEX] = None
     terminal = new in TERMINAL_STATES
     if terminal:
-        values["finished_at"] = row[_FINISHED_AT_INDEX] = now
-        values["input_request"] = row[_INPUT_REQUEST_INDEX] = None
+        row[_FINISHED_AT_INDEX] = now
+        row[_INPUT_REQUEST_INDEX] = None
         values["purge_at"] = row[_PURGE_AT_INDEX] = _purge_at(
             now, task.created_at, task.ttl_ms, task.retention_ms)
     # The compare-and-set: cannot fail inside the transaction; the guard is the rule.
+    if not engine.move_task(task_id, status, values, event_json, now):
+        raise InvalidTransition(task_id, status, event)
+    if terminal:
+        store._waiters.cancel_events.pop(task_id, None)
+    return _new_tuple(Task, row)
+
+
+def _move_values(status, new, now, fields, message, error):
+    """A move's columns by name, as far as they do not depend on the row, and its event's data.
+
+    The event is None for a plain finish from running: the row is the
+    event (schema 6).
+    """
+    values = {"status": new, "updated_at": now}
+    if fields:
+        values.update(fields)
+    terminal = new in TERMINAL_STATES
+    if terminal:
+        values["finished_at"] = now
+        values["input_request"] = None
     if message is None and error is None:
         # A plain finish from running is logged by its row (schema 6): no event row.
         event_json = None if terminal and status == _ROW_LOGGED_FROM \
             else _plain_status_json(status, new)
     else:
         event_json = dumps(_status_data(status, new, message, error))
-    if not store._engine.move_task(task_id, status, values, event_json, now):
-        raise InvalidTransition(task_id, status, event)
-    if terminal:
-        store._waiters.cancel_events.pop(task_id, None)
-    return _new_tuple(Task, row)
+    return values, event_json
 
 
 class _IdSequence:
@@ -3939,15 +4033,16 @@ class TaskStore:
         return _summary_from_row(row[:-1]) if summary else _task_from_row(row[:-1])
 
     def _move(self, task_id, event, *, principal=None, attempt=None, fields=None, error=None,
-              claim_next=None):
+              claim_next=None, assume=None):
         """Run one transition, committed before it returns; return the new Task.
 
-        With *claim_next*, ``(Task, claimed)``: see ``succeed``.
+        With *claim_next*, ``(Task, claimed)``: see ``succeed``.  *assume*:
+        see ``_transition_locked`` (a principal's task is read first).
         """
         now = int(self.clock() * 1000)
         task, claimed, more = self._queue.write(lambda: _transition_locked(
             self, task_id if principal is None else self._get_locked(task_id, principal),
-            event, now, attempt=attempt, fields=fields, error=error), claim_next)
+            event, now, attempt=attempt, fields=fields, error=error, assume=assume), claim_next)
         self._waiters.committed((_Change(task, "status"), *more), task.status == QUEUED)
         return task if claim_next is None else (task, claimed)
 
@@ -4228,7 +4323,7 @@ class TaskStore:
         claims nothing.  ``fail`` and ``confirm_cancel`` take it too.
         """
         return self._move(task_id, SUCCEED, attempt=attempt, claim_next=claim_next,
-                          fields={"result": _json_param(result, "result")})
+                          fields={"result": _json_param(result, "result")}, assume=RUNNING)
 
     def fail(self, task_id, error, *, result=None, attempt=None, retryable=False, retry=None,
              claim_next=None):
@@ -11118,6 +11213,10 @@ _PG_INSERT_CREATE = (
 _PG_LOGGED_MOVE = ("WITH moved AS ({move} RETURNING last_seq) "
                    "INSERT INTO events (task_id, seq, type, data, created_at) "
                    "SELECT %s, last_seq, 'status', %s, %s FROM moved")
+# The same for move_unread's ({move} returns the row): the row comes back.
+_PG_LOGGED_UNREAD_MOVE = ("WITH moved AS ({move}), logged AS ("
+                          "INSERT INTO events (task_id, seq, type, data, created_at) "
+                          "SELECT id, last_seq, 'status', %s, %s FROM moved) SELECT * FROM moved")
 
 
 class _PgConnection:
@@ -11850,12 +11949,32 @@ class PostgresEngine(_SqlEngine):
             sql, args = logged, (*args, task_id, event_json, now)
         moved = self.conn.execute(sql, args).rowcount == 1
         if moved:
-            new = values["status"]
-            self._note("changed" if new != QUEUED else "delayed" if values.get("run_at")
-                       else "queued", (task_id,))
-            if new == CANCELLING:
-                self._note("cancelling", (task_id,))
+            self._note_move(task_id, values)
         return moved
+
+    def move_unread(self, task_id, status, values, event_json, now, attempt):
+        """``UPDATE ... RETURNING``, with the event row in the same statement: one round trip
+        where the row's read and the move took two."""
+        if "\x00" in task_id:
+            return None                 # never an id (read_task finds nothing for it either)
+        sql, args = self._unread_move(task_id, status, values, attempt)
+        if event_json is not None:
+            logged = self._logged_move_sql.get(sql)
+            if logged is None:
+                logged = self._logged_move_sql[sql] = _PG_LOGGED_UNREAD_MOVE.format(move=sql)
+            sql = logged
+            args += (event_json, now)
+        row = self.conn.execute(sql, args).fetchone()
+        if row is not None:
+            self._note_move(task_id, values)
+        return row
+
+    def _note_move(self, task_id, values):
+        new = values["status"]
+        self._note("changed" if new != QUEUED else "delayed" if values.get("run_at")
+                   else "queued", (task_id,))
+        if new == CANCELLING:
+            self._note("cancelling", (task_id,))
 
     def move_tasks(self, selector, status, values, event_json, now, *, ids=False, policy=None,
                    bump_attempt=False, finish=False):

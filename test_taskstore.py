@@ -569,6 +569,76 @@ class StoreTransitionTests(StoreTestCase):
                 if state in taskstore.CANCELLED_STATES:
                     self.assertEqual(self.store.cancel(task_id), before)
 
+    def reads_of(self):
+        """Count, from now on, the rows the engine reads to move a task (``read_task``)."""
+        engine, reads = self.store._engine, []
+        read_task = engine.read_task
+        engine.read_task = lambda task_id: reads.append(task_id) or read_task(task_id)
+        self.addCleanup(setattr, engine, "read_task", read_task)
+        return reads
+
+    def test_a_running_tasks_success_is_its_compare_and_set_alone(self):
+        # succeed assumes running: one statement, no read first, and the
+        # Task it returns is the row as stored, to the last column.
+        for options in ({}, {"ttl_ms": 60_000}, {"retention_ms": 5_000}):
+            with self.subTest(options=options):
+                task = self.running_task(**options)
+                reads = self.reads_of()
+                self.clock.advance(1)
+                done = self.store.succeed(task.id, {"n": 1}, attempt=task.attempt)
+                self.assertEqual(reads, [])
+                stored = self.store.get(task.id)
+                self.assertEqual(done, stored)
+                self.assertEqual((done.status, done.result, done.last_seq, done.version),
+                                 (SUCCEEDED, {"n": 1}, task.last_seq + 1, task.version + 1))
+                self.assertEqual(done.finished_at, self.clock.ms)
+                self.assertEqual(done.purge_at, taskstore._purge_at(
+                    self.clock.ms, task.created_at, task.ttl_ms, task.retention_ms))
+                self.assertEqual(self.store.events(task.id)[-1].data,
+                                 {"status": SUCCEEDED, "from": RUNNING})
+                self.assertContiguous(task.id)
+
+    def test_a_success_from_another_status_is_read_and_decided_as_always(self):
+        # The assumed status fails its compare-and-set and writes nothing;
+        # then the row is read and the table decides, as for any move.
+        waiting = self.task_in(INPUT_REQUIRED)
+        reads = self.reads_of()
+        self.assertEqual(self.store.succeed(waiting, 7).status, SUCCEEDED)
+        self.assertEqual(reads, [waiting])
+        self.assertEqual(self.store.events(waiting)[-1].data,
+                         {"status": SUCCEEDED, "from": INPUT_REQUIRED})
+        self.assertContiguous(waiting)
+        for status in (QUEUED, CANCELLING, SUCCEEDED, FAILED):
+            with self.subTest(status=status):
+                task_id = self.task_in(status)
+                before = self.store.get(task_id)
+                with self.assertRaises(taskstore.InvalidTransition) as cm:
+                    self.store.succeed(task_id, 1)
+                self.assertEqual(cm.exception.state, status)
+                self.assertEqual(self.store.get(task_id), before)
+        # A stale worker's attempt is refused, and named, as before.
+        task = self.running_task()
+        with self.assertRaises(taskstore.InvalidTransition) as cm:
+            self.store.succeed(task.id, 1, attempt=task.attempt + 1)
+        self.assertEqual(cm.exception.state, f"{RUNNING} (attempt {task.attempt})")
+        self.assertEqual(self.store.get(task.id).status, RUNNING)
+        for unknown in ("task_" + "0" * 36, "task_\x00"):
+            with self.subTest(task_id=unknown), self.assertRaises(taskstore.TaskNotFound):
+                self.store.succeed(unknown, 1)
+
+    def test_without_returning_a_success_reads_the_row_first(self):
+        # SQLite before 3.35 has no UPDATE ... RETURNING: the engine says so
+        # at once, and the store reads and moves as it always did.
+        if not isinstance(self.store._engine, taskstore.SQLiteEngine):
+            self.skipTest("SQLite's versions only")
+        task = self.running_task(ttl_ms=60_000)
+        reads = self.reads_of()
+        with unittest.mock.patch.object(taskstore, "_SQLITE_RETURNING", False):
+            done = self.store.succeed(task.id, {"n": 1})
+        self.assertEqual(reads, [task.id])
+        self.assertEqual(done, self.store.get(task.id))
+        self.assertEqual(done.status, SUCCEEDED)
+
     def test_sequences_stay_contiguous_after_thousands_of_transitions(self):
         import random
         rng = random.Random(7)
@@ -970,11 +1040,12 @@ def moves_by_transaction(store):
     """Record, from now on, the tasks each of *store*'s write transactions moves: a list per one.
 
     A fact of the engine, not of time: the engine's ``transaction()`` opens
-    a list, its ``move_task`` (each status change) adds the task's id.
+    a list, its compare-and-sets (each status change: ``move_task``, or
+    ``move_unread`` without the row read first) add the task's id.
     Heartbeats and other writes without a move leave an empty list.
     """
     engine, log = store._engine, []
-    transaction, move_task = engine.transaction, engine.move_task
+    transaction = engine.transaction
 
     @contextlib.contextmanager
     def counted():
@@ -982,12 +1053,15 @@ def moves_by_transaction(store):
             log.append([])      # before the commit, so a reader that saw the commit sees it
             yield
 
-    def move(task_id, *args, **kwargs):
-        moved = move_task(task_id, *args, **kwargs)
-        if moved:
-            log[-1].append(task_id)
-        return moved
-    engine.transaction, engine.move_task = counted, move
+    def spy(compare_and_set):
+        def move(task_id, *args, **kwargs):
+            moved = compare_and_set(task_id, *args, **kwargs)
+            if moved:
+                log[-1].append(task_id)
+            return moved
+        return move
+    engine.transaction = counted
+    engine.move_task, engine.move_unread = spy(engine.move_task), spy(engine.move_unread)
     return log
 
 
