@@ -3587,6 +3587,26 @@ class PgHistoryCostTests(PostgresStoreMixin, HistoryCostTests):
         "test_no_verb_reads_the_history", "test_no_verb_reads_a_backlog_of_another_kind")}
     HISTORY = volume(600, 3_000)        # a plan, not a count: a small history shows it
 
+    def test_a_claim_is_planned_once(self):
+        # The server keeps a prepared claim's generic plan only when its
+        # estimate is no worse than those made with the values; with the
+        # kinds as an array of unknown length it never was, and every claim
+        # was planned anew.  One kind or three, after a few dozen claims
+        # the claim runs on its generic plan.
+        for kinds in (("k",), ("k", "x", "y")):
+            with self.subTest(kinds=kinds):
+                store = self.registered(self.open_store())   # its own prepared statements
+                store.create_many("k", [{"i": i} for i in range(30)])
+                for _ in range(30):
+                    task = store.claim(kinds, owner=self.runner_id)
+                    store.succeed(task.id, None, attempt=task.attempt)
+                plans = store._engine.conn.raw.execute(
+                    "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                    "WHERE statement LIKE '%SKIP LOCKED%'").fetchall()
+                self.assertEqual(len(plans), 1, plans)
+                generic, custom = plans[0]
+                self.assertGreater(generic, custom)
+
     def test_no_plan_scans_the_tasks(self):
         for stale in (False, True):
             with self.subTest(statistics="stale" if stale else "fresh"):
