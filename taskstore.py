@@ -1188,7 +1188,7 @@ class Engine:
     (``now``) are epoch milliseconds.  Rows are plain tuples in the column
     order each method names, the same on every engine.
 
-    Attributes (the store reads the first three):
+    Attributes (the store reads the first four):
         lock: the ``threading.Lock`` that guards the engine.  Methods
             whose names end in ``_locked`` and every data method below
             expect it held, and data methods that write run inside a body
@@ -1198,6 +1198,9 @@ class Engine:
             write raises StoreUnavailable).
         shared: whether other hosts share the database; then a live
             process also recovers dead ones' tasks with every heartbeat.
+        moves_unread: whether ``move_unread`` saves anything (a round
+            trip): then the store tries it where a caller vouches for a
+            task's status.
         path: the database's name for messages (a URL without its password).
 
     A selector (``owner_batch``) is the engine's own description of a set
@@ -1207,6 +1210,7 @@ class Engine:
     lock = None
     readonly = False
     shared = False
+    moves_unread = False
     path = None
 
     # -- transactions ----------------------------------------------------------
@@ -1318,9 +1322,8 @@ class Engine:
         *values* end the task (``finished_at``), its ``purge_at`` from the
         row, by the one formula.  Returns the row as written (``Task``'s
         columns), or None when the task was not in *status* (nothing was
-        written); an engine that cannot (SQLite before 3.35, without
-        ``RETURNING``) returns None at once.  On None the caller reads the
-        task and moves it as always.
+        written); an engine without ``moves_unread`` returns None at once.
+        On None the caller reads the task and moves it as always.
         """
         raise NotImplementedError
 
@@ -1802,8 +1805,6 @@ MIGRATIONS = _schema_ddl(_SQLITE_WORDS)
 
 
 _WRITABLE_COLUMNS = frozenset(_TASK_COLUMNS) | {"snapshot"}
-# UPDATE ... RETURNING came with SQLite 3.35; older ones read a row before they move it.
-_SQLITE_RETURNING = sqlite3.sqlite_version_info >= (3, 35, 0)
 _HOST = socket.gethostname
 # The registrations of the runners alive in this process, whatever store they
 # registered through: module-level state on purpose, the one besides the
@@ -2548,7 +2549,8 @@ class _SqlEngine(Engine):
         """``move_unread``'s compare-and-set and its parameters: ``(sql, args)``.
 
         The seq and the purge time come from the row; each combination of
-        columns (and of the attempt's guard) is built once.
+        columns (and of the attempt's guard) is built once.  In the shared
+        words, for an engine with ``moves_unread`` (PostgreSQL).
         """
         names, finish = tuple(values), "finished_at" in values
         key = (names, attempt is not None)
@@ -3260,22 +3262,14 @@ class SQLiteEngine(_SqlEngine):
             (task_id, values["last_seq"], event_json, now))
         return True
 
+    # In-process a row's read is cheap, and UPDATE ... RETURNING is not: a
+    # lifecycle task took 608,000 instructions with it against 587,000 with
+    # the read and the move (callgrind, 1,000 tasks, SQLite 3.40), and SQLite
+    # before 3.35 has no RETURNING.  So moves_unread is False: the store
+    # reads first.
     def move_unread(self, task_id, status, values, event_json, now, attempt):
-        """``UPDATE ... RETURNING``: one statement where a read and a move were two.
-
-        fetchall, not fetchone: a statement that has not run to its end is
-        still in progress, and SQLite refuses to commit under one.
-        """
-        if not _SQLITE_RETURNING:
-            return None
-        rows = self._run(*self._unread_move(task_id, status, values, attempt)).fetchall()
-        if not rows:
-            return None
-        if event_json is not None:
-            self._run("INSERT INTO events (task_id, seq, type, data, created_at) "
-                      "VALUES (?, ?, 'status', ?, ?)",
-                      (task_id, rows[0][_LAST_SEQ_INDEX], event_json, now))
-        return rows[0]
+        """None: the store reads the task and moves it (``moves_unread`` is False)."""
+        return None
 
     def oldest_queued(self, kinds, gen):
         """``(Task, limit)`` of the next ready task of *kinds*, or None (then noting *gen*)."""
@@ -3646,16 +3640,16 @@ def _transition_locked(store, task, event, now, *, attempt=None, fields=None, me
     stale worker: a task requeued since it claimed it is not its to move.
 
     *assume* (with an id): the status the caller expects the task in (a
-    worker's task is running when it succeeds).  The table decides the
-    move from it, and the compare-and-set tries it without reading the row
-    first (``move_unread``: one statement less, one round trip less on
-    PostgreSQL); a task found in any other status is read and decided as
-    always.
+    worker's task is running when it succeeds).  Where a read costs a round
+    trip (``moves_unread``: PostgreSQL), the table decides the move from it
+    and the compare-and-set tries it without reading the row first
+    (``move_unread``); a task found in any other status is read and decided
+    as always.
     """
     engine = store._engine
     if isinstance(task, str):
         task_id = task
-        if assume is not None:
+        if assume is not None and engine.moves_unread:
             new = next_state(task_id, assume, event)
             values, event_json = _move_values(assume, new, now, fields, message, error)
             if assume == QUEUED and new != QUEUED:
@@ -11616,6 +11610,7 @@ class PostgresEngine(_SqlEngine):
     """
 
     shared = True
+    moves_unread = True               # a round trip less: move_unread
     _dialect = _Dialect(
         param="%s", no_limit=None,
         batch_lock=" FOR UPDATE SKIP LOCKED",     # reapers on several hosts take other rows
