@@ -17067,6 +17067,14 @@ class ScaleBenchTests(unittest.TestCase):
         self.assertGreaterEqual(reaped["counts"]["events"], 2000)
         self.assertGreater(reaped["transactions"], 0)
         self.assertGreater(reaped["longest_transaction_ms"], 0)
+        # The reap's own statements are part of its transactions (the clocks differ: 1 ms).
+        self.assertLessEqual(reaped["longest_statements_ms"], reaped["longest_transaction_ms"] + 1)
+        self.assertLessEqual(reaped["median_statements_ms"], reaped["longest_statements_ms"])
+        # A one-row write beside the reap, on a connection of its own, every few ms.
+        self.assertGreaterEqual(reaped["beside_writes"], 0)
+        if reaped["beside_writes"]:
+            self.assertGreaterEqual(reaped["beside_longest_ms"], reaped["beside_median_ms"])
+            self.assertIn("a one-row write beside it", stdout)
         if os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
             # What of each transaction was a wait for a CPU (the machine's, not the reap's).
             self.assertLessEqual(reaped["longest_less_run_queue_ms"],

@@ -34,7 +34,13 @@ ratio of each filled store's figure to the empty store's.  A ratio above
 1.5 is flagged: the verb's cost grows with what the store holds.  Last, on
 the store of finished tasks, "reap at volume": the clock jumps past every
 task's retention and one ``reap()`` deletes all of them; its total time,
-rate and longest transaction are reported.
+rate and longest transaction are reported, with the reap's own statements
+in each transaction, and the waits of a one-row write made beside it
+meanwhile, on a connection of its own: on SQLite it takes the file's write
+lock between the reap's transactions, a lock that favours no waiter, so its
+longest wait is what a mass reap makes other processes' writes wait; on
+PostgreSQL the server makes every commit wait while it flushes a checkpoint,
+and that writer shows how much of the reap's longest was that.
 
 No figure is traded for durability: the stores run with their defaults
 (SQLite ``synchronous=normal``; PostgreSQL's own settings).  The machine
@@ -75,6 +81,7 @@ SAMPLE_IDS = 2000           # ids of filled tasks kept for "get (an older task)"
 PG_SETTINGS_SHOWN = ("shared_buffers", "max_wal_size", "checkpoint_timeout")
 RATIO_FLAG = 1.5            # a filled store's figure above this multiple of the empty one's
 DEAD_TASKS = 3              # tasks the dead owner of "recover (a dead owner)" holds
+BESIDE_GAP_S = 0.005        # between two writes beside the reap at volume (reap_at_volume)
 # The probe: the tasks the cycle makes, and the filters of the list rows.
 # The filters select the probe tasks (the newest of their kind) and a share
 # of the filled ones; the two "none match" rows select (almost) nothing.
@@ -170,6 +177,27 @@ class SQLiteSide:
         return any((line.startswith("SCAN ") and not line.startswith("SCAN range_rows"))
                    or "TEMP B-TREE" in line for line in plan)
 
+    @contextlib.contextmanager
+    def writer_beside(self, target):
+        """A one-row write transaction in a table of its own, on a connection of its own.
+
+        On SQLite it takes the file's write lock like any writer, so its
+        wait is what a reap transaction makes other writers wait.
+        """
+        conn = sqlite3.connect(target, timeout=60, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("CREATE TABLE IF NOT EXISTS scale_beside (n INTEGER)")
+
+        def write():
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("INSERT INTO scale_beside VALUES (1)")
+            conn.execute("COMMIT")
+        try:
+            yield write
+        finally:
+            conn.execute("DROP TABLE scale_beside")
+            conn.close()
+
 
 class PostgresSide:
     """Three databases on one PostgreSQL server (a throwaway one, or --db's)."""
@@ -226,6 +254,18 @@ class PostgresSide:
     @staticmethod
     def suspect(plan):
         return any("Seq Scan" in line or line.lstrip(" ->").startswith("Sort") for line in plan)
+
+    @contextlib.contextmanager
+    def writer_beside(self, target):
+        """A one-row write in a table of its own, one statement (autocommit) on its own
+        connection: it shares nothing with the reap but the server, its WAL and its disk."""
+        conn = self.pg.psycopg.connect(target, autocommit=True)
+        conn.execute("CREATE TABLE IF NOT EXISTS scale_beside (n BIGINT)")
+        try:
+            yield lambda: conn.execute("INSERT INTO scale_beside VALUES (1)")
+        finally:
+            conn.execute("DROP TABLE scale_beside")
+            conn.close()
 
     def close(self):
         for db in self.made:
@@ -507,17 +547,24 @@ def _run_queue_ms(path):
         return None
 
 
-def reap_at_volume(store, count):
+def reap_at_volume(store, count, side=None, target=None):
     """Move the clock past every retention; time one reap() and each of its transactions.
 
     Each transaction's wait for a CPU is read too (Linux ``schedstat``: this
     thread's, and the PostgreSQL server backend's when it runs on this
     host): on a loaded machine the longest transactions are mostly that
-    wait, not the reap's statements, and the report says how much.
+    wait, not the reap's statements, and the report says how much.  So are
+    the reap's own statements in each (the time its batch takes, which the
+    reaper keeps within its budget: the rest is the commit and the lock),
+    and, with *side* and *target*, a one-row write beside it every few
+    milliseconds (``writer_beside``): on PostgreSQL a commit that waits
+    while the server flushes a checkpoint makes every writer's commit wait
+    as long, and the writer beside shows how much of a reap transaction's
+    time was that.
     """
     engine = store._engine
     original = engine.write
-    durations, waits = [], []
+    durations, waits, statements, beside = [], [], [], []
     paths = [f"/proc/self/task/{threading.get_native_id()}/schedstat"]
     raw = getattr(engine.conn, "raw", None)
     if raw is not None:
@@ -527,7 +574,9 @@ def reap_at_volume(store, count):
         before = [_run_queue_ms(path) for path in paths]
         start = time.perf_counter()
         try:
-            return original(body)
+            result = original(body)
+            statements.append(result[2])        # the body's own time (_reap's counting)
+            return result
         finally:
             durations.append(time.perf_counter() - start)
             after = [_run_queue_ms(path) for path in paths]
@@ -535,17 +584,34 @@ def reap_at_volume(store, count):
                 waits.append(sum(after) - sum(before))
     engine.write = timed_write          # this bench's wrapper, on this instance only
     error = None
-    try:
-        later = int(time.time() * 1000) + RETENTION_MS + 3600 * 1000
-        start = time.perf_counter()
+    done, failed = threading.Event(), []
+
+    def write_beside(write):
         try:
-            counts = store.reap(now=later)
-        except taskstore.TaskStoreError as exc:     # a figure too: what failed, and when
-            error = f"{type(exc).__name__}: {exc}"
-            counts = {"tasks": None, "events": None}
-        seconds = time.perf_counter() - start
-    finally:
-        del engine.write
+            while not done.wait(BESIDE_GAP_S):
+                begun = time.perf_counter()
+                write()
+                beside.append(time.perf_counter() - begun)
+        except Exception as exc:                    # reported, never a silent gap
+            failed.append(f"{type(exc).__name__}: {exc}")
+    with side.writer_beside(target) if side else contextlib.nullcontext() as write:
+        thread = threading.Thread(target=write_beside, args=(write,)) if side else None
+        try:
+            later = int(time.time() * 1000) + RETENTION_MS + 3600 * 1000
+            if thread:
+                thread.start()
+            start = time.perf_counter()
+            try:
+                counts = store.reap(now=later)
+            except taskstore.TaskStoreError as exc:     # a figure too: what failed, and when
+                error = f"{type(exc).__name__}: {exc}"
+                counts = {"tasks": None, "events": None}
+            seconds = time.perf_counter() - start
+        finally:
+            done.set()
+            if thread:
+                thread.join(60)
+            del engine.write
     if error is not None:
         return {"filled": count, "error": error, "seconds": round(seconds, 3),
                 "counts": counts, "transactions": len(durations),
@@ -557,6 +623,16 @@ def reap_at_volume(store, count):
               "longest_transaction_ms": round(max(durations, default=0) * 1000, 2),
               "median_transaction_ms": round(percentile(durations, 0.5) * 1000, 2)
               if durations else None}
+    if statements:
+        report.update({"longest_statements_ms": round(max(statements), 2),
+                       "median_statements_ms": round(percentile(statements, 0.5), 2)})
+    if failed:
+        raise RuntimeError(f"the write beside the reap failed: {failed[0]}")
+    if side is not None:
+        report["beside_writes"] = len(beside)
+    if beside:
+        report.update({"beside_longest_ms": round(max(beside) * 1000, 2),
+                       "beside_median_ms": round(percentile(beside, 0.5) * 1000, 2)})
     if durations and len(waits) == len(durations):
         longest = max(range(len(durations)), key=durations.__getitem__)
         less = [d * 1000 - w for d, w in zip(durations, waits)]
@@ -622,7 +698,8 @@ def run(side, n, queued, reps, threads, say=print):
         report["queued_table"] = compare(probes["empty"], probes["queued"])
         report["plans"] = plans(side, probes["finished"])
         say(f"reaping {n:,} expired tasks at once ...")
-        report["reap_at_volume"] = reap_at_volume(stores["finished"], n)
+        report["reap_at_volume"] = reap_at_volume(stores["finished"], n, side,
+                                                  targets["finished"])
     finally:
         for store in stores.values():
             store.close()
@@ -732,6 +809,14 @@ def print_report(report):
               f"events expired at once, reaped in {r['seconds']} s ({r['tasks_per_s']:,.0f} tasks/s), "
               f"{r['transactions']} transactions, longest {r['longest_transaction_ms']} ms, "
               f"median {r['median_transaction_ms']} ms")
+        if "longest_statements_ms" in r:
+            print(f"  the reap's own statements: longest {r['longest_statements_ms']} ms, median "
+                  f"{r['median_statements_ms']} ms (the rest of a transaction is its lock and "
+                  f"commit)")
+        if r.get("beside_writes"):
+            print(f"  a one-row write beside it, every {BESIDE_GAP_S * 1000:.0f} ms: "
+                  f"{r['beside_writes']:,} writes, longest {r['beside_longest_ms']} ms, median "
+                  f"{r['beside_median_ms']} ms (a wait the database made every writer share)")
         if "run_queue_share" in r:
             print(f"  waiting for a CPU: {r['longest_transaction_run_queue_ms']} ms of the longest, "
                   f"{r['run_queue_share']:.0%} of all; less that wait, the longest "
