@@ -11097,7 +11097,7 @@ def make_backend(name, *, demo_delay=DEFAULT_DEMO_DELAY_S, url=DEFAULT_BACKEND_U
 #   ``PG_NOTIFY_GAP_S`` apart, so a busy process costs itself, the server and
 #   every listening process a few sends and wake-ups a gap, not one a commit
 #   (another process then learns of a change up to two gaps later, the
-#   sender's and its listener's rest: a fifth of the default poll_interval).
+#   sender's and its listener's rest: half the default poll_interval).
 # - A daemon thread listens on a connection of its own and hands each burst
 #   of notifications to the store's ``on_remote`` callback, merged: one call
 #   per kind, so a busy database costs a few lock takes per burst, not one
@@ -11123,7 +11123,12 @@ _PG_RUN_AGAIN = frozenset(("40P01", "40001"))
 # Under a stream of commits the notifier sends at most once per this gap,
 # everything committed meanwhile together (see _PgNotifier); and after a
 # delivery the listener rests as long before it reads again (_PgListener).
-PG_NOTIFY_GAP_S = 0.010
+# bench/peers.py workers_4 (4 processes, 2 cores), 2 executions of 3 runs
+# each: at 10 ms the workers spent 1,500-1,900 us of CPU a task and the
+# server 1,455-1,790; at 25 ms 1,090-1,100 and 1,180-1,190 (50 ms: about
+# the same again).  A process whose commits come faster than the gap sends
+# once a gap, and each send wakes every other process's listener.
+PG_NOTIFY_GAP_S = 0.025
 # How PostgreSQL's recovery_view opens its one snapshot (a plain BEGIN is not one).
 _PG_SNAPSHOT_BEGIN = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
 _PG_SCHEMA_LOCK = 0x7461736b           # advisory lock key of schema creation ("task")
