@@ -547,7 +547,7 @@ def _run_queue_ms(path):
         return None
 
 
-def reap_at_volume(store, count, side=None, target=None):
+def reap_at_volume(store, count, side, target):
     """Move the clock past every retention; time one reap() and each of its transactions.
 
     Each transaction's wait for a CPU is read too (Linux ``schedstat``: this
@@ -556,8 +556,8 @@ def reap_at_volume(store, count, side=None, target=None):
     wait, not the reap's statements, and the report says how much.  So are
     the reap's own statements in each (the time its batch takes, which the
     reaper keeps within its budget: the rest is the commit and the lock),
-    and, with *side* and *target*, a one-row write beside it every few
-    milliseconds (``writer_beside``): on PostgreSQL a commit that waits
+    and a one-row write beside it on *target*, every few milliseconds
+    (*side*'s ``writer_beside``): on PostgreSQL a commit that waits
     while the server flushes a checkpoint makes every writer's commit wait
     as long, and the writer beside shows how much of a reap transaction's
     time was that.
@@ -594,12 +594,11 @@ def reap_at_volume(store, count, side=None, target=None):
                 beside.append(time.perf_counter() - begun)
         except Exception as exc:                    # reported, never a silent gap
             failed.append(f"{type(exc).__name__}: {exc}")
-    with side.writer_beside(target) if side else contextlib.nullcontext() as write:
-        thread = threading.Thread(target=write_beside, args=(write,)) if side else None
+    with side.writer_beside(target) as write:
+        thread = threading.Thread(target=write_beside, args=(write,))
         try:
             later = int(time.time() * 1000) + RETENTION_MS + 3600 * 1000
-            if thread:
-                thread.start()
+            thread.start()
             start = time.perf_counter()
             try:
                 counts = store.reap(now=later)
@@ -609,14 +608,15 @@ def reap_at_volume(store, count, side=None, target=None):
             seconds = time.perf_counter() - start
         finally:
             done.set()
-            if thread:
-                thread.join(60)
+            thread.join(60)
             del engine.write
     if error is not None:
         return {"filled": count, "error": error, "seconds": round(seconds, 3),
                 "counts": counts, "transactions": len(durations),
                 "longest_transaction_ms": round(max(durations, default=0) * 1000, 2),
                 "last_transaction_ms": round(durations[-1] * 1000, 2) if durations else None}
+    if failed:
+        raise RuntimeError(f"the write beside the reap failed: {failed[0]}")
     report = {"filled": count, "counts": counts, "seconds": round(seconds, 3),
               "tasks_per_s": round(counts["tasks"] / max(seconds, 1e-9), 1),
               "transactions": len(durations),
@@ -626,10 +626,7 @@ def reap_at_volume(store, count, side=None, target=None):
     if statements:
         report.update({"longest_statements_ms": round(max(statements), 2),
                        "median_statements_ms": round(percentile(statements, 0.5), 2)})
-    if failed:
-        raise RuntimeError(f"the write beside the reap failed: {failed[0]}")
-    if side is not None:
-        report["beside_writes"] = len(beside)
+    report["beside_writes"] = len(beside)
     if beside:
         report.update({"beside_longest_ms": round(max(beside) * 1000, 2),
                        "beside_median_ms": round(percentile(beside, 0.5) * 1000, 2)})
