@@ -11063,9 +11063,12 @@ class McpSdkInteropTests(McpTestBase):
 class Outage:
     """A store's writes, watched: each StoreUnavailable the engine's ``write``
     raises is counted by the writing thread's name, and while ``on`` is set
-    every write transaction raises it (a disk that filled, a lock held past
-    the busy timeout), before BEGIN.  (One refused group commit refuses each
-    of its writers: each counts.)
+    every write raises it (a disk that filled, a lock held past the busy
+    timeout): a write that starts then, and a transaction that would BEGIN
+    then.  (One refused group commit refuses each of its writers: each
+    counts.)  The first matters: without it, a write started after ``on``
+    could still join a group commit whose transaction began before, and
+    go through.
     """
 
     def __init__(self, test, store):
@@ -11081,6 +11084,8 @@ class Outage:
 
     def _write(self, body):
         try:
+            if self.on.is_set():
+                raise taskstore.StoreUnavailable(f"{self._path}: the database or disk is full")
             return self._real_write(body)
         except taskstore.StoreUnavailable:
             self._count()
@@ -11110,6 +11115,39 @@ class Outage:
 
 class StoreOutageRunnerTests(StoreTestCase):
     """Running work rides out a short outage of the store (README: Riding out an outage)."""
+
+    def test_the_outage_refuses_a_write_that_would_join_an_open_group_commit(self):
+        # The helper itself: a write begun after ``on`` never rides a transaction
+        # begun before (it did once, and a lost-lease test waited in vain).
+        store, outage = self.store, Outage(self, self.store)
+        task = store.create("k")
+        inside, go, late = threading.Event(), threading.Event(), queue.Queue()
+
+        def first():
+            inside.set()
+            go.wait(TIMEOUT)
+            return store._engine.read_task(task.id)
+
+        def second():
+            try:
+                late.put(store.emit(task.id, "late"))
+            except taskstore.StoreUnavailable as exc:
+                late.put(exc)
+
+        store._engine._group._group_last = 2        # a batch, which takes late joiners
+        writer = threading.Thread(target=store._engine.write, args=(first,))
+        writer.start()
+        self.assertTrue(inside.wait(TIMEOUT))
+        outage.on.set()
+        joiner = threading.Thread(target=second)
+        joiner.start()
+        try:            # refused at once, not queued behind the open batch to join it
+            self.assertIsInstance(late.get(timeout=TIMEOUT), taskstore.StoreUnavailable)
+        finally:
+            go.set()
+        for thread in (writer, joiner):
+            thread.join(TIMEOUT)
+        self.assertEqual(self.kinds(task.id), ["created"])
 
     def kinds(self, task_id):
         return [e.data.get("status", e.type) for e in self.store.events(task_id)]
@@ -11171,7 +11209,8 @@ class StoreOutageRunnerTests(StoreTestCase):
             ctx.progress(2, 2)
             return {"n": payload}
 
-        self.start_runner({"w": handler}, workers=count)
+        # No heartbeat while the disk fills: refused then, it would warn before the test listens.
+        self.start_runner({"w": handler}, workers=count, heartbeat_s=3600)
         tasks = [store.create("w", i) for i in range(count)]
         for _ in range(count):
             self.assertTrue(started.acquire(timeout=TIMEOUT))
