@@ -17109,6 +17109,11 @@ class ScaleBenchTests(unittest.TestCase):
         # The reap's own statements are part of its transactions (the clocks differ: 1 ms).
         self.assertLessEqual(reaped["longest_statements_ms"], reaped["longest_transaction_ms"] + 1)
         self.assertLessEqual(reaped["median_statements_ms"], reaped["longest_statements_ms"])
+        # Which transaction was the longest, and what it deleted.
+        self.assertGreaterEqual(reaped["longest_transaction_at"], 1)
+        self.assertLessEqual(reaped["longest_transaction_at"], reaped["transactions"])
+        self.assertTrue(set(reaped["longest_transaction_rows"]) <= set(reaped["counts"]))
+        self.assertIn("the longest was transaction", stdout)
         # A one-row write beside the reap, on a connection of its own, every few ms.
         self.assertGreaterEqual(reaped["beside_writes"], 0)
         if reaped["beside_writes"]:
@@ -17152,7 +17157,8 @@ class ScaleBenchTests(unittest.TestCase):
         self.check_report(report, stdout, "postgres")
         self.assertIn("postgresql", report["machine"])
         settings = report["machine"]["postgresql_settings"]
-        self.assertEqual(list(settings), ["shared_buffers", "max_wal_size", "checkpoint_timeout"])
+        self.assertEqual(list(settings), ["shared_buffers", "max_wal_size", "checkpoint_timeout",
+                                          "wal_init_zero"])
         self.assertEqual(settings["shared_buffers"], "32MB")
         self.assertIn("shared_buffers 32MB, max_wal_size ", stdout)
 

@@ -78,7 +78,7 @@ FAIL_SHARE = 0.07           # of the filled tasks: failed ...
 CANCEL_SHARE = 0.03         # ... cancelled while running; the rest succeeded
 SAMPLE_IDS = 2000           # ids of filled tasks kept for "get (an older task)"
 # The PostgreSQL server's settings the report shows (PostgresSide.versions).
-PG_SETTINGS_SHOWN = ("shared_buffers", "max_wal_size", "checkpoint_timeout")
+PG_SETTINGS_SHOWN = ("shared_buffers", "max_wal_size", "checkpoint_timeout", "wal_init_zero")
 RATIO_FLAG = 1.5            # a filled store's figure above this multiple of the empty one's
 DEAD_TASKS = 3              # tasks the dead owner of "recover (a dead owner)" holds
 BESIDE_GAP_S = 0.005        # between two writes beside the reap at volume (reap_at_volume)
@@ -235,10 +235,13 @@ class PostgresSide:
         return {"database": database, "tasks": tasks, "events": events, "total": tasks + events}
 
     def versions(self):
-        # The settings a mass reap's longest transaction depends on: with the
-        # default 128 MB of shared buffers, a backend that must evict a dirty
-        # buffer first flushes the WAL up to it, and a transaction of a
-        # million-task reap waited 78-95 ms for that; with 1 GB, 27-29 ms.
+        # The settings a mass reap's longest transaction depends on.  With
+        # wal_init_zero on (the default), the backend whose write reaches a
+        # WAL segment not made yet first fills its 16 MB with zeros, holding
+        # the lock every commit waits for: at 200,000 tasks the reap's longest
+        # transaction took 63-68 ms and a one-row write beside it 57-62 ms;
+        # off, 26 and 7-8 ms.  With 1 GB of shared buffers instead of 128 MB,
+        # a million-task reap's longest took 27-29 ms instead of 78-95.
         settings = {name: self.admin.execute(f"SHOW {name}").fetchone()[0]
                     for name in PG_SETTINGS_SHOWN}
         return {"postgresql": self.admin.execute("SHOW server_version").fetchone()[0],
@@ -564,7 +567,7 @@ def reap_at_volume(store, count, side, target):
     """
     engine = store._engine
     original = engine.write
-    durations, waits, statements, beside = [], [], [], []
+    durations, waits, statements, beside, rows = [], [], [], [], []
     paths = [f"/proc/self/task/{threading.get_native_id()}/schedstat"]
     raw = getattr(engine.conn, "raw", None)
     if raw is not None:
@@ -576,6 +579,8 @@ def reap_at_volume(store, count, side, target):
         try:
             result = original(body)
             statements.append(result[2])        # the body's own time (_reap's counting)
+            rows.append({k: n for k, n in result[1].items()      # what the batch deleted
+                         if n and k != "reached"})               # (not where it reached)
             return result
         finally:
             durations.append(time.perf_counter() - start)
@@ -626,6 +631,12 @@ def reap_at_volume(store, count, side, target):
     if statements:
         report.update({"longest_statements_ms": round(max(statements), 2),
                        "median_statements_ms": round(percentile(statements, 0.5), 2)})
+    if durations and len(rows) == len(durations):
+        # Which transaction was the longest, and what it deleted: a stall at
+        # the start of a step, or amid it, points at different causes.
+        longest = max(range(len(durations)), key=durations.__getitem__)
+        report.update({"longest_transaction_at": longest + 1,
+                       "longest_transaction_rows": rows[longest]})
     report["beside_writes"] = len(beside)
     if beside:
         report.update({"beside_longest_ms": round(max(beside) * 1000, 2),
@@ -806,6 +817,11 @@ def print_report(report):
               f"events expired at once, reaped in {r['seconds']} s ({r['tasks_per_s']:,.0f} tasks/s), "
               f"{r['transactions']} transactions, longest {r['longest_transaction_ms']} ms, "
               f"median {r['median_transaction_ms']} ms")
+        if "longest_transaction_at" in r:
+            deleted = ", ".join(f"{n:,} {kind}" for kind, n in
+                                r["longest_transaction_rows"].items()) or "nothing"
+            print(f"  the longest was transaction {r['longest_transaction_at']:,} of "
+                  f"{r['transactions']:,}; it deleted {deleted}")
         if "longest_statements_ms" in r:
             print(f"  the reap's own statements: longest {r['longest_statements_ms']} ms, median "
                   f"{r['median_statements_ms']} ms (the rest of a transaction is its lock and "
