@@ -11082,10 +11082,13 @@ class Outage:
         test.addCleanup(vars(engine).pop, "transaction")
         test.addCleanup(vars(engine).pop, "write")
 
+    def _refused(self):
+        return taskstore.StoreUnavailable(f"{self._path}: the database or disk is full")
+
     def _write(self, body):
         try:
             if self.on.is_set():
-                raise taskstore.StoreUnavailable(f"{self._path}: the database or disk is full")
+                raise self._refused()
             return self._real_write(body)
         except taskstore.StoreUnavailable:
             self._count()
@@ -11093,7 +11096,7 @@ class Outage:
 
     def __enter__(self):
         if self.on.is_set():
-            raise taskstore.StoreUnavailable(f"{self._path}: the database or disk is full")
+            raise self._refused()
         self._real().__enter__()
 
     def __exit__(self, *exc):

@@ -241,7 +241,8 @@ class PostgresSide:
         # the lock every commit waits for: at 200,000 tasks the reap's longest
         # transaction took 63-68 ms and a one-row write beside it 57-62 ms;
         # off, 26 and 7-8 ms.  With 1 GB of shared buffers instead of 128 MB,
-        # a million-task reap's longest took 27-29 ms instead of 78-95.
+        # a million-task reap's longest took 27-29 ms instead of 78-95 on
+        # 2026-12-03, but 116 ms on 2026-12-08's VM (docs/postgres.md).
         settings = {name: self.admin.execute(f"SHOW {name}").fetchone()[0]
                     for name in PG_SETTINGS_SHOWN}
         return {"postgresql": self.admin.execute("SHOW server_version").fetchone()[0],
@@ -622,6 +623,8 @@ def reap_at_volume(store, count, side, target):
                 "last_transaction_ms": round(durations[-1] * 1000, 2) if durations else None}
     if failed:
         raise RuntimeError(f"the write beside the reap failed: {failed[0]}")
+    # The longest transaction's place in the pass: what it deleted, and its wait for a CPU.
+    longest = max(range(len(durations)), key=durations.__getitem__) if durations else None
     report = {"filled": count, "counts": counts, "seconds": round(seconds, 3),
               "tasks_per_s": round(counts["tasks"] / max(seconds, 1e-9), 1),
               "transactions": len(durations),
@@ -634,7 +637,6 @@ def reap_at_volume(store, count, side, target):
     if durations and len(rows) == len(durations):
         # Which transaction was the longest, and what it deleted: a stall at
         # the start of a step, or amid it, points at different causes.
-        longest = max(range(len(durations)), key=durations.__getitem__)
         report.update({"longest_transaction_at": longest + 1,
                        "longest_transaction_rows": rows[longest]})
     report["beside_writes"] = len(beside)
@@ -642,7 +644,6 @@ def reap_at_volume(store, count, side, target):
         report.update({"beside_longest_ms": round(max(beside) * 1000, 2),
                        "beside_median_ms": round(percentile(beside, 0.5) * 1000, 2)})
     if durations and len(waits) == len(durations):
-        longest = max(range(len(durations)), key=durations.__getitem__)
         less = [d * 1000 - w for d, w in zip(durations, waits)]
         report.update({"longest_transaction_run_queue_ms": round(waits[longest], 2),
                        "run_queue_share": round(sum(waits) / (sum(durations) * 1000), 3),
